@@ -1,0 +1,34 @@
+# Two commands do all the set-up on a fresh machine:
+#   make train CONFIG=configs/smoke.yaml   creates .venv if needed, then trains
+#   make test                              creates .venv if needed, then runs the tests
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+CONFIG ?= configs/smoke.yaml
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: venv train test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch and torchvision first, as a matched pair (the x86_64 wheels of this version lie on the local disk)
+	$(PY) -m pip install -q "torch==2.14.1" "torchvision==0.29.1" || $(PY) -m pip install -q "torch>=2.4" "torchvision>=0.19"
+	$(PY) -m pip install -q -e ".[dev]"
+	@touch $@
+
+venv: $(VENV)/.installed
+
+train: venv
+	$(PY) train.py --config $(CONFIG) $(ARGS)
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: venv
+	$(PY) bench/train_overhead.py
+	$(PY) bench/blocks.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""Attention maps: record any block, roll out token attention, overlay heatmaps on images."""
