@@ -1,1 +1,166 @@
-"""(being written)"""
+"""CIFAR ResNets with an attention slot in every residual block (before the residual add).
+
+* ``resnet18`` / ``resnet34``: He et al. 2016 (arXiv 1512.03385) in the CIFAR form: 3x3 stem, no max-pool,
+  four stages of BasicBlocks at widths 64-128-256-512.
+* ``resnet_fast``: a small, fast CIFAR net for CPU budgets, shaped like the fastest known CIFAR-10 trainers
+  (three groups at widths 64-256-256: conv, max-pool, BN, GELU, then one residual unit whose branch is a
+  conv-BN with its BN scale zero-initialised, so each unit starts as identity).
+
+``attention`` names a feature-map block (``visattn.list_attention("feature")``), or a list with one name per
+stage (e.g. ``[none, none, nonlocal]``); ``attn_kwargs`` are passed to every block.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..attention import create_attention, list_attention
+from .registry import register_model
+
+AttnSpec = Union[str, Sequence[str]]
+
+
+def _per_stage(attention: AttnSpec, num_stages: int) -> List[str]:
+    names = [attention] * num_stages if isinstance(attention, str) else list(attention)
+    if len(names) != num_stages:
+        raise ValueError(f"attention lists {len(names)} stage(s); this model has {num_stages}")
+    valid = list_attention("feature")
+    for n in names:
+        if n not in valid:
+            raise ValueError(f"unknown feature-map attention {n!r}; valid: {', '.join(valid)}")
+    return names
+
+
+def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
+
+
+class BasicBlock(nn.Module):
+    """conv-BN-ReLU-conv-BN, then attention, then the residual add and ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int, attention: str, attn_kwargs: Dict[str, Any]):
+        super().__init__()
+        self.conv1 = conv3x3(cin, cout, stride)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.act = nn.ReLU(inplace=True)
+        self.conv2 = conv3x3(cout, cout)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.attn = create_attention(attention, cout, **attn_kwargs)
+        self.shortcut = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.act(self.bn1(self.conv1(x)))
+        out = self.attn(self.bn2(self.conv2(out)))
+        return self.act(out + self.shortcut(x))
+
+
+class CifarResNet(nn.Module):
+    def __init__(self, layers: Sequence[int], widths: Sequence[int] = (64, 128, 256, 512), num_classes: int = 10,
+                 attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None, in_chans: int = 3):
+        super().__init__()
+        names = _per_stage(attention, len(layers))
+        kw = dict(attn_kwargs or {})
+        self.stem = nn.Sequential(conv3x3(in_chans, widths[0]), nn.BatchNorm2d(widths[0]), nn.ReLU(inplace=True))
+        stages, cin = [], widths[0]
+        for i, (n, w) in enumerate(zip(layers, widths)):
+            blocks = [BasicBlock(cin if j == 0 else w, w, (1 if i == 0 else 2) if j == 0 else 1, names[i], kw) for j in range(n)]
+            stages.append(nn.Sequential(*blocks))
+            cin = w
+        self.layers = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, num_classes)
+        _init_weights(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+class FastUnit(nn.Module):
+    """One residual unit of ``resnet_fast``: ``GELU(x + attn(BN(conv(x))))``, starting as identity."""
+
+    def __init__(self, width: int, attention: str, attn_kwargs: Dict[str, Any]):
+        super().__init__()
+        self.conv = conv3x3(width, width)
+        self.bn = nn.BatchNorm2d(width)
+        nn.init.zeros_(self.bn.weight)  # the branch starts at zero: the unit is an identity at init
+        self.attn = create_attention(attention, width, **attn_kwargs)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x + self.attn(self.bn(self.conv(x))))
+
+
+class FastGroup(nn.Module):
+    """conv3x3 -> max-pool 2 -> BN -> GELU -> residual unit(s); halves the resolution."""
+
+    def __init__(self, cin: int, cout: int, units: int, attention: str, attn_kwargs: Dict[str, Any]):
+        super().__init__()
+        self.conv = conv3x3(cin, cout)
+        self.pool = nn.MaxPool2d(2)
+        self.bn = nn.BatchNorm2d(cout)
+        self.act = nn.GELU()
+        self.units = nn.Sequential(*[FastUnit(cout, attention, attn_kwargs) for _ in range(units)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.units(self.act(self.bn(self.pool(self.conv(x)))))
+
+
+class FastResNet(nn.Module):
+    """Stem conv (3 -> ``stem_width``), three :class:`FastGroup`s, global max-pool, linear head."""
+
+    def __init__(self, widths: Sequence[int] = (64, 256, 256), units: Sequence[int] = (1, 1, 1), stem_width: int = 32,
+                 num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
+                 in_chans: int = 3, head_scale: float = 1.0):
+        super().__init__()
+        if len(widths) != len(units):
+            raise ValueError(f"widths has {len(widths)} entries but units has {len(units)}")
+        names = _per_stage(attention, len(widths))
+        kw = dict(attn_kwargs or {})
+        self.stem = nn.Sequential(conv3x3(in_chans, stem_width), nn.BatchNorm2d(stem_width), nn.GELU())
+        groups, cin = [], stem_width
+        for w, u, name in zip(widths, units, names):
+            groups.append(FastGroup(cin, w, u, name, kw))
+            cin = w
+        self.layers = nn.Sequential(*groups)
+        self.pool = nn.AdaptiveMaxPool2d(1)
+        self.fc = nn.Linear(cin, num_classes, bias=False)
+        self.head_scale = head_scale
+        _init_weights(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(self.pool(x), 1)) * self.head_scale
+
+
+def _init_weights(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d) and m.weight.requires_grad and not hasattr(m, "_visattn_keep_init"):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+
+@register_model("resnet18", family="cnn")
+def resnet18(num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
+             in_chans: int = 3) -> CifarResNet:
+    """CIFAR ResNet-18 (11.2M parameters): BasicBlocks [2, 2, 2, 2] at widths 64-128-256-512."""
+    return CifarResNet([2, 2, 2, 2], num_classes=num_classes, attention=attention, attn_kwargs=attn_kwargs, in_chans=in_chans)
+
+
+@register_model("resnet34", family="cnn")
+def resnet34(num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
+             in_chans: int = 3) -> CifarResNet:
+    """CIFAR ResNet-34 (21.3M parameters): BasicBlocks [3, 4, 6, 3]."""
+    return CifarResNet([3, 4, 6, 3], num_classes=num_classes, attention=attention, attn_kwargs=attn_kwargs, in_chans=in_chans)
+
+
+@register_model("resnet_fast", family="cnn")
+def resnet_fast(num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
+                widths: Sequence[int] = (64, 256, 256), units: Sequence[int] = (1, 1, 1), stem_width: int = 32,
+                head_scale: float = 1.0, in_chans: int = 3) -> FastResNet:
+    """Small fast CIFAR ResNet (about 2M parameters at widths 64-256-256) for CPU budgets."""
+    return FastResNet(widths=widths, units=units, stem_width=stem_width, num_classes=num_classes,
+                      attention=attention, attn_kwargs=attn_kwargs, in_chans=in_chans, head_scale=head_scale)

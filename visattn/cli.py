@@ -1,0 +1,62 @@
+"""``python train.py --config CONFIG [key=value ...]``: train with a config; errors are one line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from .errors import VisattnError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train a visattn model on CIFAR-10 (or any image folder) from a YAML config.",
+        epilog="Overrides use dotted keys, e.g.: optim.lr=0.05 data.val_size=5000 model.attention=cbam",
+    )
+    p.add_argument("--config", "-c", help="YAML config file (configs/*.yaml)")
+    p.add_argument("--resume", nargs="?", const="auto", default=None,
+                   help="continue a run: a checkpoint path, or nothing for the run_dir's last.pt")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    return p
+
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        from .config import load_config
+
+        overrides = list(args.overrides)
+        if args.resume is not None:
+            overrides.append(f"resume={args.resume}")
+        cfg = load_config(args.config, overrides)
+        if args.print_config:
+            import yaml
+
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            return 0
+        from .trainer import Interrupted, run
+
+        try:
+            summary = run(cfg)
+        except Interrupted as e:
+            print(str(e), file=sys.stderr)
+            return e.exit_code
+        print(json.dumps({"best_val_acc": summary["best_val_acc"], "epochs": summary["epochs"],
+                          "wall_seconds": round(summary["wall_seconds"], 1), "eval_split": summary["eval_split"],
+                          "run_dir": summary["run_dir"]}))
+        return 0
+    except VisattnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

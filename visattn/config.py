@@ -1,0 +1,281 @@
+"""Typed run configuration: a YAML file plus dotted command-line overrides, checked before anything runs.
+
+The schema is a tree of pydantic models (pydantic v2: strict unknown-key rejection, typed fields, choices
+as ``Literal``, ranges as ``Field(ge=..., le=...)``); the loader turns every problem into one
+:class:`ConfigError` line that names the key and what is allowed, e.g.::
+
+    config error: optim.lr: must be > 0 (got -0.1)
+    config error: unknown key 'optim.lrr'; valid keys under optim: betas, lr, momentum, name, nesterov, ...
+
+The resolved config is a plain dict of builtins (``cfg.to_dict()``) so it can be written to the run
+directory and into checkpoints that load with ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class AugmentConfig(_Section):
+    crop_padding: int = Field(4, ge=0, le=16, description="pad then random-crop back to size (0: off)")
+    padding_mode: Literal["reflect", "constant"] = "reflect"
+    hflip: bool = True
+    cutout: int = Field(0, ge=0, le=32, description="side of a square cutout hole in pixels (0: off)")
+    # Extra albumentations transforms, by class name and keyword arguments, e.g.
+    # [{name: ColorJitter, brightness: 0.2, p: 0.5}]; they need data.loader=albumentations.
+    extra: List[Dict[str, Any]] = Field(default_factory=list)
+
+    @field_validator("extra")
+    @classmethod
+    def _check_extra(cls, v: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        from .data import build_albumentations_transform  # local: albumentations is slow to import
+
+        for i, spec in enumerate(v):
+            try:
+                build_albumentations_transform(spec)
+            except ValueError as e:
+                raise ValueError(f"entry {i}: {e}") from None
+        return v
+
+
+class DataConfig(_Section):
+    source: Literal["auto", "folder", "cifar_python", "torchvision", "synthetic"] = "auto"
+    root: str = "data"
+    download: bool = False  # torchvision source only: fetch CIFAR-10 into root when absent
+    val_size: int = Field(5000, ge=0, description="held-out validation images (stratified) when there is no test split")
+    use_test_split: bool = True  # a test/ folder or the official test batch, when present, is the eval split
+    subset: Optional[int] = Field(None, ge=10, description="use only this many training images (stratified)")
+    cache_dir: Optional[str] = None  # decoded uint8 arrays; default: <XDG cache>/visattn
+    synthetic_size: int = Field(2000, ge=20)
+    image_size: int = Field(32, ge=8, le=512)
+    loader: Literal["tensor", "albumentations"] = "tensor"
+    workers: int = Field(0, ge=0, le=64)
+    mean: Tuple[float, float, float] = (0.4914, 0.4822, 0.4465)
+    std: Tuple[float, float, float] = (0.2470, 0.2435, 0.2616)
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)
+    on_bad_image: Literal["error", "skip"] = "error"
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
+        if self.augment.extra and self.loader != "albumentations":
+            raise ValueError("augment.extra needs loader=albumentations (the tensor loader runs only crop, flip and cutout)")
+        if any(s <= 0 for s in self.std):
+            raise ValueError("std: every value must be > 0")
+        return self
+
+
+class ModelConfig(BaseModel):
+    """``name`` picks a registered model; every other key is passed to its builder as a keyword option."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "resnet_fast"
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        from .models import list_models, model_options
+
+        if self.name not in list_models():
+            raise ValueError(f"unknown model {self.name!r}; valid: {', '.join(list_models())}")
+        valid = set(model_options(self.name)) - {"num_classes"}
+        for key in self.options():
+            if key not in valid:
+                raise ValueError(f"unknown option {key!r} for model {self.name!r}; valid: {', '.join(sorted(valid))}")
+        return self
+
+    def options(self) -> Dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class OptimConfig(_Section):
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.1, gt=0, le=100)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+    betas: Tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(5e-4, ge=0, le=1)
+    no_decay_norm_bias: bool = True  # no weight decay on norm weights and biases (1-d parameters)
+    grad_clip: Optional[float] = Field(None, gt=0)
+
+
+class SchedConfig(_Section):
+    name: Literal["onecycle", "cosine", "constant"] = "onecycle"
+    warmup_epochs: float = Field(1.0, ge=0)  # cosine: linear warmup; onecycle: rise length
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    anneal: Literal["linear", "cos"] = "linear"  # onecycle's decay shape
+
+
+class TrainConfig(_Section):
+    epochs: int = Field(10, ge=1, le=10000)
+    batch_size: int = Field(256, ge=1, le=65536)
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    ema_decay: Optional[float] = Field(None, gt=0, lt=1)  # timm ModelEmaV3 on the weights; evaluated instead
+    ckpt_every_steps: int = Field(0, ge=0)  # also checkpoint every N steps (0: each epoch only)
+    max_nonfinite_steps: int = Field(10, ge=1)  # consecutive non-finite losses before the run stops
+    check_every: int = Field(20, ge=1)  # steps between host reads of the loss statistics on GPUs
+    max_steps: Optional[int] = Field(None, ge=1)  # stop early after this many steps in total (smoke/debug)
+
+
+class EvalConfig(_Section):
+    batch_size: int = Field(1000, ge=1)
+    tta: Literal["none", "flip", "flip_translate"] = "flip"
+    every: int = Field(1, ge=1)  # evaluate every N epochs (the last epoch always)
+
+
+class LogConfig(_Section):
+    tensorboard: bool = True
+    progress: bool = True
+    maps_every: int = Field(1, ge=0)  # log attention-map overlays every N epochs (0: never)
+    probe_size: int = Field(8, ge=1, le=64)  # validation images in the fixed probe batch
+    map_scale: int = Field(4, ge=1, le=16)  # upscale factor of the overlay pictures
+
+
+class Config(_Section):
+    name: str = "run"
+    run_dir: str = "runs/run"
+    seed: int = Field(0, ge=0)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    channels_last: bool = True
+    compile: bool = False
+    deterministic: bool = False
+    sync_bn: bool = False  # SyncBatchNorm under torchrun
+    resume: Optional[str] = None  # None | "auto" | path to a checkpoint
+    resume_allow_changes: bool = False  # resume even when model/data settings differ from the checkpoint's
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    sched: SchedConfig = Field(default_factory=SchedConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError("must be one of auto, cpu, cuda, cuda:N")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _fmt_loc(loc: Sequence[Union[str, int]]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _section_at(loc: Sequence[Union[str, int]]) -> Optional[type]:
+    """The pydantic model class that holds the key at ``loc`` (for listing valid keys)."""
+    cls: Any = Config
+    for part in loc[:-1]:
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or isinstance(part, int):
+            return None
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            return None
+        cls = field.annotation
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def _format_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = [p for p in e["loc"] if p not in ("function-after", "function-before")]
+    key = _fmt_loc(loc)
+    typ = e["type"]
+    if typ == "extra_forbidden":
+        section = _section_at(loc)
+        valid = sorted(section.model_fields) if section else []
+        where = _fmt_loc(loc[:-1]) or "the top level"
+        hint = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+        tail = f" (did you mean {hint[0]!r}?)" if hint else ""
+        return f"unknown key {key!r}{tail}; valid keys under {where}: {', '.join(valid)}"
+    msg = e["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if typ == "literal_error":
+        msg = f"must be one of {e['ctx']['expected']}"
+    got = e.get("input")
+    got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+    return f"{key}: {msg}{got_s}" if key else f"{msg}{got_s}"
+
+
+def parse_override(text: str) -> Tuple[List[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value); the value is parsed as YAML (numbers, bools, lists)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. optim.lr=0.1)")
+    key, _, raw = text.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({e.__class__.__name__})") from None
+    return key.split("."), value
+
+
+def _set_dotted(tree: Dict[str, Any], path: List[str], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def read_yaml(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(p)!r} is not a text file") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, not a {type(data).__name__}")
+    return data
+
+
+def build_config(tree: Dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e)) from None
+
+
+def load_config(path: Optional[Union[str, os.PathLike]] = None, overrides: Sequence[str] = ()) -> Config:
+    """Read ``path`` (YAML), apply ``key=value`` overrides, validate; raises :class:`ConfigError`."""
+    tree = read_yaml(path) if path is not None else {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_dotted(tree, keys, value)
+    return build_config(tree)

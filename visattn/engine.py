@@ -1,0 +1,270 @@
+"""The training engine: precision, optimizer, schedule, one training epoch, evaluation.
+
+Functions here take explicit arguments, never the whole config (that is read once, in ``trainer.py``).
+The hot loop keeps its statistics on the device and reads them on the host only every ``check_every``
+steps (on a CPU a finished scalar costs nothing to read, so there it checks every step and can skip a
+non-finite step before it touches the weights).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ConfigError, TrainingError
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device: {name!r} asked for but no CUDA device is available (use device=auto or cpu)")
+    return dev
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """'auto' -> bf16 where the device runs it (CPUs and Ampere+ GPUs), else fp16 on older GPUs."""
+    if precision != "auto":
+        return precision
+    if device.type == "cuda":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return "bf16"
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    dtype = AMP_DTYPES[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def make_scaler(device: torch.device, precision: str) -> Optional[torch.amp.GradScaler]:
+    """fp16 needs loss scaling (its range is narrow); bf16 and fp32 do not."""
+    if precision != "fp16":
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
+def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, momentum: float = 0.9,
+                    nesterov: bool = True, betas=(0.9, 0.999), no_decay_norm_bias: bool = True) -> torch.optim.Optimizer:
+    from timm.optim import param_groups_weight_decay
+
+    if no_decay_norm_bias:  # norm weights and biases (all 1-d tensors) get no weight decay
+        params = param_groups_weight_decay(model, weight_decay)
+    else:
+        params = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=tuple(betas))
+    raise ConfigError(f"optim.name: unknown optimizer {name!r}; valid: sgd, adamw")
+
+
+class StepScheduler:
+    """One interface, stepped once per optimizer step, over torch's OneCycleLR and timm's cosine schedule."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, name: str, lr: float, total_steps: int, warmup_steps: int,
+                 min_lr_ratio: float = 0.0, anneal: str = "linear"):
+        self.name = name
+        self.num_updates = 0
+        self.inner: Any = None
+        if name == "onecycle":
+            pct = min(max(warmup_steps / max(total_steps, 1), 1e-3), 0.999)
+            self.inner = torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=lr, total_steps=max(total_steps, 2), pct_start=pct, anneal_strategy=anneal,
+                cycle_momentum=False, div_factor=25.0, final_div_factor=1.0 / max(min_lr_ratio, 1e-4) / 25.0 if min_lr_ratio else 1e4,
+            )
+        elif name == "cosine":
+            from timm.scheduler import CosineLRScheduler
+
+            self.inner = CosineLRScheduler(
+                optimizer, t_initial=max(total_steps - warmup_steps, 1), lr_min=lr * min_lr_ratio,
+                warmup_t=warmup_steps, warmup_lr_init=lr * 0.01, warmup_prefix=True, t_in_epochs=False,
+            )
+        elif name != "constant":
+            raise ConfigError(f"sched.name: unknown schedule {name!r}; valid: onecycle, cosine, constant")
+
+    def step(self) -> None:
+        self.num_updates += 1
+        if self.name == "onecycle":
+            if self.inner.last_epoch + 1 < self.inner.total_steps:
+                self.inner.step()
+        elif self.name == "cosine":
+            self.inner.step_update(self.num_updates)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"num_updates": self.num_updates, "inner": self.inner.state_dict() if self.inner is not None else {}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.num_updates = int(state["num_updates"])
+        if self.inner is not None:
+            self.inner.load_state_dict(state["inner"])
+
+
+@dataclass
+class EpochStats:
+    loss: float
+    acc: float
+    images: int
+    seconds: float
+    nonfinite_steps: int = 0
+    steps: int = 0
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / max(self.seconds, 1e-9)
+
+
+@dataclass
+class StepHooks:
+    """Called by :func:`train_one_epoch` between steps (checkpoints, signals, step limits)."""
+
+    after_step: Optional[Callable[[int], bool]] = None  # gets the global step; True stops the epoch early
+    on_check: Optional[Callable[[int, float, float], None]] = None  # (global step, mean loss, lr) at host reads
+
+
+def train_one_epoch(
+    model: nn.Module,
+    loader: Iterable,
+    optimizer: torch.optim.Optimizer,
+    scheduler: StepScheduler,
+    *,
+    device: torch.device,
+    precision: str,
+    scaler: Optional[torch.amp.GradScaler] = None,
+    label_smoothing: float = 0.0,
+    grad_clip: Optional[float] = None,
+    ema: Optional[nn.Module] = None,
+    max_nonfinite_steps: int = 10,
+    check_every: int = 20,
+    global_step: int = 0,
+    hooks: StepHooks = StepHooks(),
+    progress: Optional[Any] = None,
+    carry: Optional[torch.Tensor] = None,
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> tuple[EpochStats, int, torch.Tensor]:
+    """Train for one pass of ``loader``. Returns (stats, global step, the raw statistics tensor).
+
+    ``carry`` resumes the statistics of a partly done epoch: ``[loss sum, correct, images, nonfinite]``.
+    """
+    model.train()
+    # [loss sum, correct, images, non-finite steps], updated in place (the caller may checkpoint it mid-epoch)
+    stats = torch.zeros(4, dtype=torch.float64, device=device) if carry is None else carry
+    consecutive = torch.zeros((), dtype=torch.int64, device=device)  # current run of non-finite losses
+    check_every = 1 if device.type == "cpu" else check_every  # CPU: reading a finished scalar is free
+    t0 = time.perf_counter()
+    for xb, yb in loader:
+        with autocast(device, precision):
+            logits = model(xb)
+        loss = F.cross_entropy(logits.float(), yb, label_smoothing=label_smoothing)
+        optimizer.zero_grad(set_to_none=True)
+        finite = torch.isfinite(loss.detach())
+        step_ok = True
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            if grad_clip:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            scaler.step(optimizer)  # skipped inside when the gradients hold inf/NaN
+            scaler.update()
+        else:
+            if check_every == 1 and not bool(finite):
+                step_ok = False  # CPU: skip the step before it touches the weights
+            else:
+                loss.backward()
+                if grad_clip:
+                    nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+                optimizer.step()
+        if step_ok:
+            scheduler.step()
+            if ema is not None:
+                ema.update(model)
+        global_step += 1
+        n = yb.shape[0]
+        with torch.no_grad():
+            correct = (logits.argmax(1) == yb).sum()
+            stats += torch.stack([torch.where(finite, loss.detach().double() * n, torch.zeros((), dtype=torch.float64, device=device)),
+                                  correct.double(), torch.tensor(float(n), dtype=torch.float64, device=device),
+                                  (~finite).double()])
+        if progress is not None:
+            progress.update(1)
+        consecutive = torch.where(finite, torch.zeros_like(consecutive), consecutive + 1)
+        if global_step % check_every == 0:
+            run = int(consecutive)
+            if run >= max_nonfinite_steps:
+                raise TrainingError(
+                    f"{run} consecutive non-finite losses at step {global_step}; stopping "
+                    "(lower optim.lr, use precision=bf16/fp32, or set optim.grad_clip); last good checkpoint kept"
+                )
+            if hooks.on_check is not None and (global_step % max(check_every, 20) == 0):
+                s = stats.tolist()
+                hooks.on_check(global_step, s[0] / max(s[2] - s[3], 1), optimizer.param_groups[0]["lr"])
+        if hooks.after_step is not None and hooks.after_step(global_step):
+            break
+    seconds = time.perf_counter() - t0
+    total = reduce(stats.clone()) if reduce is not None else stats
+    loss_sum, correct, images, nonfinite = total.tolist()
+    good = max(images, 1)
+    return (
+        EpochStats(loss=loss_sum / good, acc=correct / good, images=int(images), seconds=seconds,
+                   nonfinite_steps=int(nonfinite)),
+        global_step,
+        stats,
+    )
+
+
+def tta_views(x: torch.Tensor, tta: str) -> List[torch.Tensor]:
+    """Test-time views: the image, its mirror, and (flip_translate) 1-pixel shifts of both."""
+    views = [x]
+    if tta in ("flip", "flip_translate"):
+        views.append(x.flip(3))
+    if tta == "flip_translate":
+        pad = F.pad(x, (1, 1, 1, 1), mode="reflect")
+        H, W = x.shape[-2:]
+        for dy, dx in ((0, 0), (2, 2)):
+            shifted = pad[..., dy : dy + H, dx : dx + W]
+            views += [shifted, shifted.flip(3)]
+    return views
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device, precision: str, tta: str = "none",
+             num_classes: int = 10, reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> Dict[str, Any]:
+    """Top-1 accuracy, mean loss and per-class accuracy; logits averaged over the TTA views."""
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    per_class = torch.zeros(2, num_classes, dtype=torch.float64, device=device)  # correct, count
+    t0 = time.perf_counter()
+    for xb, yb in loader:
+        logits = None
+        for v in tta_views(xb, tta):
+            with autocast(device, precision):
+                out = model(v).float()
+            logits = out if logits is None else logits + out
+        logits = logits / len(tta_views(xb[:1], tta))
+        loss_sum += F.cross_entropy(logits, yb, reduction="sum").double()
+        hit = (logits.argmax(1) == yb).double()
+        per_class[0].index_add_(0, yb, hit)
+        per_class[1].index_add_(0, yb, torch.ones_like(hit))
+    packed = torch.cat([loss_sum.view(1), per_class.flatten()])
+    if reduce is not None:
+        packed = reduce(packed)
+    loss_sum, per_class = packed[0], packed[1:].view(2, num_classes)
+    n = per_class[1].sum().clamp_min(1)
+    model.train(was_training)
+    return {
+        "acc": float(per_class[0].sum() / n),
+        "loss": float(loss_sum / n),
+        "per_class_acc": (per_class[0] / per_class[1].clamp_min(1)).tolist(),
+        "images": int(n),
+        "seconds": time.perf_counter() - t0,
+    }
