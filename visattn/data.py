@@ -182,6 +182,8 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
     _ALLOWED = {
         ("numpy.core.multiarray", "_reconstruct"),
         ("numpy._core.multiarray", "_reconstruct"),
+        ("numpy.core.multiarray", "scalar"),
+        ("numpy._core.multiarray", "scalar"),
         ("numpy", "ndarray"),
         ("numpy", "dtype"),
         ("copyreg", "_reconstructor"),
@@ -467,8 +469,16 @@ def build_albumentations_transform(spec: Dict[str, Any]) -> Any:
     cls = getattr(A, str(spec["name"]), None)
     if not (isinstance(cls, type) and issubclass(cls, A.BasicTransform)):
         raise ValueError(f"unknown albumentations transform {spec['name']!r}")
+    import warnings
+
     try:
-        return cls(**kwargs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = cls(**kwargs)
+        for w in caught:  # albumentations only warns about unknown arguments; here they are errors
+            if "not valid for transform" in str(w.message):
+                raise ValueError(str(w.message).split(" for transform")[0].replace("Argument(s)", "unknown argument(s)"))
+        return t
     except (TypeError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
         raise ValueError(f"{spec['name']}: bad arguments ({first})") from None

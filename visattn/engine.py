@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -96,7 +97,9 @@ class StepScheduler:
         self.num_updates += 1
         if self.name == "onecycle":
             if self.inner.last_epoch + 1 < self.inner.total_steps:
-                self.inner.step()
+                with warnings.catch_warnings():  # an fp16 step skipped by the scaler is not a misordered call
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+                    self.inner.step()
         elif self.name == "cosine":
             self.inner.step_update(self.num_updates)
 
@@ -116,7 +119,7 @@ class EpochStats:
     images: int
     seconds: float
     nonfinite_steps: int = 0
-    steps: int = 0
+    skipped_steps: int = 0  # fp16: optimizer steps the GradScaler skipped (inf/NaN gradients)
 
     @property
     def images_per_s(self) -> float:
@@ -156,8 +159,9 @@ def train_one_epoch(
     ``carry`` resumes the statistics of a partly done epoch: ``[loss sum, correct, images, nonfinite]``.
     """
     model.train()
-    # [loss sum, correct, images, non-finite steps], updated in place (the caller may checkpoint it mid-epoch)
-    stats = torch.zeros(4, dtype=torch.float64, device=device) if carry is None else carry
+    # [loss sum, correct, images, non-finite losses, scaler-skipped steps], updated in place (the caller may
+    # checkpoint it mid-epoch)
+    stats = torch.zeros(5, dtype=torch.float64, device=device) if carry is None else carry
     consecutive = torch.zeros((), dtype=torch.int64, device=device)  # current run of non-finite losses
     check_every = 1 if device.type == "cpu" else check_every  # CPU: reading a finished scalar is free
     t0 = time.perf_counter()
@@ -168,13 +172,17 @@ def train_one_epoch(
         optimizer.zero_grad(set_to_none=True)
         finite = torch.isfinite(loss.detach())
         step_ok = True
+        skipped = torch.zeros((), dtype=torch.float64, device=device)
         if scaler is not None:
             scaler.scale(loss).backward()
             if grad_clip:
                 scaler.unscale_(optimizer)
                 nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            scale_before = scaler._scale.clone() if getattr(scaler, "_scale", None) is not None else None
             scaler.step(optimizer)  # skipped inside when the gradients hold inf/NaN
             scaler.update()
+            if scale_before is not None:  # the scale backs off exactly when the step was skipped
+                skipped = (scaler._scale < scale_before).double().sum()
         else:
             if check_every == 1 and not bool(finite):
                 step_ok = False  # CPU: skip the step before it touches the weights
@@ -193,7 +201,7 @@ def train_one_epoch(
             correct = (logits.argmax(1) == yb).sum()
             stats += torch.stack([torch.where(finite, loss.detach().double() * n, torch.zeros((), dtype=torch.float64, device=device)),
                                   correct.double(), torch.tensor(float(n), dtype=torch.float64, device=device),
-                                  (~finite).double()])
+                                  (~finite).double(), skipped])
         if progress is not None:
             progress.update(1)
         consecutive = torch.where(finite, torch.zeros_like(consecutive), consecutive + 1)
@@ -211,11 +219,11 @@ def train_one_epoch(
             break
     seconds = time.perf_counter() - t0
     total = reduce(stats.clone()) if reduce is not None else stats
-    loss_sum, correct, images, nonfinite = total.tolist()
+    loss_sum, correct, images, nonfinite, skipped_steps = total.tolist()
     good = max(images, 1)
     return (
         EpochStats(loss=loss_sum / good, acc=correct / good, images=int(images), seconds=seconds,
-                   nonfinite_steps=int(nonfinite)),
+                   nonfinite_steps=int(nonfinite), skipped_steps=int(skipped_steps)),
         global_step,
         stats,
     )

@@ -364,7 +364,7 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
 
                 bar = tqdm(total=len(train_loader), initial=train_loader.position, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
                            leave=False, dynamic_ncols=True, file=sys.stderr)
-            live = torch.zeros(4, dtype=torch.float64, device=device) if carry is None else carry.to(device).double()
+            live = torch.zeros(5, dtype=torch.float64, device=device) if carry is None else carry.to(device).double()
             stats_box["live"] = live
             carry = None
             ep, global_step, live = engine.train_one_epoch(
@@ -386,6 +386,7 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
             row: Dict[str, Any] = {"epoch": done, "step": global_step, "train_loss": ep.loss, "train_acc": ep.acc,
                                    "images_per_s": ep.images_per_s * (di.world_size if di.enabled else 1),
                                    "epoch_seconds": ep.seconds, "nonfinite_steps": ep.nonfinite_steps,
+                                   "skipped_steps": ep.skipped_steps,
                                    "lr": optimizer.param_groups[0]["lr"],
                                    "wall_seconds": time.perf_counter() - t_start}
             if done % cfg.eval.every == 0 or done == cfg.train.epochs:
@@ -407,7 +408,7 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
                 if writer is not None:
-                    for k in ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "nonfinite_steps"):
+                    for k in ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "nonfinite_steps", "skipped_steps"):
                         if k in row:
                             writer.add_scalar(k.replace("_", "/", 1) if k.startswith(("train_", "val_")) else f"train/{k}", row[k], done)
                     if probe is not None and cfg.log.maps_every and done % cfg.log.maps_every == 0:

@@ -1,1 +1,307 @@
-"""(being written)"""
+"""Token self-attention blocks: ``(B, N, D) -> (B, N, D)``, plus CCT's sequence-pooling head.
+
+* ``mhsa``: multi-head self-attention (Vaswani et al., 2017, "Attention Is All You Need", arXiv 1706.03762)
+  with a choice of score function: scaled dot product (default), unscaled dot product, Luong's bilinear
+  "general" score (Luong, Pham, Manning, 2015, arXiv 1508.04025) or Bahdanau's additive score (Bahdanau,
+  Cho, Bengio, 2014, arXiv 1409.0473), and an optional inference-time hard (top-k / argmax) attention.
+* ``lsa``: locality self-attention (Lee, Lee, Song, 2021, "Vision Transformer for Small-Size Datasets",
+  arXiv 2112.13492): no token attends to itself and the softmax temperature is learned.
+* ``seqpool``: sequence pooling (Hassani et al., 2021, "Escaping the Big Data Paradigm with Compact
+  Transformers", arXiv 2104.05704). This one is a pooling head, ``(B, N, D) -> (B, D)``, not a same-shape
+  block; it is registered with ``layout="token", kind="pool"`` and its tap carries ``(B, N)`` weights.
+
+Observation: every block owns ``tap`` (:class:`~visattn.attention.tap.AttentionTap`). The attention blocks
+carry ``tap_grid`` (``(H, W)`` of the grid the last ``H*W`` tokens lie on, or ``None``) and
+``num_prefix_tokens`` (class tokens before them) as attributes, set by the model at construction, so
+``forward(x)`` alone always works. The default path is fused ``F.scaled_dot_product_attention``; when
+``tap.active`` the weights are computed explicitly in fp32, passed through the tap and the *same* tensor
+multiplies ``V``, so what is recorded is exactly what was applied (before attention dropout).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .registry import register_attention
+from .tap import AttentionTap
+
+__all__ = ["MultiHeadSelfAttention", "LocalitySelfAttention", "SequencePooling", "SCORES"]
+
+SCORES = ("scaled_dot", "dot", "general", "additive")
+
+Grid = Optional[Tuple[int, int]]
+Hard = Union[None, str, int]
+
+
+def _check_grid(grid: Grid) -> Grid:
+    if grid is None:
+        return None
+    if len(grid) != 2 or any(int(g) < 1 for g in grid):
+        raise ValueError(f"grid must be None or (H, W) with H, W >= 1, got {grid!r}")
+    return int(grid[0]), int(grid[1])
+
+
+def _check_hard(hard: Hard) -> Hard:
+    # bool is an int subclass; hard=True would silently mean top-1, so it is refused.
+    if hard is None or hard == "argmax":
+        return hard
+    if isinstance(hard, int) and not isinstance(hard, bool) and hard >= 1:
+        return hard
+    raise ValueError(f"hard must be None, 'argmax' or an int k >= 1, got {hard!r}")
+
+
+def _check_tokens(block: nn.Module, n: int) -> None:
+    """The tap's grid must describe the sequence it is given (checked on recording passes only)."""
+    if block.tap_grid is not None:
+        h, w = block.tap_grid
+        if h * w + block.num_prefix_tokens != n:
+            raise ValueError(
+                f"{type(block).__name__}: grid {block.tap_grid} with {block.num_prefix_tokens} prefix "
+                f"token(s) needs {h * w + block.num_prefix_tokens} tokens, got {n}"
+            )
+
+
+def top_k_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Softmax over each row's ``k`` largest logits, zero elsewhere (``k=1`` is one-hot argmax).
+
+    Equal to keeping the top-k softmax weights and renormalising them, but computed from the logits so the
+    kept weights cannot underflow to zero. ``logits``: ``(..., N)``; ``k`` is clamped to ``N``.
+    """
+    k = min(k, logits.shape[-1])
+    top, idx = logits.topk(k, dim=-1)  # (..., k)
+    return torch.zeros_like(logits).scatter_(-1, idx, top.softmax(dim=-1))
+
+
+@register_attention("mhsa", layout="token", kind="token")
+class MultiHeadSelfAttention(nn.Module):
+    """Multi-head self-attention over tokens, ``(B, N, D) -> (B, N, D)`` (Vaswani et al., 2017, arXiv 1706.03762).
+
+    ``score`` picks the score function ``s(q_i, k_j)`` per head (``d`` = head dim):
+
+    * ``"scaled_dot"``: ``q k^T / sqrt(d)`` (default; fused);
+    * ``"dot"``: ``q k^T`` (unscaled; fused with ``scale=1``);
+    * ``"general"``: Luong et al. 2015 (arXiv 1508.04025) bilinear ``q W k^T`` with a learned per-head
+      ``W`` (``general_weight``, ``(heads, d, d)``), initialised to ``I / sqrt(d)`` so training starts from
+      the scaled dot product; fused by computing ``q W`` first;
+    * ``"additive"``: Bahdanau et al. 2014 (arXiv 1409.0473) ``v^T tanh(W q + U k)``; the q and k projections
+      play the roles of ``W`` and ``U``, ``v`` (``additive_v``, ``(heads, d)``) is learned. Always explicit:
+      it materialises a ``(B, heads, N, N, d)`` tensor, so memory grows with ``d * N^2``.
+
+    ``hard`` (``None``, ``"argmax"`` or an int ``k``) is an inference-time option: in eval mode each row keeps
+    only its ``k`` largest weights, renormalised to sum to 1 (``"argmax"`` is ``k=1``), computed explicitly.
+    It is ignored in training mode (soft attention is trained), so one model can train soft and be
+    evaluated hard; it can also be set on a trained block (``block.hard = 4``).
+
+    Explicit paths (tap active, hard, additive) compute the logits and softmax in fp32 with autocast off,
+    so fp16 inputs whose ``q k^T`` overflows fp16 still give finite weights.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = True,
+        score: str = "scaled_dot",
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        hard: Hard = None,
+        grid: Grid = None,
+        num_prefix_tokens: int = 0,
+    ):
+        super().__init__()
+        if num_heads < 1 or dim % num_heads != 0:
+            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if score not in SCORES:
+            raise ValueError(f"unknown score {score!r}; valid: {', '.join(SCORES)}")
+        if num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.score = score
+        self.hard = hard  # validated by the setter
+        self.tap_grid = _check_grid(grid)
+        self.num_prefix_tokens = int(num_prefix_tokens)
+
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        if score == "general":
+            eye = torch.eye(self.head_dim).expand(num_heads, -1, -1) / math.sqrt(self.head_dim)
+            self.general_weight = nn.Parameter(eye.clone())  # (heads, d, d)
+        elif score == "additive":
+            self.additive_v = nn.Parameter(torch.randn(num_heads, self.head_dim) / math.sqrt(self.head_dim))
+        self.tap = AttentionTap("token")
+
+    # -- score functions -------------------------------------------------------------------------------
+    def _logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """fp32 ``(B, heads, N, N)`` attention logits; ``q``, ``k``: fp32 ``(B, heads, N, d)``."""
+        if self.score == "scaled_dot":
+            return (q * self.head_dim**-0.5) @ k.transpose(-2, -1)
+        if self.score == "dot":
+            return q @ k.transpose(-2, -1)
+        if self.score == "general":
+            return (q @ self.general_weight.float()) @ k.transpose(-2, -1)  # (B,h,N,d)@(h,d,d) broadcasts
+        # additive: tanh(q_i + k_j) is (B, h, N, N, d); contract d with the per-head v.
+        return torch.einsum("bhije,he->bhij", torch.tanh(q.unsqueeze(3) + k.unsqueeze(2)), self.additive_v.float())
+
+    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``(B, heads, N, d)`` output of fused SDPA; only called for scores that have a fused form."""
+        p = self.attn_drop.p if self.training else 0.0
+        if self.score == "scaled_dot":
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p)  # default scale is 1/sqrt(d)
+        if self.score == "general":
+            q = q @ self.general_weight.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=1.0)
+
+    def _has_fused(self) -> bool:
+        return self.score != "additive"
+
+    # -- weights and forward ---------------------------------------------------------------------------
+    @property
+    def hard(self) -> Hard:
+        return self._hard
+
+    @hard.setter
+    def hard(self, value: Hard) -> None:
+        self._hard = _check_hard(value)
+
+    def _use_hard(self) -> bool:
+        return self.hard is not None and not self.training
+
+    def attention_weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Explicit fp32 weights ``(B, heads, N, N)``, rows summing to 1 (hard top-k applied in eval)."""
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            logits = self._logits(q.float(), k.float())
+            if self._use_hard():
+                return top_k_softmax(logits, 1 if self.hard == "argmax" else int(self.hard))
+            return logits.softmax(dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"{type(self).__name__} expects (B, N, {self.dim}) tokens, got {tuple(x.shape)}")
+        B, N, D = x.shape
+        # (B, N, 3*D) -> (3, B, heads, N, d)
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.tap.active or self._use_hard() or not self._has_fused():
+            if self.tap.active:
+                _check_tokens(self, N)
+            attn = self.attention_weights(q, k)  # fp32 (B, heads, N, N)
+            attn = self.tap(attn, grid=self.tap_grid, num_prefix_tokens=self.num_prefix_tokens)
+            out = self.attn_drop(attn).to(v.dtype) @ v  # (B, heads, N, d)
+        else:
+            out = self._fused(q, k, v)
+        out = out.transpose(1, 2).reshape(B, N, D)
+        return self.proj_drop(self.proj(out))
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, num_heads={self.num_heads}, score={self.score!r}, hard={self.hard!r}, "
+            f"grid={self.tap_grid}, num_prefix_tokens={self.num_prefix_tokens}"
+        )
+
+
+@register_attention("lsa", layout="token", kind="token")
+class LocalitySelfAttention(MultiHeadSelfAttention):
+    """Locality self-attention, ``(B, N, D) -> (B, N, D)`` (Lee, Lee, Song, 2021, arXiv 2112.13492).
+
+    Two changes to scaled dot-product attention that sharpen the attention of ViTs trained on small data:
+
+    * diagonal masking: a token never attends to itself (the diagonal logits are ``-inf``), so its weight
+      goes to the other tokens;
+    * learned temperature: logits are ``q k^T / T`` with a learnable per-head ``temperature`` ``T``,
+      initialised at ``sqrt(head_dim)`` (the usual scale, as in the paper's code).
+
+    The training path stays fused: ``q`` is multiplied by ``1/T`` and SDPA runs with ``scale=1`` and a
+    boolean mask that is False on the diagonal. ``hard`` works as for ``mhsa`` (masked entries keep weight 0).
+    Needs at least 2 tokens (a lone token would have nothing to attend to).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+        hard: Hard = None,
+        grid: Grid = None,
+        num_prefix_tokens: int = 0,
+    ):
+        super().__init__(
+            dim,
+            num_heads=num_heads,
+            qkv_bias=qkv_bias,
+            attn_drop=attn_drop,
+            proj_drop=proj_drop,
+            hard=hard,
+            grid=grid,
+            num_prefix_tokens=num_prefix_tokens,
+        )
+        self.score = "lsa"
+        self.temperature = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))  # (heads,)
+
+    def _inv_temperature(self, dtype: torch.dtype) -> torch.Tensor:
+        return (1.0 / self.temperature).to(dtype).view(1, -1, 1, 1)  # (1, heads, 1, 1)
+
+    def _logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        n = q.shape[-2]
+        if n < 2:
+            raise ValueError(f"lsa needs at least 2 tokens (the diagonal is masked), got {n}")
+        logits = (q * self._inv_temperature(q.dtype)) @ k.transpose(-2, -1)
+        eye = torch.eye(n, dtype=torch.bool, device=q.device)
+        return logits.masked_fill(eye, float("-inf"))
+
+    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = q.shape[-2]
+        if n < 2:
+            raise ValueError(f"lsa needs at least 2 tokens (the diagonal is masked), got {n}")
+        keep = ~torch.eye(n, dtype=torch.bool, device=q.device)  # (N, N), True = may attend
+        p = self.attn_drop.p if self.training else 0.0
+        q = q * self._inv_temperature(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p, scale=1.0)
+
+    def _has_fused(self) -> bool:
+        return True
+
+
+@register_attention("seqpool", layout="token", kind="pool")
+class SequencePooling(nn.Module):
+    """Sequence pooling head, ``(B, N, D) -> (B, D)`` (Hassani et al., 2021, arXiv 2104.05704).
+
+    Not a same-shape block: it replaces the class token. ``w = softmax_N(Linear(D, 1)(x))`` weighs the
+    tokens, and the output is ``sum_n w_n x_n``. The tap (kind ``"pool"``) carries ``w``, ``(B, N)``, with
+    ``tap_grid`` and ``num_prefix_tokens`` as for the attention blocks. The softmax is taken in fp32.
+    """
+
+    def __init__(self, dim: int, grid: Grid = None, num_prefix_tokens: int = 0):
+        super().__init__()
+        if num_prefix_tokens < 0:
+            raise ValueError(f"num_prefix_tokens must be >= 0, got {num_prefix_tokens}")
+        self.dim = dim
+        self.tap_grid = _check_grid(grid)
+        self.num_prefix_tokens = int(num_prefix_tokens)
+        self.attention_pool = nn.Linear(dim, 1)
+        self.tap = AttentionTap("pool")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"SequencePooling expects (B, N, {self.dim}) tokens, got {tuple(x.shape)}")
+        if self.tap.active:
+            _check_tokens(self, x.shape[1])
+        # Scores and softmax in fp32 with autocast off: a (D -> 1) projection is cheap, and fp16 scores of
+        # large tokens could overflow to inf.
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            lin = self.attention_pool
+            bias = None if lin.bias is None else lin.bias.float()
+            w = F.linear(x.float(), lin.weight.float(), bias).squeeze(-1).softmax(dim=-1)  # (B, N)
+        w = self.tap(w, grid=self.tap_grid, num_prefix_tokens=self.num_prefix_tokens)
+        return (w.to(x.dtype).unsqueeze(1) @ x).squeeze(1)  # (B, 1, N) @ (B, N, D) -> (B, D)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, grid={self.tap_grid}, num_prefix_tokens={self.num_prefix_tokens}"

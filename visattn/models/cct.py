@@ -1,1 +1,161 @@
-"""(being written)"""
+"""Compact Convolutional Transformer, CCT style (Hassani et al., 2021, "Escaping the Big Data Paradigm with
+Compact Transformers", arXiv 2104.05704).
+
+A convolutional tokenizer replaces ViT's patches: ``n_conv_layers`` x (conv ``kernel_size`` stride 1, ReLU,
+max-pool 3 stride 2), each halving the resolution, so a 32x32 image gives 16x16 tokens after one layer and
+8x8 after two. The tokens feed pre-norm transformer blocks (``mhsa`` or ``lsa``) and, by default, sequence
+pooling (``pool="seq"``; ``"cls"`` and ``"mean"`` also work). The paper's encoder layer normalises after the
+attention residual; here the blocks are the same pre-norm blocks as the ViT (same parameter count).
+
+* ``cct_2``: CCT-2/3x2: 2 conv layers, 2 blocks, dim 128, 2 heads, MLP ratio 1 (~0.28M parameters).
+* ``cct_7``: CCT-7/3x1: 1 conv layer, 7 blocks, dim 256, 4 heads, MLP ratio 2 (~3.8M parameters).
+
+The taps of all blocks and of the sequence-pooling head carry the tokenizer's grid (``model.grid_size``).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .registry import register_model
+from .vit import Size, TokenClassifier, to_2tuple
+
+__all__ = ["ConvTokenizer", "CompactConvTransformer", "cct_2", "cct_7"]
+
+
+class ConvTokenizer(nn.Module):
+    """``n_conv_layers`` x (conv ``k x k`` stride 1, ReLU, max-pool 3/2), flattened: ``(B, C, H, W) -> (B, h*w, dim)``.
+
+    Intermediate layers have ``conv_channels`` channels, the last has ``dim``; convolutions have no bias,
+    as in the paper's code.
+    """
+
+    def __init__(self, in_chans: int, dim: int, n_conv_layers: int = 1, kernel_size: int = 3, conv_channels: int = 64):
+        super().__init__()
+        if n_conv_layers < 1 or kernel_size < 1 or kernel_size % 2 == 0:
+            raise ValueError(f"need n_conv_layers >= 1 and an odd kernel_size, got {n_conv_layers}, {kernel_size}")
+        chans = [in_chans] + [conv_channels] * (n_conv_layers - 1) + [dim]
+        layers = []
+        for cin, cout in zip(chans[:-1], chans[1:]):
+            layers += [
+                nn.Conv2d(cin, cout, kernel_size, stride=1, padding=kernel_size // 2, bias=False),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
+            ]
+        self.layers = nn.Sequential(*layers)
+        self.n_conv_layers = n_conv_layers
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight)
+
+    def grid_size(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
+        """Token grid for an ``img_size`` input: each max-pool (3, stride 2, pad 1) maps ``s`` to ``ceil(s/2)``."""
+        h, w = img_size
+        for _ in range(self.n_conv_layers):
+            h, w = (h - 1) // 2 + 1, (w - 1) // 2 + 1
+        return h, w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).flatten(2).transpose(1, 2)  # (B, dim, h, w) -> (B, h*w, dim)
+
+
+class CompactConvTransformer(TokenClassifier):
+    """CCT: convolutional tokenizer + transformer + sequence pooling (Hassani et al., 2021, arXiv 2104.05704)."""
+
+    def __init__(
+        self,
+        num_classes: int = 10,
+        img_size: Size = 32,
+        in_chans: int = 3,
+        n_conv_layers: int = 1,
+        kernel_size: int = 3,
+        conv_channels: int = 64,
+        dim: int = 256,
+        depth: int = 7,
+        num_heads: int = 4,
+        mlp_ratio: float = 2.0,
+        pool: str = "seq",
+        attn: str = "mhsa",
+        attn_kwargs: Optional[Dict[str, Any]] = None,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.1,
+        drop_path_rate: float = 0.1,
+    ):
+        img_size = to_2tuple(img_size, "img_size")
+        tokenizer = ConvTokenizer(in_chans, dim, n_conv_layers, kernel_size, conv_channels)
+        super().__init__(
+            tokenizer,
+            tokenizer.grid_size(img_size),
+            img_size,
+            num_classes,
+            dim=dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            pool=pool,
+            attn=attn,
+            attn_kwargs=attn_kwargs,
+            drop_rate=drop_rate,
+            attn_drop_rate=attn_drop_rate,
+            drop_path_rate=drop_path_rate,
+        )
+
+
+@register_model("cct_2", family="hybrid")
+def cct_2(
+    num_classes: int = 10,
+    *,
+    img_size: Size = 32,
+    in_chans: int = 3,
+    pool: str = "seq",
+    attn: str = "mhsa",
+    attn_kwargs: Optional[Dict[str, Any]] = None,
+    drop_rate: float = 0.0,
+    attn_drop_rate: float = 0.1,
+    drop_path_rate: float = 0.1,
+    n_conv_layers: int = 2,
+    kernel_size: int = 3,
+    conv_channels: int = 64,
+    depth: int = 2,
+    dim: int = 128,
+    num_heads: int = 2,
+    mlp_ratio: float = 1.0,
+) -> CompactConvTransformer:
+    """CCT-2/3x2: two 3x3 conv layers (8x8 tokens), 2 blocks, dim 128, 2 heads, MLP ratio 1, ~0.28M parameters."""
+    return CompactConvTransformer(
+        num_classes, img_size=img_size, in_chans=in_chans, n_conv_layers=n_conv_layers, kernel_size=kernel_size,
+        conv_channels=conv_channels, dim=dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, pool=pool,
+        attn=attn, attn_kwargs=attn_kwargs, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
+        drop_path_rate=drop_path_rate,
+    )  # fmt: skip
+
+
+@register_model("cct_7", family="hybrid")
+def cct_7(
+    num_classes: int = 10,
+    *,
+    img_size: Size = 32,
+    in_chans: int = 3,
+    pool: str = "seq",
+    attn: str = "mhsa",
+    attn_kwargs: Optional[Dict[str, Any]] = None,
+    drop_rate: float = 0.0,
+    attn_drop_rate: float = 0.1,
+    drop_path_rate: float = 0.1,
+    n_conv_layers: int = 1,
+    kernel_size: int = 3,
+    conv_channels: int = 64,
+    depth: int = 7,
+    dim: int = 256,
+    num_heads: int = 4,
+    mlp_ratio: float = 2.0,
+) -> CompactConvTransformer:
+    """CCT-7/3x1: one 3x3 conv layer (16x16 tokens), 7 blocks, dim 256, 4 heads, MLP ratio 2, ~3.8M parameters."""
+    return CompactConvTransformer(
+        num_classes, img_size=img_size, in_chans=in_chans, n_conv_layers=n_conv_layers, kernel_size=kernel_size,
+        conv_channels=conv_channels, dim=dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, pool=pool,
+        attn=attn, attn_kwargs=attn_kwargs, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
+        drop_path_rate=drop_path_rate,
+    )  # fmt: skip

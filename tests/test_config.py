@@ -1,0 +1,108 @@
+"""Config loading: overrides, types, and one-line errors (exit status 2) for bad input."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from visattn.cli import main
+from visattn.config import Config, load_config
+from visattn.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_defaults_and_overrides_are_typed():
+    cfg = load_config(None, ["optim.lr=0.05", "data.val_size=5000", "model.widths=[8, 16, 32]", "train.ema_decay=0.99",
+                             "data.augment.hflip=false", "model.attention=none"])
+    assert isinstance(cfg, Config)
+    assert cfg.optim.lr == 0.05 and isinstance(cfg.optim.lr, float)
+    assert cfg.data.val_size == 5000
+    assert cfg.model.options()["widths"] == [8, 16, 32]
+    assert cfg.data.augment.hflip is False
+    assert cfg.train.ema_decay == 0.99
+
+
+def test_override_beats_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  lr: 0.3\ntrain:\n  epochs: 4\n")
+    cfg = load_config(f, ["train.epochs=7"])
+    assert cfg.optim.lr == 0.3 and cfg.train.epochs == 7
+
+
+def test_resolved_config_round_trips():
+    cfg = load_config(None, ["model.attention=none", "optim.name=adamw"])
+    again = Config.model_validate(cfg.to_dict())
+    assert again.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_validates(path):
+    load_config(path)
+
+
+BAD = [
+    # (overrides or file content, expected fragment of the one-line message)
+    (["optim.lrr=0.1"], "unknown key 'optim.lrr'"),
+    (["optim.lr=-0.1"], "optim.lr"),
+    (["optim.lr=fast"], "optim.lr"),
+    (["precision=fp8"], "precision: must be one of"),
+    (["train.epochs=0"], "train.epochs"),
+    (["data.source=imagenet"], "data.source"),
+    (["model.name=resnet99"], "unknown model 'resnet99'"),
+    (["model.widthz=[1,2,3]"], "unknown option 'widthz'"),
+    (["device=tpu"], "device"),
+    (["data.augment.extra=[{name: NotATransform}]", "data.loader=albumentations"], "NotATransform"),
+    (["data.augment.extra=[{name: HorizontalFlip}]"], "needs loader=albumentations"),
+    (["data.augment.extra=[{name: HorizontalFlip, q: 2}]", "data.loader=albumentations"], "HorizontalFlip: bad arguments"),
+    (["optim"], "not of the form key=value"),
+    (["optim.lr=0.1", "optim.lr.x=1"], "is a value, not a section"),
+    (["sched.name=step"], "sched.name"),
+    (["data.std=[0.2, 0.0, 0.2]"], "std"),
+]
+
+
+@pytest.mark.parametrize("overrides,fragment", BAD, ids=[b[1][:30] for b in BAD])
+def test_bad_override_is_one_line_exit_2(overrides, fragment, capsys, tmp_path):
+    rc = main(["--config", str(ROOT / "configs" / "smoke.yaml"), f"run_dir={tmp_path}", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2
+    assert fragment in err
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        (None, "not found"),
+        ("optim: [1, 2\n", "not valid YAML at line"),
+        ("- just\n- a list\n", "must hold a mapping"),
+        ("optim:\n  lr: 0.1\nbogus: 1\n", "unknown key 'bogus'"),
+    ],
+    ids=["missing", "bad-yaml", "not-mapping", "unknown-top-key"],
+)
+def test_bad_config_file(tmp_path, content, fragment, capsys):
+    f = tmp_path / "c.yaml"
+    if content is not None:
+        f.write_text(content)
+    rc = main(["--config", str(f)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and fragment in err and len(err.splitlines()) == 1
+
+
+def test_error_names_valid_choices():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["optim.name=lamb"])
+    assert "'sgd'" in str(e.value) and "'adamw'" in str(e.value)
+
+
+def test_cli_process_prints_no_traceback(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "smoke.yaml"),
+                        "train.batch_size=-5"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith("error: train.batch_size")
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,347 @@
+"""Token attention blocks: generic contract tests over ``list_attention("token")``, then per-block formulas."""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from visattn.attention import AttentionTap, attention_info, create_attention, list_attention
+from visattn.attention.token import SCORES
+
+TOKEN_BLOCKS = list_attention("token")
+D = 32  # token dim: divisible by the default 8 heads
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@contextmanager
+def recording(module: torch.nn.Module):
+    """Attach one sink to every tap under ``module`` (what a recorder does); yields the list of records."""
+    sink = []
+    taps = [(name, m) for name, m in module.named_modules() if isinstance(m, AttentionTap)]
+    for name, tap in taps:
+        tap.sink, tap.record_name = sink, name
+    try:
+        yield sink
+    finally:
+        for _, tap in taps:
+            tap.sink = None
+
+
+def is_pool(name: str) -> bool:
+    return attention_info(name)["kind"] == "pool"
+
+
+def expected_shape(name: str, b: int, n: int):
+    return (b, D) if is_pool(name) else (b, n, D)
+
+
+def qkv_of(block, x):
+    """Written-out q, k, v, each ``(B, heads, N, d)``, from the block's own projection weights."""
+    B, N, _ = x.shape
+    h, d = block.num_heads, block.head_dim
+    qkv = x @ block.qkv.weight.T + block.qkv.bias
+    q, k, v = qkv.split(D, dim=-1)
+    return [t.reshape(B, N, h, d).transpose(1, 2) for t in (q, k, v)]
+
+
+def finish(block, attn, v):
+    """``softmax(...) V``, heads merged, output projection."""
+    B, h, N, d = v.shape
+    out = (attn @ v).transpose(1, 2).reshape(B, N, h * d)
+    return out @ block.proj.weight.T + block.proj.bias
+
+
+# ---- generic contract ----------------------------------------------------------------------------------
+def test_token_blocks_are_registered():
+    assert {"mhsa", "lsa", "seqpool"} <= set(TOKEN_BLOCKS)
+    assert attention_info("seqpool")["kind"] == "pool"
+    assert attention_info("mhsa")["kind"] == attention_info("lsa")["kind"] == "token"
+
+
+@pytest.mark.parametrize("name", TOKEN_BLOCKS)
+@pytest.mark.parametrize("b,n", [(2, 7), (1, 9), (3, 16)])  # odd N, batch 1
+def test_shape_and_grads(name, b, n):
+    block = create_attention(name, D)
+    x = torch.randn(b, n, D, requires_grad=True)
+    out = block(x)
+    assert out.shape == expected_shape(name, b, n)
+    out.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    for pname, p in block.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+
+
+@pytest.mark.parametrize("name", TOKEN_BLOCKS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_module_cast(name, dtype):
+    block = create_attention(name, D).to(dtype)
+    x = torch.randn(2, 7, D, dtype=dtype)
+    out = block(x)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    with recording(block) as recs:
+        out_tap = block(x)
+    assert out_tap.dtype == dtype and torch.isfinite(out_tap).all()
+    assert recs and all(r.weights.dtype == torch.float32 for r in recs)
+    assert torch.allclose(recs[0].weights.sum(-1), torch.ones(()), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", TOKEN_BLOCKS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast(name, dtype):
+    block = create_attention(name, D)
+    x = torch.randn(2, 7, D, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        out = block(x)
+        with recording(block) as recs:
+            out_tap = block(x)
+    assert out.dtype == dtype and torch.isfinite(out).all() and torch.isfinite(out_tap).all()
+    assert recs[0].weights.dtype == torch.float32
+    out.float().sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("name", TOKEN_BLOCKS)
+def test_tap_records_shape_grid_and_rows_sum_to_one(name):
+    # N = 1 prefix token + a 2x3 grid = 7 tokens
+    block = create_attention(name, D, grid=(2, 3), num_prefix_tokens=1)
+    x = torch.randn(2, 7, D)
+    with recording(block) as recs:
+        block(x)
+    assert len(recs) == 1
+    rec = recs[0]
+    assert rec.kind == attention_info(name)["kind"]
+    assert rec.grid == (2, 3) and rec.num_prefix_tokens == 1
+    if rec.kind == "pool":
+        assert rec.weights.shape == (2, 7)
+    else:
+        assert rec.weights.shape == (2, block.num_heads, 7, 7)
+    assert (rec.weights >= 0).all()
+    assert torch.allclose(rec.weights.sum(-1), torch.ones(()), atol=1e-5)
+    # a grid that does not fit the sequence is reported, not silently recorded
+    with recording(block), pytest.raises(ValueError, match="grid"):
+        block(torch.randn(2, 8, D))
+
+
+@pytest.mark.parametrize("name", TOKEN_BLOCKS)
+def test_forward_alone_works_and_tap_is_off_by_default(name):
+    block = create_attention(name, D)
+    assert isinstance(block.tap, AttentionTap) and not block.tap.active
+    assert block(torch.randn(2, 5, D)).shape == expected_shape(name, 2, 5)
+
+
+@pytest.mark.parametrize("name", TOKEN_BLOCKS)
+def test_tap_does_not_change_output(name):
+    # recording switches fused blocks to the explicit fp32 path: both must compute the same thing
+    block = create_attention(name, D).eval()
+    x = torch.randn(2, 9, D)
+    out = block(x)
+    with recording(block):
+        out_tap = block(x)
+    assert (out - out_tap).abs().max() <= 1e-5
+
+
+def _large_input_cases():
+    cases = [(name, {}) for name in TOKEN_BLOCKS]
+    cases += [("mhsa", {"score": s}) for s in SCORES if s != "scaled_dot"]
+    cases += [("mhsa", {"hard": 2}), ("lsa", {"hard": "argmax"})]
+    return [pytest.param(n, kw, id="-".join([n, *(f"{k}={v}" for k, v in kw.items())])) for n, kw in cases]
+
+
+@pytest.mark.parametrize("name,kw", _large_input_cases())
+def test_fp16_autocast_large_inputs_stay_finite(name, kw):
+    block = create_attention(name, D, **kw).eval()
+    x = 1000.0 * torch.randn(2, 9, D)
+    with torch.autocast("cpu", dtype=torch.float16):
+        if hasattr(block, "qkv"):
+            # the premise: fp16 logits of these inputs overflow, so a naive fp16 softmax would give NaN
+            q, k, _ = block.qkv(x).split(D, dim=-1)
+            assert torch.isinf(q[:, :, :4].half() @ k[:, :, :4].half().transpose(1, 2)).any()
+        out = block(x)
+        with recording(block) as recs:
+            out_tap = block(x)
+    assert torch.isfinite(out).all() and torch.isfinite(out_tap).all()
+    assert torch.isfinite(recs[0].weights).all()
+    assert torch.allclose(recs[0].weights.sum(-1), torch.ones(()), atol=1e-4)
+
+
+def test_unknown_option_and_bad_dims_are_rejected():
+    with pytest.raises(ValueError, match="unknown option"):
+        create_attention("mhsa", D, heads=4)
+    with pytest.raises(ValueError, match="divisible"):
+        create_attention("mhsa", 30, num_heads=8)
+    with pytest.raises(ValueError, match="expects"):
+        create_attention("mhsa", D)(torch.randn(2, 5, D + 1))
+
+
+# ---- mhsa -----------------------------------------------------------------------------------------------
+def test_mhsa_equals_written_out_attention_fused_and_recorded():
+    block = create_attention("mhsa", D, num_heads=4).eval()
+    x = torch.randn(2, 9, D)
+    q, k, v = qkv_of(block, x)
+    attn = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(D // 4), dim=-1)  # (B, h, N, N)
+    ref = finish(block, attn, v)
+    assert not block.tap.active
+    assert (block(x) - ref).abs().max() <= 1e-5  # fused path
+    with recording(block) as recs:
+        out = block(x)  # explicit path
+    assert (out - ref).abs().max() <= 1e-5
+    assert (recs[0].weights - attn).abs().max() <= 1e-6
+
+
+def _score_reference(block, q, k):
+    """The textbook formula of each score, written out per head (``(B, h, N, N)`` logits)."""
+    d = block.head_dim
+    if block.score == "scaled_dot":
+        return q @ k.transpose(-2, -1) / math.sqrt(d)
+    if block.score == "dot":
+        return q @ k.transpose(-2, -1)
+    if block.score == "general":
+        W = block.general_weight  # (h, d, d)
+        return torch.stack([q[:, h] @ W[h] @ k[:, h].transpose(-2, -1) for h in range(block.num_heads)], 1)
+    # additive: s_ij = v^T tanh(q_i + k_j), one pair at a time
+    B, H, N, _ = q.shape
+    out = torch.empty(B, H, N, N)
+    for h in range(H):
+        for i in range(N):
+            for j in range(N):
+                out[:, h, i, j] = torch.tanh(q[:, h, i] + k[:, h, j]) @ block.additive_v[h]
+    return out
+
+
+@pytest.mark.parametrize("score", SCORES)
+def test_each_score_equals_its_formula(score):
+    block = create_attention("mhsa", D, num_heads=4, score=score).eval()
+    if score == "general":
+        with torch.no_grad():  # move W away from its I/sqrt(d) init so the test sees a real bilinear form
+            block.general_weight.add_(0.3 * torch.randn_like(block.general_weight))
+    x = torch.randn(2, 5, D)
+    q, k, v = qkv_of(block, x)
+    attn = torch.softmax(_score_reference(block, q, k), dim=-1)
+    ref = finish(block, attn, v)
+    assert (block(x) - ref).abs().max() <= 1e-5
+    with recording(block) as recs:
+        assert (block(x) - ref).abs().max() <= 1e-5
+    assert (recs[0].weights - attn).abs().max() <= 1e-6
+
+
+def test_dot_and_scaled_dot_differ_and_general_starts_as_scaled_dot():
+    x = torch.randn(2, 5, D)
+    torch.manual_seed(1)
+    scaled = create_attention("mhsa", D, score="scaled_dot")
+    torch.manual_seed(1)
+    dot = create_attention("mhsa", D, score="dot")
+    torch.manual_seed(1)
+    general = create_attention("mhsa", D, score="general")
+    assert (scaled(x) - dot(x)).abs().max() > 1e-3
+    assert (scaled(x) - general(x)).abs().max() <= 1e-5
+
+
+def test_unknown_score_lists_valid_ones():
+    with pytest.raises(ValueError, match="scaled_dot.*dot.*general.*additive"):
+        create_attention("mhsa", D, score="cosine")
+
+
+@pytest.mark.parametrize("hard,k", [("argmax", 1), (1, 1), (3, 3)])
+def test_hard_attention_keeps_top_k_per_row_in_eval(hard, k):
+    block = create_attention("mhsa", D, num_heads=4, hard=hard).eval()
+    x = torch.randn(2, 9, D)
+    q, k_, v = qkv_of(block, x)
+    soft = torch.softmax(q @ k_.transpose(-2, -1) / math.sqrt(block.head_dim), dim=-1)
+    out = block(x)
+    with recording(block) as recs:
+        out_tap = block(x)
+    w = recs[0].weights
+    assert ((w > 0).sum(-1) == k).all()
+    assert torch.allclose(w.sum(-1), torch.ones(()), atol=1e-6)
+    # the kept entries are the k largest soft weights, renormalised
+    kept = torch.zeros_like(soft).scatter(-1, soft.topk(k, dim=-1).indices, 1.0).bool()
+    assert torch.equal(w > 0, kept)
+    renorm = soft * kept / (soft * kept).sum(-1, keepdim=True)
+    assert (w - renorm).abs().max() <= 1e-6
+    # those weights are what the block applied, with and without the tap
+    ref = finish(block, w, v)
+    assert (out_tap - ref).abs().max() <= 1e-5 and (out - ref).abs().max() <= 1e-5
+
+
+def test_hard_attention_is_ignored_in_training():
+    torch.manual_seed(3)
+    soft = create_attention("mhsa", D, hard=None)
+    torch.manual_seed(3)
+    hard = create_attention("mhsa", D, hard="argmax")
+    x = torch.randn(2, 9, D)
+    assert (soft.train()(x) - hard.train()(x)).abs().max() <= 1e-6
+    assert (soft.eval()(x) - hard.eval()(x)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "max", 2.0])
+def test_bad_hard_option_is_rejected(bad):
+    with pytest.raises(ValueError, match="hard"):
+        create_attention("mhsa", D, hard=bad)
+    block = create_attention("mhsa", D)
+    with pytest.raises(ValueError, match="hard"):
+        block.hard = bad  # also when set on a built block
+
+
+def test_hard_can_be_switched_on_a_built_block():
+    block = create_attention("lsa", D).eval()
+    block.hard = 2
+    with recording(block) as recs:
+        block(torch.randn(2, 9, D))
+    assert ((recs[0].weights > 0).sum(-1) == 2).all()
+    assert (torch.diagonal(recs[0].weights, dim1=-2, dim2=-1) == 0).all()
+
+
+# ---- lsa ------------------------------------------------------------------------------------------------
+def test_lsa_masks_the_diagonal_and_learns_its_temperature():
+    block = create_attention("lsa", D, num_heads=4)
+    assert isinstance(block.temperature, torch.nn.Parameter) and block.temperature.requires_grad
+    assert torch.allclose(block.temperature, torch.full((4,), math.sqrt(D // 4)))  # paper init: sqrt(d)
+    x = torch.randn(2, 7, D)
+    with recording(block) as recs:
+        block(x)
+    w = recs[0].weights
+    assert (torch.diagonal(w, dim1=-2, dim2=-1) == 0).all()
+    assert torch.allclose(w.sum(-1), torch.ones(()), atol=1e-6)
+
+    block(x).square().sum().backward()  # the fused training path reaches the temperature
+    assert block.temperature.grad is not None and block.temperature.grad.abs().sum() > 0
+
+
+def test_lsa_equals_written_out_formula():
+    block = create_attention("lsa", D, num_heads=4)
+    with torch.no_grad():
+        block.temperature.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # distinct per head
+    x = torch.randn(2, 7, D)
+    q, k, v = qkv_of(block, x)
+    logits = q @ k.transpose(-2, -1) / block.temperature.view(1, -1, 1, 1)
+    logits = logits.masked_fill(torch.eye(7, dtype=torch.bool), float("-inf"))
+    attn = torch.softmax(logits, dim=-1)
+    ref = finish(block, attn, v)
+    assert (block(x) - ref).abs().max() <= 1e-5  # fused
+    with recording(block) as recs:
+        assert (block(x) - ref).abs().max() <= 1e-5  # explicit
+    assert (recs[0].weights - attn).abs().max() <= 1e-6
+
+
+def test_lsa_needs_two_tokens():
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        create_attention("lsa", D)(torch.randn(2, 1, D))
+
+
+# ---- seqpool --------------------------------------------------------------------------------------------
+def test_seqpool_is_a_softmax_weighted_sum():
+    block = create_attention("seqpool", D, grid=(3, 3))
+    x = torch.randn(2, 9, D)
+    w = torch.softmax((x @ block.attention_pool.weight.T + block.attention_pool.bias).squeeze(-1), dim=1)
+    ref = (w.unsqueeze(-1) * x).sum(1)
+    with recording(block) as recs:
+        out = block(x)
+    assert out.shape == (2, D) and (out - ref).abs().max() <= 1e-5
+    assert (recs[0].weights - w).abs().max() <= 1e-6
+    assert recs[0].grid == (3, 3)

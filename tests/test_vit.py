@@ -1,0 +1,189 @@
+"""Transformer models (family "vit" and "hybrid"): forward/backward per variant, sizes, tap grids, options."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from visattn.attention import AttentionTap
+from visattn.models import create_model, list_models
+from visattn.models.vit import ShiftedPatchTokenizer
+
+VIT = list_models("vit")
+HYBRID = list_models("hybrid")
+TRANSFORMERS = VIT + HYBRID
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@contextmanager
+def recording(module: torch.nn.Module):
+    """Attach one sink to every tap under ``module`` (what a recorder does); yields the list of records."""
+    sink = []
+    taps = [(name, m) for name, m in module.named_modules() if isinstance(m, AttentionTap)]
+    for name, tap in taps:
+        tap.sink, tap.record_name = sink, name.removesuffix(".tap")
+    try:
+        yield sink
+    finally:
+        for _, tap in taps:
+            tap.sink = None
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# Variants run at depth 2 (the code paths do not depend on depth; the 2-core CI box is slow); the default
+# configuration of every model runs at full size.
+SHALLOW = {"depth": 2}
+VARIANTS = [
+    {"pool": "cls"},
+    {"pool": "mean"},
+    {"pool": "seq"},
+    {"attn": "lsa"},
+    {"attn_kwargs": {"score": "general"}},
+]
+
+
+def _cases():
+    cases = [(m, {}) for m in TRANSFORMERS]
+    cases += [(m, {**kw, **SHALLOW}) for m in TRANSFORMERS for kw in VARIANTS]
+    spt = ({"spt": True}, {"spt": True, "attn": "lsa", "pool": "mean"})
+    cases += [(m, {**kw, **SHALLOW}) for m in VIT for kw in spt]
+    return [pytest.param(m, kw, id="-".join([m, *(f"{k}={v}" for k, v in kw.items())])) for m, kw in cases]
+
+
+def test_both_families_are_registered():
+    assert {"vit_tiny", "vit_small"} <= set(VIT)
+    assert {"cct_2", "cct_7"} <= set(HYBRID)
+
+
+@pytest.mark.parametrize("name,kw", _cases())
+def test_forward_backward(name, kw):
+    model = create_model(name, num_classes=7, **kw)
+    x = torch.randn(2, 3, 32, 32)
+    out = model(x)
+    assert out.shape == (2, 7) and torch.isfinite(out).all()
+    out.logsumexp(-1).sum().backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, missing
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    assert model.pool == kw.get("pool", "seq" if name in HYBRID else "cls")
+
+
+@pytest.mark.parametrize(
+    "name,low,high",
+    [("vit_tiny", 2.5e6, 2.9e6), ("vit_small", 5.5e6, 6.5e6), ("cct_2", 0.2e6, 0.4e6), ("cct_7", 3.5e6, 4.0e6)],
+)
+def test_parameter_counts(name, low, high):
+    assert low <= n_params(create_model(name, num_classes=10)) <= high
+
+
+def test_vit_tiny_is_the_small_dataset_configuration():
+    model = create_model("vit_tiny")
+    assert model.grid_size == (8, 8) and len(model.blocks) == 9 and model.embed_dim == 192
+    assert model.blocks[0].attn.num_heads == 12 and model.blocks[0].mlp.fc1.out_features == 384
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+@pytest.mark.parametrize("pool", ["cls", "seq"])
+def test_taps_report_grid_and_prefix_tokens(name, pool):
+    model = create_model(name, num_classes=7, pool=pool, **SHALLOW).eval()
+    h, w = model.grid_size
+    n_prefix = model.num_prefix_tokens
+    assert n_prefix == (1 if pool == "cls" else 0)
+    with recording(model) as recs:
+        model(torch.randn(2, 3, 32, 32))
+    tokens = [r for r in recs if r.kind == "token"]
+    pools = [r for r in recs if r.kind == "pool"]
+    assert len(tokens) == len(model.blocks) and len(pools) == (1 if pool == "seq" else 0)
+    for r in tokens:
+        assert r.grid == (h, w) and r.num_prefix_tokens == n_prefix
+        heads = r.weights.shape[1]
+        assert r.weights.shape == (2, heads, h * w + n_prefix, h * w + n_prefix)
+    for r in pools:
+        assert r.name == "seq_pool" and r.grid == (h, w) and r.weights.shape == (2, h * w)
+
+
+def test_expected_grids():
+    assert create_model("vit_tiny", patch_size=8).grid_size == (4, 4)
+    assert create_model("cct_2").grid_size == (8, 8)  # two conv+pool stages: 32 -> 16 -> 8
+    assert create_model("cct_7").grid_size == (16, 16)  # one stage: 32 -> 16
+
+
+@pytest.mark.parametrize("name,grid", [("vit_tiny", (8, 12)), ("cct_2", (8, 12)), ("cct_7", (16, 24))])
+def test_non_square_images(name, grid):
+    model = create_model(name, num_classes=7, img_size=(32, 48), pool="cls", **SHALLOW)
+    assert model.grid_size == grid
+    with recording(model) as recs:
+        out = model(torch.randn(2, 3, 32, 48))
+    assert out.shape == (2, 7)
+    assert all(r.grid == grid and r.weights.shape[-1] == grid[0] * grid[1] + 1 for r in recs)
+    with pytest.raises(ValueError, match="expects"):
+        model(torch.randn(2, 3, 32, 32))
+
+
+def test_non_square_spt():
+    model = create_model("vit_tiny", num_classes=7, img_size=(32, 48), spt=True, **SHALLOW)
+    assert model(torch.randn(1, 3, 32, 48)).shape == (1, 7)
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_recorded_class_token_row_sums_to_one(name):
+    model = create_model(name, pool="cls", **SHALLOW).eval()
+    with recording(model) as recs:
+        model(torch.randn(2, 3, 32, 32))
+    last = [r for r in recs if r.kind == "token"][-1]
+    cls_row = last.weights[:, :, 0, :]  # (B, heads, N): what the class token reads from every token
+    assert cls_row.shape[-1] == model.grid_size[0] * model.grid_size[1] + 1
+    assert torch.allclose(cls_row.sum(-1), torch.ones(()), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_unknown_and_bad_options_are_rejected(name):
+    with pytest.raises(ValueError, match="unknown option"):
+        create_model(name, num_classes=7, pooling="cls")
+    with pytest.raises(ValueError, match="pool"):
+        create_model(name, pool="max")
+    with pytest.raises(ValueError, match="attn"):
+        create_model(name, attn="seqpool")
+    with pytest.raises(ValueError, match="unknown attention block"):
+        create_model(name, attn="nope")
+    with pytest.raises(ValueError, match="score"):
+        create_model(name, attn_kwargs={"score": "cosine"})
+    with pytest.raises(ValueError, match="grid"):
+        create_model(name, attn_kwargs={"grid": (2, 2)})
+
+
+def test_vit_rejects_indivisible_image_size():
+    with pytest.raises(ValueError, match="divisible"):
+        create_model("vit_tiny", img_size=30)
+
+
+def test_attn_kwargs_reach_every_block():
+    model = create_model("vit_tiny", attn_kwargs={"score": "dot", "hard": 2})
+    assert all(b.attn.score == "dot" and b.attn.hard == 2 for b in model.blocks)
+    lsa = create_model("cct_2", attn="lsa")
+    assert all(type(b.attn).__name__ == "LocalitySelfAttention" for b in lsa.blocks)
+
+
+def test_shifted_patch_tokenizer_shifts_by_half_a_patch_diagonally():
+    tok = ShiftedPatchTokenizer((8, 8), patch_size=4, in_chans=1, dim=8)
+    tok.norm, tok.proj = torch.nn.Identity(), torch.nn.Identity()  # look at the raw patch vectors
+    img = torch.zeros(1, 1, 8, 8)
+    img[0, 0, 3, 3] = 1.0
+    patches = tok(img)  # (1, 4 tokens, 4*4*5)
+    assert patches.shape == (1, 4, 80)
+    found = set()
+    for token, feat in (patches[0] == 1).nonzero().tolist():
+        y = (token // 2) * 4 + (feat // 5) // 4  # patch row, then row within the patch
+        x = (token % 2) * 4 + (feat // 5) % 4
+        found.add((feat % 5, y, x))  # (channel, pixel)
+    # channel 0 is the image itself; the four shifted copies move the pixel by (+-2, +-2)
+    assert {c for c, _, _ in found} == {0, 1, 2, 3, 4} and len(found) == 5
+    assert {(y, x) for _, y, x in found} == {(3, 3), (1, 1), (1, 5), (5, 1), (5, 5)}
