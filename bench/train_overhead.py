@@ -1,0 +1,100 @@
+"""Images/s of visattn's training loop against a bare PyTorch loop, and bf16 against fp32, in one process.
+
+    python bench/train_overhead.py [--model resnet_fast] [--batch 512] [--steps 12] [--repeats 3]
+
+Baseline ("bare"): a plain loop over batches already in memory — autocast forward, cross-entropy,
+zero_grad, backward, SGD step — on the same model, batch size and precision. "visattn" is
+``engine.train_one_epoch`` fed by the ``TensorLoader`` (batch gather, normalisation, and in the "+aug" row
+the pad-crop and flip augmentation), with its schedule, statistics and non-finite checks. Repeats are
+interleaved and the median is reported; the ratio is visattn / bare (1.0 = no overhead).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from visattn import engine
+from visattn.config import load_config
+from visattn.data import ImageSet, TensorLoader
+from visattn.models import create_model
+
+
+def bare_loop(model, batches, opt, precision):
+    model.train()
+    t = time.perf_counter()
+    for xb, yb in batches:
+        with engine.autocast(torch.device("cpu"), precision):
+            out = model(xb)
+        loss = F.cross_entropy(out.float(), yb)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return time.perf_counter() - t
+
+
+def visattn_loop(model, loader, opt, sched, precision):
+    t = time.perf_counter()
+    engine.train_one_epoch(model, loader, opt, sched, device=torch.device("cpu"), precision=precision)
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="resnet_fast")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    n = args.batch * args.steps
+    rng = np.random.default_rng(0)
+    images = ImageSet(rng.integers(0, 255, (n, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, n), tuple("abcdefghij"))
+    dcfg = load_config(None, []).data
+    mean, std = dcfg.mean, dcfg.std
+
+    def make(precision):
+        model = create_model(args.model, num_classes=10).to(memory_format=torch.channels_last)
+        opt = engine.build_optimizer(model, "sgd", 0.05, 5e-4)
+        return model, opt
+
+    results = {}
+    for precision in ("bf16", "fp32"):
+        model, opt = make(precision)
+        sched = engine.StepScheduler(opt, "constant", 0.05, 10**6, 0)
+        plain = TensorLoader(images, args.batch, mean, std, train=True, augment=None, seed=0, channels_last=True)
+        aug = TensorLoader(images, args.batch, mean, std, train=True, augment=dcfg.augment, seed=0, channels_last=True)
+        batches = [(xb.clone(), yb.clone()) for xb, yb in plain]  # the bare loop's data: ready in memory
+        plain.set_epoch(0)
+        # warm-up (allocator, oneDNN primitive caches)
+        bare_loop(model, batches[:2], opt, precision)
+        times = {"bare": [], "visattn": [], "visattn+aug": []}
+        reps = args.repeats if precision == "bf16" else 1
+        for _ in range(reps):
+            times["bare"].append(bare_loop(model, batches, opt, precision))
+            times["visattn"].append(visattn_loop(model, plain, opt, sched, precision))
+            if precision == "bf16":
+                times["visattn+aug"].append(visattn_loop(model, aug, opt, sched, precision))
+        results[precision] = {k: n / statistics.median(v) for k, v in times.items() if v}
+
+    b = results["bf16"]
+    print(f"model {args.model}, batch {args.batch}, {args.steps} steps x {args.repeats} interleaved repeats, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"{'loop':<26}{'images/s':>10}{'ratio vs bare':>16}")
+    for k in ("bare", "visattn", "visattn+aug"):
+        print(f"{'bf16 ' + k:<26}{b[k]:>10.0f}{b[k] / b['bare']:>16.3f}")
+    f = results["fp32"]
+    for k in ("bare", "visattn"):
+        print(f"{'fp32 ' + k:<26}{f[k]:>10.0f}{f[k] / f['bare']:>16.3f}")
+    print(f"bf16 autocast vs fp32 (bare loop): {b['bare'] / f['bare']:.2f}x images/s")
+
+
+if __name__ == "__main__":
+    main()
