@@ -54,6 +54,7 @@ class DataConfig(_Section):
     root: str = "data"
     download: bool = False  # torchvision source only: fetch CIFAR-10 into root when absent
     val_size: int = Field(5000, ge=0, description="held-out validation images (stratified) when there is no test split")
+    split_seed: int = Field(0, ge=0)  # seeds the held-out split and the subset, apart from the run's seed
     use_test_split: bool = True  # a test/ folder or the official test batch, when present, is the eval split
     subset: Optional[int] = Field(None, ge=10, description="use only this many training images (stratified)")
     cache_dir: Optional[str] = None  # decoded uint8 arrays; default: <XDG cache>/visattn

@@ -110,18 +110,60 @@ class FastGroup(nn.Module):
         return self.units(self.act(self.bn(self.pool(self.conv(x)))))
 
 
+class WhiteningStem(nn.Module):
+    """A frozen 2x2 conv whose filters whiten 2x2 image patches (their covariance's eigenvectors scaled by
+    1/sqrt(eigenvalue), and the negatives), as in Jordan 2024 (arXiv 2404.00498); only its bias trains.
+
+    The filters are computed from training images by :meth:`data_init` before training starts; they are
+    ordinary parameters afterwards, so a checkpoint carries them.
+    """
+
+    def __init__(self, in_chans: int = 3, patch: int = 2, eps: float = 5e-4):
+        super().__init__()
+        d = in_chans * patch * patch
+        self.conv = nn.Conv2d(in_chans, 2 * d, patch, padding=0, bias=True)
+        self.conv.weight.requires_grad_(False)
+        self.conv._visattn_keep_init = True
+        self.act = nn.GELU()
+        self.eps = eps
+        self.out_channels = 2 * d
+
+    @torch.no_grad()
+    def data_init(self, images: torch.Tensor) -> None:
+        """``images``: normalised float ``(N, C, H, W)``."""
+        c, k = self.conv.in_channels, self.conv.kernel_size[0]
+        patches = images.float().unfold(2, k, 1).unfold(3, k, 1)  # (N, C, H', W', k, k)
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, c * k * k).double()
+        patches = patches - patches.mean(0, keepdim=True)
+        cov = patches.T @ patches / len(patches)
+        evals, evecs = torch.linalg.eigh(cov)
+        filters = (evecs.T / torch.sqrt(evals + self.eps)[:, None]).view(-1, c, k, k)  # (d, C, k, k)
+        self.conv.weight.copy_(torch.cat([filters, -filters]).to(self.conv.weight.dtype))
+        self.conv.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.conv(x))
+
+
 class FastResNet(nn.Module):
-    """Stem conv (3 -> ``stem_width``), three :class:`FastGroup`s, global max-pool, linear head."""
+    """Stem (3x3 conv, or a frozen whitening 2x2 conv), three :class:`FastGroup`s, global max-pool, linear head."""
 
     def __init__(self, widths: Sequence[int] = (64, 256, 256), units: Sequence[int] = (1, 1, 1), stem_width: int = 32,
                  num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
-                 in_chans: int = 3, head_scale: float = 1.0):
+                 in_chans: int = 3, head_scale: float = 1.0, stem: str = "conv"):
         super().__init__()
         if len(widths) != len(units):
             raise ValueError(f"widths has {len(widths)} entries but units has {len(units)}")
+        if stem not in ("conv", "whiten"):
+            raise ValueError(f"stem must be 'conv' or 'whiten', not {stem!r}")
         names = _per_stage(attention, len(widths))
         kw = dict(attn_kwargs or {})
-        self.stem = nn.Sequential(conv3x3(in_chans, stem_width), nn.BatchNorm2d(stem_width), nn.GELU())
+        if stem == "whiten":
+            self.stem = WhiteningStem(in_chans)
+            stem_width = self.stem.out_channels
+        else:
+            self.stem = nn.Sequential(conv3x3(in_chans, stem_width), nn.BatchNorm2d(stem_width), nn.GELU())
+        self.needs_data_init = stem == "whiten"
         groups, cin = [], stem_width
         for w, u, name in zip(widths, units, names):
             groups.append(FastGroup(cin, w, u, name, kw))
@@ -131,6 +173,13 @@ class FastResNet(nn.Module):
         self.fc = nn.Linear(cin, num_classes, bias=False)
         self.head_scale = head_scale
         _init_weights(self)
+
+    def data_init(self, images_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> None:
+        """Compute the whitening stem from training images (uint8 ``(N, C, H, W)``); no-op for a conv stem."""
+        if isinstance(self.stem, WhiteningStem):
+            m = torch.tensor(mean).view(1, -1, 1, 1)
+            s = torch.tensor(std).view(1, -1, 1, 1)
+            self.stem.data_init((images_uint8.float() / 255 - m) / s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(self.stem(x))
@@ -160,7 +209,11 @@ def resnet34(num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: O
 @register_model("resnet_fast", family="cnn")
 def resnet_fast(num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
                 widths: Sequence[int] = (64, 256, 256), units: Sequence[int] = (1, 1, 1), stem_width: int = 32,
-                head_scale: float = 1.0, in_chans: int = 3) -> FastResNet:
-    """Small fast CIFAR ResNet (about 2M parameters at widths 64-256-256) for CPU budgets."""
+                head_scale: float = 1.0, in_chans: int = 3, stem: str = "conv") -> FastResNet:
+    """Small fast CIFAR ResNet (about 2M parameters at widths 64-256-256) for CPU budgets.
+
+    ``stem="whiten"`` replaces the 3x3 stem conv with a frozen patch-whitening 2x2 conv computed from the
+    training images (the trainer calls ``data_init`` before the first step).
+    """
     return FastResNet(widths=widths, units=units, stem_width=stem_width, num_classes=num_classes,
-                      attention=attention, attn_kwargs=attn_kwargs, in_chans=in_chans, head_scale=head_scale)
+                      attention=attention, attn_kwargs=attn_kwargs, in_chans=in_chans, head_scale=head_scale, stem=stem)

@@ -1,0 +1,24 @@
+"""Every shipped config loads and trains a few steps on synthetic data (attention maps logged too)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from visattn.config import load_config
+from visattn.trainer import run
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(ROOT.glob("configs/**/*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT / "configs")) for p in CONFIGS])
+def test_config_trains_a_few_steps(path, tmp_path):
+    cfg = load_config(path, [
+        f"run_dir={tmp_path / 'run'}", "data.source=synthetic", "data.synthetic_size=120", "data.val_size=40",
+        "train.batch_size=40", "train.epochs=1", "eval.batch_size=40", "log.progress=false", "log.probe_size=2",
+        "compile=false",  # torch.compile itself is covered by tests/test_train.py::test_compile_on_cpu
+    ])
+    summary = run(cfg, log=lambda *a: None)
+    assert summary["epochs"] == 1 and summary["final"]["images_per_s"] > 0
+    assert (tmp_path / "run" / "best.pt").is_file()
