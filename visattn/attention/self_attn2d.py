@@ -1,1 +1,185 @@
-"""(being written)"""
+"""Self-attention over the H x W positions of a feature map, ``(B, C, H, W) -> (B, C, H, W)``.
+
+* ``nonlocal``: the non-local block, embedded-Gaussian form (Wang, Girshick, Gupta, He, 2018, "Non-local
+  Neural Networks", arXiv 1711.07971).
+* ``mhsa2d``: multi-head self-attention with BoTNet's 2D relative-position logits (Srinivas, Lin, Parmar,
+  Shlens, Abbeel, Vaswani, 2021, "Bottleneck Transformers for Visual Recognition", arXiv 2101.11605).
+
+Both are residual blocks whose output path ends in a BatchNorm with zero-initialised scale, so they start
+as the identity and can be dropped into a trained network. Both attend over all ``N = H * W`` positions:
+time and (on the explicit paths) memory grow as ``N**2``, so they suit the later, smaller stages.
+
+Observation: the tap (kind ``"token"``) carries ``(B, heads, N, N)`` row-stochastic weights with
+``grid=(H, W)`` and no prefix tokens. The training path is fused ``F.scaled_dot_product_attention``; on
+recording passes (``tap.active``) the softmax is computed explicitly in fp32, passed through the tap, and
+that same tensor multiplies the values.
+"""
+from __future__ import annotations
+
+from typing import Optional, Type
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .channel import check_channels, reduced_channels
+from .registry import register_attention
+from .tap import AttentionTap
+
+__all__ = ["NonLocal2d", "MHSA2d", "rel_pos_embed"]
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """``(B, C, H, W) -> (B, N, C)`` view (contiguous for channels_last input)."""
+    return x.flatten(2).transpose(1, 2)
+
+
+def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``(B, heads, N, d)`` attention output -> ``(B, heads * d, H, W)`` in the memory format of ``like``
+    (mixing formats would send the BN that follows down a slow path)."""
+    B, n, N, d = y.shape
+    H, W = like.shape[-2:]
+    y = y.permute(0, 2, 1, 3).reshape(B, H, W, n * d).permute(0, 3, 1, 2)  # channels-last strided
+    cl = like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous()
+    return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+
+
+def _attend(block: nn.Module, q, k, v, H: int, W: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Softmax attention ``(B, n, N, d)`` -> ``(B, n, N, d)``, scores ``q k^T * block.scale (+ bias)``."""
+    if block.tap.active:
+        logits = (q.float() * block.scale) @ k.float().transpose(-2, -1)  # (B, n, N, N) fp32
+        if bias is not None:
+            logits = logits + bias.float()
+        attn = block.tap(logits.softmax(dim=-1), grid=(H, W), num_prefix_tokens=0)
+        return (attn @ v.float()).to(v.dtype)
+    mask = None if bias is None else bias.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=block.scale)
+
+
+@register_attention("nonlocal", layout="feature", kind="token")
+class NonLocal2d(nn.Module):
+    """Non-local block, embedded Gaussian (Wang, Girshick, Gupta, He, 2018, arXiv 1711.07971).
+
+    ``theta``, ``phi``, ``g``: 1x1 convs ``C -> C * rd_ratio`` (the paper halves the width), computed as
+    one linear map ``qkv`` over the position tokens, which gives the fused attention its preferred layout;
+    ``softmax(theta^T phi)`` over all positions weights ``g``; a 1x1 conv ``W_z`` back to ``C`` and
+    BatchNorm whose scale is zero-initialised, added to the input: ``z = BN(W_z y) + x`` starts as the
+    identity. ``use_scale`` divides the logits by ``sqrt(C * rd_ratio)`` as the paper's code does.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        rd_ratio: float = 1.0 / 2,
+        rd_channels: Optional[int] = None,
+        use_scale: bool = True,
+        norm_layer: Type[nn.Module] = nn.BatchNorm2d,
+    ):
+        super().__init__()
+        check_channels(channels)
+        inter = reduced_channels(channels, rd_ratio, rd_channels, 1)
+        self.inter_channels = inter
+        self.scale = inter**-0.5 if use_scale else 1.0
+        self.qkv = nn.Linear(channels, 3 * inter)  # theta, phi, g stacked, applied per position
+        self.proj = nn.Conv2d(inter, channels, kernel_size=1)  # W_z
+        self.norm = norm_layer(channels)
+        self.tap = AttentionTap("token")
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for layer in (self.qkv, self.proj):
+            nn.init.kaiming_normal_(layer.weight, mode="fan_out", nonlinearity="relu")
+            nn.init.zeros_(layer.bias)
+        if getattr(self.norm, "weight", None) is not None:
+            nn.init.zeros_(self.norm.weight)  # the block starts as the identity
+            nn.init.zeros_(self.norm.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x.shape
+        d = self.inter_channels
+        qkv = self.qkv(_tokens(x))  # (B, N, 3d)
+        q, k, v = qkv.view(B, 1, H * W, 3 * d).split(d, dim=-1)  # (B, 1, N, d) each
+        y = _attend(self, q, k, v, H, W)  # (B, 1, N, d)
+        return x + self.norm(self.proj(_to_map(y, x)))
+
+
+def _rel_table(table: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``2 * size - 1`` offsets ``-(size-1) .. size-1`` of a ``(2M - 1, d)`` table centred on offset 0:
+    sliced when ``size <= M``, linearly resampled when the map is larger than the table."""
+    M = (table.shape[0] + 1) // 2
+    if size <= M:
+        return table[M - size : M + size - 1]
+    return F.interpolate(table.t()[None], size=2 * size - 1, mode="linear", align_corners=True)[0].t()
+
+
+def rel_pos_embed(table: torch.Tensor, size: int) -> torch.Tensor:
+    """``(size, size, d)`` embeddings ``E[i, j] = table[offset j - i]`` for one axis."""
+    t = _rel_table(table, size)
+    pos = torch.arange(size, device=table.device)
+    return t[pos[None, :] - pos[:, None] + size - 1]
+
+
+@register_attention("mhsa2d", layout="feature", kind="token")
+class MHSA2d(nn.Module):
+    """Multi-head self-attention over H x W with relative-position logits (BoTNet: Srinivas et al., 2021,
+    arXiv 2101.11605).
+
+    ``q, k, v``: one 1x1 projection per position (no bias, as in BoTNet), ``num_heads`` heads (BoTNet
+    uses 4). Logits ``q k^T + q r^T`` where ``r`` are relative-position embeddings, one table per axis
+    (height and width offsets, shared by the heads; the content-position logits of Bello et al., 2019,
+    arXiv 1904.09925): the 2D relative logits go into the fused attention as a float ``attn_mask``. The
+    tables cover offsets up to ``max_size - 1``; larger maps use a linearly resampled table, so any H, W
+    works. BoTNet puts this layer in place of a 3x3 conv; as a drop-in block it is wrapped like the
+    non-local block, ``x + BN(proj(y))`` with the BN scale zero-initialised.
+    """
+
+    def __init__(
+        self,
+        channels: int,
+        num_heads: int = 4,
+        qkv_bias: bool = False,
+        max_size: int = 32,
+        norm_layer: Type[nn.Module] = nn.BatchNorm2d,
+    ):
+        super().__init__()
+        check_channels(channels)
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 or channels % num_heads:
+            raise ValueError(f"num_heads must be a positive int dividing channels={channels}, got {num_heads!r}")
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
+            raise ValueError(f"max_size must be a positive int, got {max_size!r}")
+        self.num_heads = num_heads
+        self.head_dim = channels // num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(channels, 3 * channels, bias=qkv_bias)  # 1x1 conv, applied per position
+        self.rel_h = nn.Parameter(torch.empty(2 * max_size - 1, self.head_dim))  # height offsets
+        self.rel_w = nn.Parameter(torch.empty(2 * max_size - 1, self.head_dim))  # width offsets
+        self.proj = nn.Conv2d(channels, channels, kernel_size=1)
+        self.norm = norm_layer(channels)
+        self.tap = AttentionTap("token")
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.rel_h, std=self.scale)
+        nn.init.normal_(self.rel_w, std=self.scale)
+        if getattr(self.norm, "weight", None) is not None:
+            nn.init.zeros_(self.norm.weight)  # the block starts as the identity
+            nn.init.zeros_(self.norm.bias)
+
+    def rel_logits(self, q: torch.Tensor, H: int, W: int) -> torch.Tensor:
+        """``(B, n, N, d)`` scaled queries -> ``(B, n, N, N)`` relative-position logits."""
+        B, n, N, d = q.shape
+        qg = q.reshape(B, n, H, W, d)
+        e_h = rel_pos_embed(self.rel_h, H).to(q.dtype)  # (H, H, d)
+        e_w = rel_pos_embed(self.rel_w, W).to(q.dtype)  # (W, W, d)
+        lh = torch.einsum("bnhwd,hkd->bnhwk", qg, e_h)  # (B, n, H, W, H): key row k
+        lw = torch.einsum("bnhwd,wkd->bnhwk", qg, e_w)  # (B, n, H, W, W): key column k
+        return (lh[..., :, None] + lw[..., None, :]).reshape(B, n, N, N)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x.shape
+        n, d = self.num_heads, self.head_dim
+        qkv = self.qkv(_tokens(x))  # (B, N, 3C)
+        q, k, v = qkv.view(B, H * W, 3, n, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, n, N, d) each
+        bias = self.rel_logits(q * self.scale, H, W)  # (B, n, N, N)
+        y = _attend(self, q, k, v, H, W, bias=bias)  # (B, n, N, d)
+        return x + self.norm(self.proj(_to_map(y, x)))

@@ -1,0 +1,398 @@
+"""Feature-map attention blocks: the contract every registered block keeps, timm parity, paper defaults."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from timm.layers import EcaModule, GlobalContext as TimmGlobalContext, SEModule
+from timm.layers.cbam import CbamModule, SpatialAttn
+from timm.layers.coord_attn import CoordAttn
+
+from visattn.attention import (
+    AttentionTap,
+    attention_info,
+    create_attention,
+    list_attention,
+    register_attention,
+)
+from visattn.attention.channel import eca_kernel_size
+from visattn.attention.self_attn2d import rel_pos_embed
+from visattn.attention.spatial import coord_mip
+
+FEATURE = list_attention("feature")
+C = 16
+
+
+def randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
+    """Replace zero/identity initialisations (BN scale 0, zero last layers) by random values, so every
+    parameter influences the output and gets a non-trivial gradient."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5 + (1.0 if p.dim() == 1 else 0.0))
+    return module
+
+
+def build(name: str, seed: int = 0, **kwargs) -> nn.Module:
+    torch.manual_seed(seed)
+    return randomize_(create_attention(name, C, **kwargs), seed)
+
+
+def taps(module: nn.Module):
+    return [m for m in module.modules() if isinstance(m, AttentionTap)]
+
+
+def load_by_order(dst: nn.Module, src: nn.Module) -> None:
+    """Copy ``src``'s state into ``dst`` entry by entry in registration order (names differ, layout not)."""
+    d, s = dst.state_dict(), list(src.state_dict().values())
+    assert len(d) == len(s), (list(d), len(s))
+    dst.load_state_dict({k: v.reshape(d[k].shape) for k, v in zip(d, s)})
+
+
+def test_feature_blocks_registered():
+    assert {"none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d"} <= set(FEATURE)
+    for name in FEATURE:
+        assert attention_info(name)["layout"] == "feature"
+
+
+@pytest.mark.parametrize("name", FEATURE)
+def test_shape_and_gradients(name):
+    block = build(name).train()
+    x = torch.randn(2, C, 7, 5, requires_grad=True)
+    y = block(x)
+    assert y.shape == x.shape
+    y.backward(torch.randn_like(y))
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    for pname, p in block.named_parameters():
+        assert p.grad is not None, pname
+        assert torch.isfinite(p.grad).all(), pname
+        if pname.endswith("weight"):
+            assert p.grad.abs().sum() > 0, pname
+
+
+@pytest.mark.parametrize("name", FEATURE)
+@pytest.mark.parametrize("hw", [(7, 5), (1, 1), (3, 8), (6, 6)])
+def test_any_spatial_size(name, hw):
+    block = build(name).train()
+    x = torch.randn(2, C, *hw, requires_grad=True)
+    y = block(x)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("name", FEATURE)
+def test_batch_of_one(name):
+    block = build(name).train()
+    x = torch.randn(1, C, 7, 5, requires_grad=True)
+    y = block(x)
+    y.sum().backward()
+    assert y.shape == x.shape and torch.isfinite(x.grad).all()
+    block.eval()  # a single 1x1 sample: BN has one value per channel, so only eval mode is defined
+    x1 = torch.randn(1, C, 1, 1)
+    assert block(x1).shape == x1.shape
+
+
+@pytest.mark.parametrize("name", FEATURE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_module_cast_dtypes(name, dtype):
+    block = build(name).to(dtype).train()
+    x = torch.randn(2, C, 7, 5, dtype=dtype, requires_grad=True)
+    y = block(x)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert torch.isfinite(y.float()).all()
+    y.float().sum().backward()
+    assert x.grad.dtype == dtype and torch.isfinite(x.grad.float()).all()
+    if dtype is not torch.float32:  # close to the fp32 block on the same (rounded) input
+        ref = build(name).train()(x.detach().float())
+        tol = 0.1 if dtype is torch.bfloat16 else 0.02
+        assert (y.float() - ref).abs().max() <= tol * (1 + ref.abs().max())
+
+
+@pytest.mark.parametrize("name", FEATURE)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast(name, dtype):
+    block = build(name).train()
+    x = torch.randn(2, C, 7, 5, requires_grad=True)
+    with torch.autocast("cpu", dtype=dtype):
+        y = block(x)
+    assert y.shape == x.shape and torch.isfinite(y.float()).all()
+    y.float().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    for p in block.parameters():
+        assert p.grad is None or torch.isfinite(p.grad).all()
+
+
+@pytest.mark.parametrize("name", FEATURE)
+def test_fp16_autocast_large_inputs_finite(name):
+    block = build(name).train()
+    x = (torch.randn(2, C, 7, 5) * 1e3).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = block(x)
+    assert torch.isfinite(y.float()).all()
+    y.float().mean().backward()
+    assert torch.isfinite(x.grad).all()
+    block.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        assert torch.isfinite(block(x.detach().half()).float()).all()
+
+
+@pytest.mark.parametrize("name", FEATURE)
+def test_channels_last(name):
+    block = build(name).eval()
+    x = torch.randn(2, C, 7, 5)
+    g = torch.randn_like(x)
+    xa = x.clone().requires_grad_()
+    xb = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+    ya, yb = block(xa), block(xb)
+    torch.testing.assert_close(yb, ya, rtol=1e-5, atol=1e-5)
+    assert yb.is_contiguous(memory_format=torch.channels_last)  # the input's memory format is kept
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(xb.grad, xa.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", FEATURE)
+def test_no_grad_path_matches_grad_path(name):
+    block = build(name).eval()
+    x = torch.randn(2, C, 6, 5)
+    with torch.no_grad():
+        y0 = block(x)
+    y1 = block(x.requires_grad_())
+    torch.testing.assert_close(y1.detach(), y0, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", FEATURE)
+def test_taps_record_the_weights_without_changing_the_output(name):
+    B, H, W = 2, 7, 5
+    block = build(name).eval()
+    x = torch.randn(B, C, H, W)
+    y_plain = block(x)
+    sinks = {}
+    for tap in taps(block):
+        tap.sink = sinks.setdefault(id(tap), [])
+    y_rec = block(x)
+    torch.testing.assert_close(y_rec, y_plain, rtol=1e-5, atol=1e-5)  # the tap is an identity
+    if name == "none":
+        assert taps(block) == []
+        return
+    assert attention_info(name)["kind"] in {t.kind for t in taps(block)}
+    for tap in taps(block):
+        (rec,) = sinks[id(tap)]  # exactly one record per pass
+        w = rec.weights
+        assert w.dtype == torch.float32 and not w.requires_grad
+        if tap.kind == "channel":
+            assert w.shape == (B, C)
+            assert (w >= 0).all() and (w <= 1).all()
+        elif tap.kind == "spatial":
+            assert w.shape == (B, 1, H, W)
+            assert (w >= 0).all()
+        else:
+            assert tap.kind == "token"
+            assert w.shape[0] == B and w.shape[2:] == (H * W, H * W)
+            assert w.shape[1] == getattr(block, "num_heads", 1)
+            assert rec.grid == (H, W) and rec.num_prefix_tokens == 0
+            torch.testing.assert_close(w.sum(-1), torch.ones(w.shape[:-1]))
+    for tap in taps(block):
+        tap.sink = None
+
+
+def test_taps_carry_the_applied_gates():
+    x = torch.randn(2, C, 7, 5)
+    for name in ("se", "eca", "spatial", "cbam"):
+        block = build(name).eval()
+        records = []
+        for tap in taps(block):
+            tap.sink = records
+        y = block(x)
+        expect = x
+        for rec in records:  # CBAM: channel gate first, then spatial
+            expect = expect * (rec.weights[:, :, None, None] if rec.kind == "channel" else rec.weights)
+        torch.testing.assert_close(y, expect, rtol=1e-5, atol=1e-6)
+    block = build("gc").eval()  # gc: the context softmax sums to one over the positions
+    block.tap.sink = records = []
+    block(x)
+    torch.testing.assert_close(records[0].weights.sum((2, 3)), torch.ones(2, 1))
+
+
+def test_create_attention_errors_list_valid_choices():
+    with pytest.raises(ValueError) as e:
+        create_attention("no-such-block", 8)
+    assert "se" in str(e.value) and "cbam" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        create_attention("se", 8, reduction_typo=4)
+    assert "reduction_typo" in str(e.value) and "rd_ratio" in str(e.value)
+    with pytest.raises(ValueError):
+        create_attention("eca", 8, kernel_size=4)  # must be odd
+    with pytest.raises(ValueError):
+        create_attention("mhsa2d", 10, num_heads=4)  # must divide channels
+    with pytest.raises(ValueError):
+        create_attention("gc", 8, fusion="concat")
+    with pytest.raises(ValueError):
+        create_attention("se", 0)
+
+
+def test_duplicate_registration_rejected():
+    with pytest.raises(ValueError, match="already registered"):
+        register_attention("se", layout="feature", kind="channel")(nn.Identity)
+    assert create_attention("se", 32).__class__.__name__ == "SqueezeExcite"
+
+
+# ---- parity with timm ------------------------------------------------------------------------------------
+
+# (name, timm module with visattn's configuration, relative tolerance): se, eca and cbam must agree to 1e-5
+# absolute; the others are checked relative to the magnitude of the values (gc's softmax over random
+# scores is sharp, and rounding in it shows up in the fp32 grads at ~1e-5 relative)
+PARITY = [
+    ("se", lambda c: SEModule(c, rd_divisor=1), False),
+    ("eca", lambda c: EcaModule(c), False),
+    ("cbam", lambda c: CbamModule(c), False),
+    ("spatial", lambda c: SpatialAttn(7), True),
+    ("coord", lambda c: CoordAttn(c, rd_channels=coord_mip(c), bias=True), True),
+    ("gc", lambda c: TimmGlobalContext(c, fuse_add=True, fuse_scale=False, rd_ratio=1 / 16), True),
+]
+
+
+@pytest.mark.parametrize("name,make_timm,relative", PARITY, ids=[p[0] for p in PARITY])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_matches_timm(name, make_timm, relative, train):
+    channels = 64
+    torch.manual_seed(1)
+    ref = randomize_(make_timm(channels), seed=3)
+    for m in ref.modules():  # GCNet's code uses nn.LayerNorm's eps; timm's LayerNorm2d defaults to 1e-6
+        if isinstance(m, nn.LayerNorm):
+            m.eps = 1e-5
+    ours = create_attention(name, channels)
+    load_by_order(ours, ref)
+    ours.train(train)
+    ref.train(train)
+    x = torch.randn(3, channels, 9, 7)
+    g = torch.randn_like(x)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa), ref(xb)
+    assert (ya - yb).abs().max().item() <= 1e-5 * (1 + yb.abs().max().item() if relative else 1)
+    ya.backward(g)
+    yb.backward(g)
+    assert (xa.grad - xb.grad).abs().max().item() <= 1e-5 * (1 + xb.grad.abs().max().item() if relative else 1)
+    for (pn, p), q in zip(ours.named_parameters(), ref.parameters()):
+        scale = 1 + q.grad.abs().max().item()
+        assert (p.grad - q.grad.reshape(p.shape)).abs().max().item() <= 1e-5 * scale, pn
+    for (bn, b), rb in zip(ours.named_buffers(), ref.buffers()):  # BN statistics updated exactly once
+        torch.testing.assert_close(b, rb.reshape(b.shape), rtol=1e-5, atol=1e-6, msg=bn)
+
+
+@pytest.mark.parametrize("name", ["se", "eca", "spatial", "cbam", "coord", "gc"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_custom_backward_gradcheck(name, layout):
+    """The hand-written backwards (gating kernel, coordinate gate, context pooling) against finite
+    differences in float64."""
+    torch.manual_seed(0)
+    # a wide bottleneck (rd_ratio 1/2) so no ReLU in it silences a path (e.g. CBAM's max-pooled branch)
+    opts = {"se": dict(rd_ratio=0.5), "cbam": dict(rd_ratio=0.5), "gc": dict(rd_ratio=0.5)}.get(name, {})
+    block = randomize_(create_attention(name, 8, **opts)).double().eval()
+    x = torch.randn(2, 8, 4, 3, dtype=torch.float64)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    assert torch.autograd.gradcheck(block, (x.requires_grad_(),), eps=1e-6, atol=1e-5, fast_mode=True)
+
+
+def test_amax_ties_split_the_gradient_like_autograd():
+    ref = randomize_(CbamModule(C, rd_ratio=0.5), seed=2).double()
+    ours = create_attention("cbam", C, rd_ratio=0.5).double()
+    load_by_order(ours, ref)
+    # values in {-2, -1, 0}: the max over the (positively gated) channels is 0 at most positions and shared
+    # by several channels; values in {1, 2, 3}: the max over H, W is 3, shared by several positions
+    for low in (-2, 1):
+        x = torch.randint(low, low + 3, (2, C, 5, 4)).double()
+        g = torch.randn_like(x)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ours(xa).backward(g)
+        ref(xb).backward(g)
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-10, atol=1e-12)
+
+
+# ---- paper defaults --------------------------------------------------------------------------------------
+
+
+def test_se_defaults():
+    se = create_attention("se", 64)
+    assert se.fc1.out_channels == 64 // 16 and se.fc2.out_channels == 64  # reduction 16
+    assert se.fc1.bias is not None and isinstance(se.act, nn.ReLU) and isinstance(se.gate, nn.Sigmoid)
+    assert create_attention("se", 24).fc1.out_channels == 2  # 24 / 16 rounded, divisor 1
+    assert create_attention("se", 64, rd_ratio=0.25).fc1.out_channels == 16
+
+
+def test_eca_kernel_sizes():
+    assert [eca_kernel_size(c) for c in (64, 128, 256, 512)] == [3, 5, 5, 5]
+    for c in (64, 128, 256, 512):
+        eca = create_attention("eca", c)
+        assert eca.conv.kernel_size == (eca_kernel_size(c),) and eca.conv.bias is None
+        assert eca.kernel_size == EcaModule(c).conv.kernel_size[0]
+    assert create_attention("eca", 64, kernel_size=7).conv.kernel_size == (7,)
+
+
+def test_cbam_defaults():
+    cbam = create_attention("cbam", 64)
+    assert cbam.channel.fc1.out_channels == 4 and cbam.channel.fc1.bias is None  # reduction 16, no bias
+    assert cbam.spatial.conv.kernel_size == (7, 7) and cbam.spatial.conv.in_channels == 2
+    assert isinstance(cbam.spatial.bn, nn.BatchNorm2d)
+    assert {t.kind for t in taps(cbam)} == {"channel", "spatial"}
+    assert create_attention("spatial", 64).conv.kernel_size == (7, 7)
+
+
+def test_gc_defaults_and_identity_start():
+    gc = create_attention("gc", 64)
+    assert gc.fusion == "add" and gc.mlp_scale is None
+    assert gc.mlp_add[0].out_features == 4 and isinstance(gc.mlp_add[1], nn.LayerNorm)  # ratio 1/16, LN
+    x = torch.randn(2, 64, 5, 4)
+    torch.testing.assert_close(gc(x), x)  # last layer zero-initialised: starts as the identity
+    both = create_attention("gc", 64, fusion="both")
+    assert both.mlp_add is not None and both.mlp_scale is not None
+
+
+def test_coord_defaults():
+    for c, mip in ((16, 8), (64, 8), (256, 8), (512, 16), (1024, 32)):
+        assert coord_mip(c) == max(8, c // 32) == mip
+        assert create_attention("coord", c).conv1.out_channels == mip
+    coord = create_attention("coord", 64)
+    assert isinstance(coord.act, nn.Hardswish) and isinstance(coord.bn1, nn.BatchNorm2d)
+
+
+@pytest.mark.parametrize("name", ["nonlocal", "mhsa2d"])
+@pytest.mark.parametrize("train", [False, True])
+def test_self_attention_starts_as_identity(name, train):
+    block = create_attention(name, 32).train(train)
+    x = torch.randn(2, 32, 5, 6)
+    torch.testing.assert_close(block(x), x)
+    y = block(x.requires_grad_())
+    y.sum().backward()  # zero BN scale still lets its own weight learn
+    assert block.norm.weight.grad.abs().sum() > 0
+
+
+def test_nonlocal_defaults():
+    nl = create_attention("nonlocal", 64)
+    assert nl.inter_channels == 32  # the paper halves the width
+    assert nl.qkv.out_features == 3 * 32 and nl.proj.out_channels == 64
+    assert math.isclose(nl.scale, 32**-0.5)
+    assert nl.norm.weight.abs().sum() == 0
+    assert create_attention("nonlocal", 64, use_scale=False).scale == 1.0
+
+
+def test_mhsa2d_defaults_and_any_size():
+    block = create_attention("mhsa2d", 64)
+    assert block.num_heads == 4 and block.qkv.bias is None  # BoTNet: 4 heads, no qkv bias
+    small = build("mhsa2d", max_size=3).train()  # tables shorter than the map: resampled
+    x = torch.randn(2, C, 7, 5, requires_grad=True)
+    small(x).sum().backward()
+    assert torch.isfinite(x.grad).all() and small.rel_h.grad.abs().sum() > 0
+
+
+def test_rel_pos_embed_indexes_offsets():
+    table = torch.arange(7.0)[:, None]  # offsets -3..3 stored at 0..6, centre 3
+    e = rel_pos_embed(table, 3)  # (3, 3, 1): E[i, j] = table[j - i + 3]
+    assert e[..., 0].tolist() == [[3, 4, 5], [2, 3, 4], [1, 2, 3]]
+    big = rel_pos_embed(table, 6)  # 11 offsets resampled from 7; still centred
+    assert big.shape == (6, 6, 1) and torch.allclose(big[..., 0].diagonal(), torch.full((6,), 3.0))

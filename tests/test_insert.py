@@ -1,0 +1,160 @@
+"""Reuse helpers: ``insert_attention`` into torchvision / timm ResNets and timm's ``attn_layer`` slot."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import timm
+import torch
+from torch import nn
+from torchvision.models import resnet18 as tv_resnet18
+
+from visattn import attn_layer, insert_attention
+from visattn.attention import AttentionTap, list_attention
+from visattn.attention.channel import SqueezeExcite
+
+FEATURE = list_attention("feature")
+
+
+def forward_backward(model: nn.Module, inserted_type=None, size: int = 32) -> None:
+    x = torch.randn(2, 3, size, size)
+    out = model(x)
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
+    out.logsumexp(1).sum().backward()
+    for name, p in model.named_parameters():
+        assert p.requires_grad, name
+    if inserted_type is not None:
+        blocks = [m for m in model.modules() if isinstance(m, inserted_type)]
+        assert blocks
+        for block in blocks:  # the new blocks are trainable and on the backward path
+            grads = [p.grad for p in block.parameters()]
+            assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def inserted(model: nn.Module, cls: type) -> int:
+    return sum(isinstance(m, cls) for m in model.modules())
+
+
+# the insertion is block-agnostic; every block goes through timm's slot in test_timm_attn_layer
+@pytest.mark.parametrize("name", ["se", "cbam", "coord", "nonlocal"])
+def test_insert_into_torchvision_resnet18(name):
+    torch.manual_seed(0)
+    model = tv_resnet18(weights=None, num_classes=10)
+    n_before = sum(p.numel() for p in model.parameters())
+    assert insert_attention(model, name) == 8
+    assert sum(p.numel() for p in model.parameters()) > n_before
+    assert isinstance(model.layer1[0].bn2, nn.Sequential)
+    assert isinstance(model.layer1[0].bn2.norm, nn.BatchNorm2d)
+    forward_backward(model, type(model.layer1[0].bn2.attn), size=64 if name == "se" else 32)
+    assert inserted(model, type(model.layer1[0].bn2.attn)) == 8
+
+
+@pytest.mark.parametrize("arch,expected", [("resnet18", 8), ("resnet50", 16)])
+def test_insert_into_timm_resnets(arch, expected):
+    torch.manual_seed(0)
+    model = timm.create_model(arch, pretrained=False, num_classes=10)
+    assert insert_attention(model, "cbam") == expected
+    assert model.layer1[0].se is not None  # timm's own attention slot, after the last BN
+    forward_backward(model, type(model.layer1[0].se), size=64)
+    assert inserted(model, type(model.layer1[0].se)) == expected
+
+
+def test_insert_with_options_and_taps():
+    model = timm.create_model("resnet50", pretrained=False, num_classes=10)
+    assert insert_attention(model, "se", rd_ratio=0.25) == 16
+    se = model.layer1[0].se
+    assert isinstance(se, SqueezeExcite) and se.fc1.out_channels == 256 // 4
+    taps = [m for m in model.modules() if isinstance(m, AttentionTap)]
+    assert len(taps) == 16
+    for tap in taps:
+        tap.sink = []
+    model.eval()(torch.randn(1, 3, 64, 64))
+    assert all(len(t.sink) == 1 for t in taps)
+
+
+@pytest.mark.parametrize("build", ["torchvision", "timm"])
+def test_inserted_block_sits_before_the_residual_add(build):
+    """A gate that closes completely (SE with a huge negative bias) must cut the residual branch exactly:
+    the model then equals one whose last BN of each residual branch outputs zero."""
+    torch.manual_seed(0)
+    model = tv_resnet18(weights=None, num_classes=10) if build == "torchvision" else timm.create_model(
+        "resnet18", pretrained=False, num_classes=10
+    )
+    model.eval()
+    cut = copy.deepcopy(model)
+    insert_attention(model, "se")
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SqueezeExcite):
+                m.fc2.bias.fill_(-1e4)  # gate = sigmoid(-1e4) = 0
+        for block in (m for m in cut.modules() if hasattr(m, "bn2") and hasattr(m, "conv2")):
+            block.bn2.weight.zero_()
+            block.bn2.bias.zero_()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), cut(x))
+
+
+def test_insert_keeps_mode_device_dtype():
+    model = timm.create_model("resnet18", pretrained=False, num_classes=10).double().eval()
+    insert_attention(model, "eca")
+    for block in (m.se for m in model.modules() if hasattr(m, "se") and m.se is not None):
+        assert not block.training
+        assert all(p.dtype == torch.float64 and p.requires_grad for p in block.parameters())
+    model.train()
+    forward_backward_x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    model(forward_backward_x).sum().backward()
+
+
+def test_insert_errors():
+    with pytest.raises(ValueError, match="no residual blocks"):
+        insert_attention(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)), "se")
+    model = tv_resnet18(weights=None)
+    with pytest.raises(ValueError, match="token block"):
+        insert_attention(model, "mhsa")
+    with pytest.raises(ValueError, match="valid"):
+        insert_attention(model, "squeeze")
+    with pytest.raises(ValueError, match="rd_ratio"):
+        insert_attention(model, "se", ratio=4)
+    before = copy.deepcopy(model.state_dict())
+    assert insert_attention(model, "se") == 8
+    with pytest.raises(ValueError, match="already holds"):
+        insert_attention(model, "eca")
+    assert set(before) <= {k.replace(".bn2.norm.", ".bn2.") for k in model.state_dict()}
+
+
+@pytest.mark.parametrize("name", FEATURE)
+def test_timm_attn_layer(name):
+    torch.manual_seed(0)
+    layer = attn_layer(name)
+    model = timm.create_model("resnet18", pretrained=False, num_classes=10, block_args=dict(attn_layer=layer))
+    se = model.layer1[0].se
+    assert type(se).__name__ == type(layer(64)).__name__
+    forward_backward(model, type(se) if name != "none" else None)
+
+
+def test_attn_layer_matches_insert_and_pickles():
+    a = timm.create_model("resnet18", pretrained=False, block_args=dict(attn_layer=attn_layer("cbam")))
+    b = timm.create_model("resnet18", pretrained=False)
+    insert_attention(b, "cbam")
+    assert sorted(a.state_dict()) == sorted(b.state_dict())  # same place, same names
+    b.load_state_dict(a.state_dict())
+    clone = pickle.loads(pickle.dumps(a))
+    x = torch.randn(1, 3, 32, 32)
+    a.eval(), clone.eval(), b.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(clone(x), a(x))
+        torch.testing.assert_close(b(x), a(x))
+    assert repr(attn_layer("se", rd_ratio=0.25)) == "attn_layer('se', rd_ratio=0.25)"
+
+
+def test_attn_layer_takes_timm_device_dtype_and_checks_early():
+    block = attn_layer("se")(32, device="cpu", dtype=torch.float64)
+    assert all(p.dtype == torch.float64 for p in block.parameters())
+    with pytest.raises(ValueError, match="valid"):
+        attn_layer("nope")
+    with pytest.raises(ValueError, match="rd_ratio"):
+        attn_layer("se", reduction=16)
+    with pytest.raises(ValueError, match="token block"):
+        attn_layer("mhsa")
