@@ -71,7 +71,8 @@ def load_checkpoint(path: Union[str, os.PathLike], map_location: Union[str, torc
                 "loading it could run code, so it was not loaded"
             ) from None
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt ({first[:120]})") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, AttributeError) as e:
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, AttributeError, IndexError, KeyError,
+            TypeError) as e:  # what garbage bytes make the unpickler raise (a text file: IndexError)
         first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or truncated ({first[:120]})") from None
     if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):

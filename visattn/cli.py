@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
 
@@ -46,9 +47,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         except Interrupted as e:
             print(str(e), file=sys.stderr)
             return e.exit_code
-        print(json.dumps({"best_val_acc": summary["best_val_acc"], "epochs": summary["epochs"],
-                          "wall_seconds": round(summary["wall_seconds"], 1), "eval_split": summary["eval_split"],
-                          "run_dir": summary["run_dir"]}))
+        if os.environ.get("RANK", "0") == "0":  # under torchrun: one summary, from rank 0
+            print(json.dumps({"best_val_acc": summary["best_val_acc"], "epochs": summary["epochs"],
+                              "wall_seconds": round(summary["wall_seconds"], 1), "eval_split": summary["eval_split"],
+                              "run_dir": summary["run_dir"]}))
         return 0
     except VisattnError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -56,6 +58,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the system's refusal (disk full, permissions), not a bug: one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -326,7 +326,11 @@ def detect_source(root: Path) -> str:
 
 
 def load_splits(cfg: Any, seed: int) -> Splits:
-    """Read the dataset named by a :class:`visattn.config.DataConfig` and split it for training/eval."""
+    """Read the dataset named by a :class:`visattn.config.DataConfig` and split it for training/eval.
+
+    ``seed`` drives only the synthetic images; the held-out split and the subset follow ``cfg.split_seed``,
+    so runs with different seeds are scored on the same validation images.
+    """
     cache_dir = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
     source = cfg.source
     skipped = 0
@@ -347,7 +351,7 @@ def load_splits(cfg: Any, seed: int) -> Splits:
         origin = str(root)
     train = parts["train"]
     if cfg.subset is not None and cfg.subset < len(train):
-        keep, _ = stratified_split(train.y, len(train) - cfg.subset, seed + 1)
+        keep, _ = stratified_split(train.y, len(train) - cfg.subset, cfg.split_seed + 1)
         train = ImageSet(train.x[keep], train.y[keep], train.classes)
     if cfg.use_test_split and "test" in parts:
         ev, eval_split = parts["test"], f"test split of {origin} ({len(parts['test'])} images)"
@@ -356,10 +360,10 @@ def load_splits(cfg: Any, seed: int) -> Splits:
             raise DataError(f"data.val_size={cfg.val_size} is not smaller than the {len(train)} training images")
         if cfg.val_size < len(train.classes):
             raise DataError(f"data.val_size={cfg.val_size} is smaller than the {len(train.classes)} classes")
-        tr_idx, va_idx = stratified_split(train.y, cfg.val_size, seed)
+        tr_idx, va_idx = stratified_split(train.y, cfg.val_size, cfg.split_seed)
         ev = ImageSet(train.x[va_idx], train.y[va_idx], train.classes)
         train = ImageSet(train.x[tr_idx], train.y[tr_idx], train.classes)
-        eval_split = f"validation split held out from train ({len(ev)} images, stratified, seed {seed})"
+        eval_split = f"validation split held out from train ({len(ev)} images, stratified, split seed {cfg.split_seed})"
     return Splits(train=train, eval=ev, eval_split=eval_split, source=source, skipped=skipped)
 
 

@@ -31,6 +31,8 @@ from .errors import CheckpointError, ConfigError, TrainingError
 from .models import create_model
 
 RESUME_MUST_MATCH = ("model", "data")  # config sections a resume may not silently change
+# settings the saved optimizer/schedule state is shaped by: never changed on resume, even with resume_allow_changes
+RESUME_FIXED = ("optim.name", "optim.no_decay_norm_bias", "sched.name")
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -181,6 +183,9 @@ class DistInfo:
 
 
 def _resume_path(cfg: Config, run_dir: Path) -> Optional[Path]:
+    existing = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"run_dir {str(run_dir)!r}: {str(existing)!r} is a file, not a folder")
     if cfg.resume is None:
         if (run_dir / "last.pt").exists():
             raise ConfigError(
@@ -191,6 +196,8 @@ def _resume_path(cfg: Config, run_dir: Path) -> Optional[Path]:
         p = run_dir / "last.pt"
         return p if p.exists() else None
     p = Path(cfg.resume)
+    if p.is_dir():
+        raise CheckpointError(f"resume: {cfg.resume!r} is a folder; give a checkpoint file (e.g. its last.pt) or resume=auto")
     if not p.is_file():
         raise CheckpointError(f"resume: checkpoint {cfg.resume!r} not found")
     return p
@@ -226,6 +233,10 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
     if di.enabled and cfg.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)
+    if di.enabled:  # ranks seed differently: start every rank, and so its EMA copy, from rank 0's initial weights
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                dist.broadcast(t, src=0)
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     raw_model = model  # the module whose state is saved (not the compiled / DDP wrapper)
@@ -267,21 +278,32 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
                 f"resume: {resume_from} was trained with different settings for {', '.join(diff)} "
                 "(set resume_allow_changes=true to resume anyway)"
             )
+        fixed = [k for sec in ("optim", "sched")
+                 for k in config_diff({sec: state["config"].get(sec, {})}, {sec: cfg.to_dict()[sec]}) if k in RESUME_FIXED]
+        if fixed:
+            raise CheckpointError(f"resume: {resume_from} holds optimizer/schedule state made with other settings for "
+                                  f"{', '.join(fixed)}, which cannot change on resume")
         try:
             raw_model.load_state_dict(state["model"])
-        except RuntimeError as e:
-            raise CheckpointError(f"resume: {resume_from} does not fit model {cfg.model.name!r} ({str(e).splitlines()[0]})") from None
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        if ema is not None and state.get("ema") is not None:
-            ema.load_state_dict(state["ema"])
-        train_loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
-        start_epoch, global_step = int(state["epoch"]), int(state["step"])
+        except RuntimeError as e:  # the first line only says "Error(s) in loading state_dict": name the first mismatch
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            why = (lines[1] if len(lines) > 1 else lines[0] if lines else "")[:200]
+            raise CheckpointError(f"resume: {resume_from} does not fit model {cfg.model.name!r} ({why})") from None
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            if scaler is not None and state.get("scaler"):
+                scaler.load_state_dict(state["scaler"])
+            if ema is not None and state.get("ema") is not None:
+                ema.load_state_dict(state["ema"])
+            train_loader.load_state_dict(state["loader"])
+            set_rng_state(state["rng"])
+            start_epoch, global_step = int(state["epoch"]), int(state["step"])
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+            why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CheckpointError(f"resume: {resume_from} does not fit this run ({e.__class__.__name__}: {why[:120]})") from None
         best_acc = float(state.get("best_acc", -1.0))
-        carry = state.get("epoch_stats")
+        carry = state.get("epoch_stats") if di.is_main else None  # all-rank totals: counted once, on rank 0
         say(f"resumed from {resume_from}: epoch {start_epoch}, step {global_step}"
             + (f" ({train_loader.position} batches into the epoch)" if train_loader.position else ""))
 
@@ -301,6 +323,10 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
                 "eval_split": splits.eval_split, "device": str(device), "precision": precision,
                 "world_size": di.world_size, "parameters": n_params, "classes": list(splits.train.classes)}
         (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+        if resume_from is not None:
+            _trim_metrics(run_dir / "metrics.jsonl", start_epoch)
+        for p in run_dir.glob(".*.pt.*.tmp"):  # torn checkpoint writes of a killed run
+            p.unlink(missing_ok=True)
         if cfg.log.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -344,8 +370,14 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
         if cfg.train.max_steps is not None and step >= cfg.train.max_steps:
             halt = True
         every = cfg.train.ckpt_every_steps
-        if di.is_main and (halt or (every and step % every == 0)):
-            save_checkpoint(checkpoint_state(train_loader.epoch, stats_box.get("live")), run_dir / "last.pt")
+        if halt or (every and step % every == 0):  # the same decision on every rank
+            live = stats_box.get("live")
+            if di.enabled and live is not None:  # carry the partial epoch's totals over all ranks; rank 0 resumes them
+                live = di.reduce(live.clone())
+            # a periodic save never replaces the last good checkpoint with non-finite weights (on a GPU the loss is
+            # checked only every train.check_every steps, after the weights have taken the step)
+            if di.is_main and (halt or _all_finite(raw_model)):
+                save_checkpoint(checkpoint_state(train_loader.epoch, live), run_dir / "last.pt")
         return halt
 
     def on_check(step: int, loss: float, lr: float) -> None:
@@ -384,12 +416,16 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
                 break
             done = epoch + 1
             row: Dict[str, Any] = {"epoch": done, "step": global_step, "train_loss": ep.loss, "train_acc": ep.acc,
-                                   "images_per_s": ep.images_per_s * (di.world_size if di.enabled else 1),
+                                   "images_per_s": ep.images_per_s,  # ep.images is already summed over ranks
                                    "epoch_seconds": ep.seconds, "nonfinite_steps": ep.nonfinite_steps,
                                    "skipped_steps": ep.skipped_steps,
                                    "lr": optimizer.param_groups[0]["lr"],
                                    "wall_seconds": time.perf_counter() - t_start}
             if done % cfg.eval.every == 0 or done == cfg.train.epochs:
+                if di.enabled:  # BN running stats drift apart per rank: evaluate rank 0's, the ones it saves
+                    with torch.no_grad():
+                        for b in eval_model.buffers():
+                            dist.broadcast(b, src=0)
                 ev = engine.evaluate(eval_model, eval_loader, device=device, precision=precision, tta=cfg.eval.tta,
                                      num_classes=num_classes, reduce=di.reduce if di.enabled else None)
                 row.update({"val_loss": ev["loss"], "val_acc": ev["acc"], "eval_seconds": ev["seconds"]})
@@ -400,13 +436,15 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
             row["best_val_acc"] = best_acc
             history.append(row)
             if di.is_main:
-                train_loader.set_epoch(done)
-                state = checkpoint_state(done, None)
-                save_checkpoint(state, run_dir / "last.pt")
-                if is_best:
-                    save_checkpoint(state, run_dir / "best.pt")
+                # last.pt goes last: it commits the epoch. A crash before it redoes the epoch on resume, which first
+                # drops the metrics rows past the checkpoint, so no row is lost or written twice.
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
+                train_loader.set_epoch(done)
+                state = checkpoint_state(done, None)
+                if is_best:
+                    save_checkpoint(state, run_dir / "best.pt")
+                save_checkpoint(state, run_dir / "last.pt")
                 if writer is not None:
                     for k in ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "nonfinite_steps", "skipped_steps"):
                         if k in row:
@@ -431,6 +469,29 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
                "wall_seconds": time.perf_counter() - t_start, "run_dir": str(run_dir), "eval_split": splits.eval_split,
                "per_class_acc": last.get("per_class_acc"), "classes": list(splits.train.classes)}
     return summary
+
+
+def _all_finite(module: nn.Module) -> bool:
+    return bool(torch.stack([torch.isfinite(p).all() for p in module.parameters()]).all())
+
+
+def _trim_metrics(path: Path, epochs_done: int) -> None:
+    """Keep the complete rows of epochs the checkpoint has finished; drop later ones and a torn last line."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if line.endswith("\n") and isinstance(row, dict) and int(row.get("epoch", 0)) <= epochs_done:
+            keep.append(line)
+    if keep != lines:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
 
 
 def _has_taps(model: nn.Module) -> bool:
