@@ -1,0 +1,137 @@
+"""Attention rollout: Abnar & Zuidema, "Quantifying Attention Flow in Transformers", 2020, arXiv 2005.00928.
+
+Each layer's attention ``(B, heads, N, N)`` is fused over heads, optionally thinned (the lowest weights
+discarded, as in Gildenblat's vit-explain), mixed with the identity to account for the residual path,
+re-normalised to rows summing to one, and the layers are multiplied in order:
+``R = A_L @ ... @ A_1``. Row ``i`` of ``R`` says how much each input token flows into output token ``i``.
+The map is then read out for what the classifier looks at: the class token's row, the uniform mean over
+tokens (global average pooling), or the model's own pooling weights (CCT's sequence pooling).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+
+from ..attention.tap import AttentionRecord
+from .record import infer_grid
+
+HEAD_FUSIONS = ("mean", "max", "min")
+READOUTS = ("cls", "mean")
+
+
+def _as_weights(layer: Union[torch.Tensor, AttentionRecord], i: int) -> torch.Tensor:
+    if isinstance(layer, AttentionRecord):
+        if layer.kind != "token":
+            raise ValueError(f"layer {i} ({layer.name!r}) is a {layer.kind!r} record; rollout needs token records")
+        layer = layer.weights
+    if not isinstance(layer, torch.Tensor):
+        raise TypeError(f"layer {i}: expected a tensor or an AttentionRecord, got {type(layer).__name__}")
+    if layer.dim() != 4 or layer.shape[-1] != layer.shape[-2]:
+        raise ValueError(f"layer {i}: attention must be (B, heads, N, N), got {tuple(layer.shape)}")
+    return layer.float()
+
+
+def _from_records(attentions, attr: str):
+    values = {getattr(a, attr) for a in attentions if isinstance(a, AttentionRecord)} - {None}
+    if len(values) > 1:
+        raise ValueError(f"the records disagree on {attr}: {sorted(values, key=str)}")
+    return values.pop() if values else None
+
+
+def attention_rollout(
+    attentions: Sequence[Union[torch.Tensor, AttentionRecord]],
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    num_prefix_tokens: Optional[int] = None,
+    readout: Union[str, torch.Tensor, AttentionRecord] = "cls",
+    grid: Optional[Tuple[int, int]] = None,
+) -> torch.Tensor:
+    """Roll attention out through the layers and return a map ``(B, H, W)`` over the grid tokens (fp32).
+
+    ``attentions``: per layer, first to last, ``(B, heads, N, N)`` tensors or token ``AttentionRecord``s
+    (the whole batch at once; heads may differ between layers, ``B`` and ``N`` may not).
+    ``head_fusion``: ``"mean"``, ``"max"`` or ``"min"`` over heads.
+    ``discard_ratio``: per image and layer, the fraction of the fused ``N*N`` weights set to zero, lowest
+    first. Kept always: each prefix (class) token's attention to itself, the diagonal entries
+    ``(p, p)`` for ``p < num_prefix_tokens``, so the class token's path to itself survives thinning; the
+    count discarded is ``floor(discard_ratio * (N*N - num_prefix_tokens))``. Rows stay positive because
+    the identity is added afterwards.
+    ``num_prefix_tokens``: tokens before the grid tokens; default: the records' value, else 1.
+    ``readout``: ``"cls"`` (row of token 0, the class token), ``"mean"`` (uniform mean over the grid
+    tokens' rows, for models that average-pool without a class token), or pooling weights ``(B, N)`` over
+    all tokens (a tensor or a pool ``AttentionRecord``; CCT's sequence pooling). Prefix columns are dropped.
+    ``grid``: ``(H, W)`` of the grid tokens; default: the records' grid, else a square.
+    """
+    if isinstance(attentions, (torch.Tensor, AttentionRecord)) or len(attentions) == 0:
+        raise ValueError("attentions must be a non-empty list of (B, heads, N, N) tensors or token records")
+    if head_fusion not in HEAD_FUSIONS:
+        raise ValueError(f"unknown head_fusion {head_fusion!r}; valid: {', '.join(HEAD_FUSIONS)}")
+    if not 0.0 <= float(discard_ratio) < 1.0:
+        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
+
+    layers = [_as_weights(a, i) for i, a in enumerate(attentions)]
+    b, _, n, _ = layers[0].shape
+    for i, a in enumerate(layers[1:], start=1):
+        if a.shape[0] != b or a.shape[-1] != n:
+            raise ValueError(
+                f"layer {i}: attention shape {tuple(a.shape)} does not match layer 0's {tuple(layers[0].shape)} "
+                "(batch and token count must agree)"
+            )
+
+    rec_prefix = _from_records(attentions, "num_prefix_tokens")
+    if num_prefix_tokens is None:
+        num_prefix_tokens = 1 if rec_prefix is None else rec_prefix
+    elif rec_prefix is not None and rec_prefix != num_prefix_tokens:
+        raise ValueError(f"num_prefix_tokens={num_prefix_tokens} but the records say {rec_prefix}")
+    p = int(num_prefix_tokens)
+    if not 0 <= p < n:
+        raise ValueError(f"num_prefix_tokens must be in [0, {n}) for {n} tokens, got {p}")
+    if grid is None:
+        grid = _from_records(attentions, "grid")
+    gh, gw = infer_grid(n - p) if grid is None else (int(grid[0]), int(grid[1]))
+    if gh * gw != n - p:
+        raise ValueError(f"grid {gh}x{gw} does not hold the {n - p} tokens after {p} prefix token(s)")
+
+    device = layers[0].device
+    eye = torch.eye(n, device=device)
+    # Discarding never touches the prefix tokens' self-attention entries (p, p).
+    protected = torch.zeros(n * n, dtype=torch.bool, device=device)
+    protected[torch.arange(p, device=device) * (n + 1)] = True
+    num_discard = int(float(discard_ratio) * (n * n - p))
+
+    result = eye.expand(b, n, n)
+    for a in layers:
+        a = a.to(device)
+        if head_fusion == "mean":
+            fused = a.mean(1)
+        elif head_fusion == "max":
+            fused = a.amax(1)
+        else:
+            fused = a.amin(1)  # (B, N, N)
+        if num_discard > 0:
+            flat = fused.reshape(b, n * n)
+            candidates = flat.masked_fill(protected, float("inf"))
+            drop = candidates.topk(num_discard, dim=1, largest=False).indices  # (B, k)
+            fused = flat.scatter(1, drop, 0.0).reshape(b, n, n)
+        fused = fused + eye  # the residual connection carries each token to itself
+        fused = fused / fused.sum(-1, keepdim=True)
+        result = fused @ result
+
+    if isinstance(readout, AttentionRecord):
+        if readout.kind != "pool":
+            raise ValueError(f"readout record {readout.name!r} is {readout.kind!r}; expected a pool record")
+        readout = readout.weights
+    if isinstance(readout, torch.Tensor):
+        if tuple(readout.shape) != (b, n):
+            raise ValueError(f"pooling weights must be (B, N) = {(b, n)}, got {tuple(readout.shape)}")
+        flow = torch.einsum("bi,bij->bj", readout.float().to(device), result)  # (B, N)
+    elif readout == "cls":
+        if p == 0:
+            raise ValueError("readout='cls' needs a class token (num_prefix_tokens >= 1); use readout='mean'")
+        flow = result[:, 0]  # (B, N): what the class token's output draws from each input token
+    elif readout == "mean":
+        flow = result[:, p:].mean(1)  # (B, N): averaged over the grid tokens' outputs, as global pooling does
+    else:
+        raise ValueError(f"unknown readout {readout!r}; valid: cls, mean, or a (B, N) tensor of pooling weights")
+    return flow[:, p:].reshape(b, gh, gw)
