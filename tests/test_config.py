@@ -62,7 +62,13 @@ BAD = [
     (["optim.lr=0.1", "optim.lr.x=1"], "is a value, not a section"),
     (["sched.name=step"], "sched.name"),
     (["data.std=[0.2, 0.0, 0.2]"], "std"),
+    (["model.head_scale=abc"], "must be a number"),
 ]
+
+
+def test_model_numbers_keep_their_type():
+    """YAML reads 1e38 (no dot) as a string; a numeric model option is converted, not passed on as text."""
+    assert load_config(None, ["model.head_scale=1e-2"]).model.options()["head_scale"] == 0.01
 
 
 @pytest.mark.parametrize("overrides,fragment", BAD, ids=[b[1][:30] for b in BAD])

@@ -256,3 +256,13 @@ def test_albumentations_loader_runs_extra_transforms(tmp_path):
 
 def test_real_archive_is_detected(cifar10_path):
     assert detect_source(cifar10_path) == "folder"
+
+
+def test_subset_is_taken_after_the_hold_out():
+    """A training subset never changes which images are held out for validation."""
+    base = ["data.source=synthetic", "data.synthetic_size=400", "data.val_size=100"]
+    full = load_splits(load_config(None, base).data, seed=0)
+    small = load_splits(load_config(None, base + ["data.subset=100"]).data, seed=0)
+    assert len(small.train) == 100 and len(small.eval) == 100
+    np.testing.assert_array_equal(full.eval.x, small.eval.x)
+    assert np.bincount(small.train.y).min() >= 9  # stratified

@@ -85,13 +85,26 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
         from .models import list_models, model_options
+        from .models.registry import model_defaults
 
         if self.name not in list_models():
             raise ValueError(f"unknown model {self.name!r}; valid: {', '.join(list_models())}")
         valid = set(model_options(self.name)) - {"num_classes"}
-        for key in self.options():
+        defaults = model_defaults(self.name)
+        for key, value in self.options().items():
             if key not in valid:
                 raise ValueError(f"unknown option {key!r} for model {self.name!r}; valid: {', '.join(sorted(valid))}")
+            default = defaults.get(key)
+            # Numbers keep their type: YAML reads 1e38 (no dot) as a string, so convert where the builder
+            # wants a number, and refuse what is not one.
+            if isinstance(default, (int, float)) and not isinstance(default, bool) and not isinstance(value, (int, float)):
+                try:
+                    number = float(value) if isinstance(default, float) else int(value)
+                except (TypeError, ValueError):
+                    raise ValueError(f"option {key!r} of model {self.name!r} must be a number, not {value!r}") from None
+                setattr(self, key, number)
+            elif isinstance(default, bool) and not isinstance(value, bool):
+                raise ValueError(f"option {key!r} of model {self.name!r} must be true or false, not {value!r}")
         return self
 
     def options(self) -> Dict[str, Any]:
@@ -139,6 +152,9 @@ class LogConfig(_Section):
     maps_every: int = Field(1, ge=0)  # log attention-map overlays every N epochs (0: never)
     probe_size: int = Field(8, ge=1, le=64)  # validation images in the fixed probe batch
     map_scale: int = Field(4, ge=1, le=16)  # upscale factor of the overlay pictures
+    # class-token layers that also get one maps/<layer>/cls_head<i> image per head: each is a PNG encode, and
+    # "all" on a 9-layer, 12-head ViT adds 108 of them (~40 s) to every logging epoch on a CPU
+    head_maps: Literal["all", "last", "none"] = "last"
 
 
 class Config(_Section):

@@ -350,9 +350,6 @@ def load_splits(cfg: Any, seed: int) -> Splits:
         parts, skipped = _cached_read(root, source, cfg.image_size, cfg.on_bad_image, cache_dir)
         origin = str(root)
     train = parts["train"]
-    if cfg.subset is not None and cfg.subset < len(train):
-        keep, _ = stratified_split(train.y, len(train) - cfg.subset, cfg.split_seed + 1)
-        train = ImageSet(train.x[keep], train.y[keep], train.classes)
     if cfg.use_test_split and "test" in parts:
         ev, eval_split = parts["test"], f"test split of {origin} ({len(parts['test'])} images)"
     else:
@@ -364,6 +361,9 @@ def load_splits(cfg: Any, seed: int) -> Splits:
         ev = ImageSet(train.x[va_idx], train.y[va_idx], train.classes)
         train = ImageSet(train.x[tr_idx], train.y[tr_idx], train.classes)
         eval_split = f"validation split held out from train ({len(ev)} images, stratified, split seed {cfg.split_seed})"
+    if cfg.subset is not None and cfg.subset < len(train):  # after the hold-out: the eval images never change
+        keep, _ = stratified_split(train.y, len(train) - cfg.subset, cfg.split_seed + 1)
+        train = ImageSet(train.x[keep], train.y[keep], train.classes)
     return Splits(train=train, eval=ev, eval_split=eval_split, source=source, skipped=skipped)
 
 

@@ -184,8 +184,10 @@ def train_one_epoch(
             if scale_before is not None:  # the scale backs off exactly when the step was skipped
                 skipped = (scaler._scale < scale_before).double().sum()
         else:
-            if check_every == 1 and not bool(finite):
-                step_ok = False  # CPU: skip the step before it touches the weights
+            if check_every == 1 and not (bool(finite) if reduce is None else bool(reduce((~finite).float()) == 0)):
+                # CPU: skip the step before it touches the weights; under data parallelism every rank skips
+                # together (a rank-local skip would leave the others waiting in the gradient all-reduce)
+                step_ok = False
             else:
                 loss.backward()
                 if grad_clip:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .channel import check_channels, reduced_channels
+from .functional import sdpa
 from .registry import register_attention
 from .tap import AttentionTap
 
@@ -53,7 +54,7 @@ def _attend(block: nn.Module, q, k, v, H: int, W: int, bias: Optional[torch.Tens
         attn = block.tap(logits.softmax(dim=-1), grid=(H, W), num_prefix_tokens=0)
         return (attn @ v.float()).to(v.dtype)
     mask = None if bias is None else bias.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=block.scale)
+    return sdpa(q, k, v, attn_mask=mask, scale=block.scale)
 
 
 @register_attention("nonlocal", layout="feature", kind="token")

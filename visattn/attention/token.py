@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .functional import sdpa
 from .registry import register_attention
 from .tap import AttentionTap
 
@@ -154,10 +155,10 @@ class MultiHeadSelfAttention(nn.Module):
         """``(B, heads, N, d)`` output of fused SDPA; only called for scores that have a fused form."""
         p = self.attn_drop.p if self.training else 0.0
         if self.score == "scaled_dot":
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p)  # default scale is 1/sqrt(d)
+            return sdpa(q, k, v, dropout_p=p)  # default scale is 1/sqrt(d)
         if self.score == "general":
             q = q @ self.general_weight.to(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, scale=1.0)
+        return sdpa(q, k, v, dropout_p=p, scale=1.0)
 
     def _has_fused(self) -> bool:
         return self.score != "additive"
@@ -264,7 +265,7 @@ class LocalitySelfAttention(MultiHeadSelfAttention):
         keep = ~torch.eye(n, dtype=torch.bool, device=q.device)  # (N, N), True = may attend
         p = self.attn_drop.p if self.training else 0.0
         q = q * self._inv_temperature(q.dtype)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p, scale=1.0)
+        return sdpa(q, k, v, attn_mask=keep, dropout_p=p, scale=1.0)
 
     def _has_fused(self) -> bool:
         return True
