@@ -56,13 +56,13 @@ def table(results: list[dict]) -> str:
     by: dict[str, list[dict]] = {}
     for r in results:
         by.setdefault(r["name"], []).append(r)
-    lines = ["| config | params | val acc % (mean ± std) | seeds | train time s (mean) | images/s |",
+    lines = ["| config | params | val acc % (mean ± std) | seeds | train time s (median) | images/s (median) |",
              "|---|---:|---:|---:|---:|---:|"]
     for name, rs in by.items():
         accs = [100 * r["final_val_acc"] for r in rs]
         sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
         lines.append(f"| `{name}` | {rs[0]['parameters'] / 1e6:.2f}M | {statistics.mean(accs):.2f} ± {sd:.2f} | {len(rs)} "
-                     f"| {statistics.mean(r['train_seconds'] for r in rs):.0f} | {statistics.mean(r['images_per_s'] for r in rs):.0f} |")
+                     f"| {statistics.median(r['train_seconds'] for r in rs):.0f} | {statistics.median(r['images_per_s'] for r in rs):.0f} |")
     return "\n".join(lines)
 
 
