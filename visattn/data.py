@@ -402,6 +402,19 @@ def _torchvision_download(root: Path, download: bool) -> Path:
     return root
 
 
+def spread_indices(y: np.ndarray, k: int) -> np.ndarray:
+    """``k`` indices taking the first image of each class in turn (class 0, 1, ..., then the second of each)."""
+    per_class = [np.nonzero(y == c)[0] for c in np.unique(y)]
+    out: List[int] = []
+    j = 0
+    while len(out) < min(k, len(y)):
+        for idx in per_class:
+            if j < len(idx) and len(out) < k:
+                out.append(int(idx[j]))
+        j += 1
+    return np.asarray(out, dtype=np.int64)
+
+
 def stratified_split(y: np.ndarray, n_out: int, seed: int) -> Tuple[np.ndarray, np.ndarray]:
     """Indices (kept, held out) with ``n_out`` held out spread evenly over the classes, seeded."""
     g = np.random.default_rng(seed)

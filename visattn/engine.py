@@ -78,9 +78,11 @@ class StepScheduler:
         self.num_updates = 0
         self.inner: Any = None
         if name == "onecycle":
-            pct = min(max(warmup_steps / max(total_steps, 1), 1e-3), 0.999)
+            # OneCycleLR divides by each phase's length in steps: keep both phases at least 1 step long
+            total = max(total_steps, 4)
+            pct = min(max(warmup_steps, 2), total - 2) / total
             self.inner = torch.optim.lr_scheduler.OneCycleLR(
-                optimizer, max_lr=lr, total_steps=max(total_steps, 2), pct_start=pct, anneal_strategy=anneal,
+                optimizer, max_lr=lr, total_steps=total, pct_start=pct, anneal_strategy=anneal,
                 cycle_momentum=False, div_factor=25.0, final_div_factor=1.0 / max(min_lr_ratio, 1e-4) / 25.0 if min_lr_ratio else 1e4,
             )
         elif name == "cosine":

@@ -334,11 +334,11 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
 
     probe = None
     if di.is_main and cfg.log.maps_every and _has_taps(raw_model):
-        k = min(cfg.log.probe_size, len(splits.eval))
-        px = torch.from_numpy(splits.eval.x[:k]).permute(0, 3, 1, 2)
-        from .data import normalize
+        from .data import normalize, spread_indices
 
-        probe = (normalize(px, cfg.data.mean, cfg.data.std).to(device), torch.from_numpy(splits.eval.y[:k]).to(device))
+        pick = spread_indices(splits.eval.y, cfg.log.probe_size)  # fixed: one image per class in turn
+        px = torch.from_numpy(splits.eval.x[pick]).permute(0, 3, 1, 2)
+        probe = (normalize(px, cfg.data.mean, cfg.data.std).to(device), torch.from_numpy(splits.eval.y[pick]).to(device))
 
     def checkpoint_state(epoch: int, position_stats: Optional[torch.Tensor]) -> Dict[str, Any]:
         return {
@@ -448,7 +448,8 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
                 if writer is not None:
                     for k in ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "nonfinite_steps", "skipped_steps"):
                         if k in row:
-                            writer.add_scalar(k.replace("_", "/", 1) if k.startswith(("train_", "val_")) else f"train/{k}", row[k], done)
+                            tag = k.replace("_", "/", 1) if k.startswith(("train_", "val_")) else f"train/{k}"
+                            writer.add_scalar("train/lr_epoch" if k == "lr" else tag, row[k], done)
                     if probe is not None and cfg.log.maps_every and done % cfg.log.maps_every == 0:
                         _log_maps(writer, eval_model, probe, done, cfg, splits.train.classes)
                     writer.flush()
@@ -504,7 +505,7 @@ def _log_maps(writer: Any, model: nn.Module, probe: Any, step: int, cfg: Config,
     from .maps.tensorboard import log_attention_maps
 
     log_attention_maps(writer, model, probe[0], probe[1], step, cfg.data.mean, cfg.data.std, list(classes),
-                       scale=cfg.log.map_scale)
+                       scale=cfg.log.map_scale, head_maps=cfg.log.head_maps)
 
 
 def _yaml_dump(d: Dict[str, Any]) -> str:

@@ -1,0 +1,111 @@
+"""A real TensorBoard server on a tiny run's directory serves the attention overlays as PNGs.
+
+The server listens on 127.0.0.1 only, on a free port; the test waits for it by polling its HTTP API (at
+most ``DEADLINE_S``) and always stops it (terminate, then kill) in a ``finally`` block.
+"""
+from __future__ import annotations
+
+import io
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+pytest.importorskip("tensorboard")
+
+from visattn.config import build_config, read_yaml  # noqa: E402
+from visattn.trainer import run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 60.0
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Loopback requests must not go through an HTTP proxy from the environment.
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tensorboard_command(logdir: Path, port: int) -> list:
+    entry = Path(sys.executable).with_name("tensorboard")  # the venv's console script, beside its python
+    head = [str(entry)] if entry.exists() else [sys.executable, "-m", "tensorboard.main"]
+    return head + ["--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port), "--reload_interval", "1"]
+
+
+def get(port: int, path: str, **params) -> tuple:
+    url = f"http://127.0.0.1:{port}{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+    with OPENER.open(url, timeout=10) as r:
+        return r.status, r.headers.get("Content-Type", ""), r.read()
+
+
+def wait_for_tags(proc: subprocess.Popen, port: int, run_name: str, log_path: Path) -> dict:
+    """Poll the images plugin until it lists ``run_name``'s tags; fail if the server exits or time runs out."""
+    deadline = time.monotonic() + DEADLINE_S
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            status, _, body = get(port, "/data/plugin/images/tags")
+            tags = json.loads(body).get(run_name, {})
+            if status == 200 and tags:
+                return tags
+            last = f"HTTP {status}, runs {sorted(json.loads(body))}"
+        except (urllib.error.URLError, ConnectionError, OSError) as e:
+            last = f"{e.__class__.__name__}: {e}"
+        try:  # the pause between polls; returns at once if the server has died
+            proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            continue
+        pytest.fail(f"tensorboard exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
+    pytest.fail(f"tensorboard served no image tags for run {run_name!r} within {DEADLINE_S:.0f} s ({last})")
+
+
+def test_tensorboard_serves_overlay_png(tmp_path):
+    run_dir = tmp_path / "run"
+    tree = read_yaml(ROOT / "configs" / "smoke.yaml")
+    tree["run_dir"] = str(run_dir)
+    tree["model"].update(widths=[8, 16, 16], stem_width=8, attention="cbam")
+    tree["data"].update(synthetic_size=240, val_size=40)
+    tree["train"].update(epochs=1, batch_size=40)
+    tree["eval"] = {"batch_size": 100, "tta": "none"}
+    tree["log"].update(progress=False, probe_size=2, map_scale=4)
+    run(build_config(tree), log=lambda *a, **k: None)
+
+    port = free_port()
+    log_path = tmp_path / "tensorboard.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(tensorboard_command(run_dir, port), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    try:
+        tags = wait_for_tags(proc, port, "tb", log_path)  # SummaryWriter writes to RUN/tb: run "tb"
+        overlays = sorted(t for t in tags if t.startswith("maps/") and t.endswith(".spatial"))
+        assert overlays == [f"maps/layers.{i}.units.0.attn.spatial" for i in range(3)]
+
+        status, ctype, body = get(port, "/data/plugin/images/images", run="tb", tag=overlays[0], sample=0)
+        assert status == 200 and "json" in ctype
+        entries = json.loads(body)
+        assert [e["step"] for e in entries] == [1]
+        status, ctype, png = get(port, "/data/plugin/images/individualImage?" + entries[0]["query"])
+        assert status == 200 and ctype.startswith("image/png")
+        assert png[:8] == PNG_SIGNATURE
+        image = Image.open(io.BytesIO(png))
+        # two probe images: rows of the 32x32 original and its overlay, each drawn at 128x128
+        assert image.width == 2 * 128 + 2
+        assert 2 * 128 < image.height < 2 * 128 + 2 * 60
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
