@@ -6,7 +6,7 @@
    plain vit_tiny and the class-token vit_tiny_lsa_spt), for the real data's size: 45,000 training images
    per epoch. The script times ``--steps`` training steps (``engine.train_one_epoch`` on the config's batch
    size, precision, augmentation and channels-last setting) and extrapolates to the epoch's steps; it times
-   one map-logging call exactly as the trainer makes it (``trainer._log_maps``: log.probe_size validation
+   one map-logging call exactly as the trainer makes it (``trainer.log_maps``: log.probe_size validation
    images, log.map_scale, log.head_maps, with the config's defaults, then ``writer.flush()``) and adds it
    once per epoch (log.maps_every=1, the default). Step and logging repeats are interleaved; medians.
    A config whose model has class-token layers also gets a row with ``head_maps=all`` (one image per head
@@ -35,11 +35,11 @@ import torch.nn.functional as F
 
 from visattn import engine
 from visattn.config import Config, load_config
-from visattn.data import ImageSet, TensorLoader, load_splits, normalize
+from visattn.data import ImageSet, Placement, TensorLoader, load_splits, normalize
 from visattn.errors import DataError
 from visattn.maps import record_attention
 from visattn.models import create_model
-from visattn.trainer import _log_maps
+from visattn.trainer import log_maps
 
 EPOCH_IMAGES = 45_000  # CIFAR-10's 50,000 training images less the 5,000 held out for validation
 DEFAULT_CONFIGS = ("configs/attention/resnet_fast_cbam.yaml", "configs/vit_tiny.yaml", "configs/vit_tiny_lsa_spt.yaml")
@@ -85,7 +85,7 @@ def epoch_overhead(cfg: Config, steps: int, repeats: int) -> Tuple[List[Dict[str
     opt = engine.build_optimizer(model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas, o.no_decay_norm_bias)
     sched = engine.StepScheduler(opt, "constant", o.lr, 10**9, 0)
     loader = TensorLoader(train_images, bs, cfg.data.mean, cfg.data.std, train=True, augment=cfg.data.augment,
-                          seed=0, channels_last=cfg.channels_last)
+                          seed=0, placement=Placement(channels_last=cfg.channels_last))
     k = min(cfg.log.probe_size, len(eval_images))
     px = torch.from_numpy(eval_images.x[:k]).permute(0, 3, 1, 2)
     probe = (normalize(px, cfg.data.mean, cfg.data.std), torch.from_numpy(eval_images.y[:k]))
@@ -95,10 +95,10 @@ def epoch_overhead(cfg: Config, steps: int, repeats: int) -> Tuple[List[Dict[str
 
     def train_steps() -> float:  # seconds per step; the loader's first batch warms up and is not counted
         it = iter(loader)
-        engine.train_one_epoch(model, [next(it)], opt, sched, device=dev, precision=precision)
+        engine.train_one_epoch(model, [next(it)], engine.Optimization(opt, sched), engine.StepPolicy(dev, precision))
         rest = list(it)
         t, c = time.perf_counter(), time.process_time()
-        engine.train_one_epoch(model, rest, opt, sched, device=dev, precision=precision)
+        engine.train_one_epoch(model, rest, engine.Optimization(opt, sched), engine.StepPolicy(dev, precision))
         wall = time.perf_counter() - t
         busy.append((time.process_time() - c) / wall / torch.get_num_threads())
         return wall / len(rest)
@@ -107,7 +107,7 @@ def epoch_overhead(cfg: Config, steps: int, repeats: int) -> Tuple[List[Dict[str
         c = cfg.model_copy(deep=True)
         c.log.head_maps = head_maps
         t = time.perf_counter()
-        _log_maps(writer, model, probe, step, c, eval_images.classes)
+        log_maps(writer, model, probe, step, c, eval_images.classes)
         writer.flush()
         return time.perf_counter() - t
 
@@ -212,7 +212,7 @@ def main() -> None:
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"\n1) Epoch of {EPOCH_IMAGES:,} training images, map logging on vs off. Extrapolated: the median time of one "
           f"step over {args.steps} steps x {args.repeats} repeats, times the epoch's steps; plus one map-logging call "
-          "(trainer._log_maps + writer.flush(), median of the same interleaved repeats) per epoch (log.maps_every=1).")
+          "(trainer.log_maps + writer.flush(), median of the same interleaved repeats) per epoch (log.maps_every=1).")
     head = (f"{'config':<34}{'batch':>6}{'s/step':>8}{'busy':>6}{'epoch off s':>13}{'maps s':>8}{'epoch on s':>12}"
             f"{'on/off':>8}")
     print(head)

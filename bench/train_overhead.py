@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from visattn import engine
 from visattn.config import load_config
-from visattn.data import ImageSet, TensorLoader
+from visattn.data import ImageSet, Placement, TensorLoader
 from visattn.models import create_model
 
 
@@ -39,7 +39,7 @@ def bare_loop(model, batches, opt, precision):
 
 def visattn_loop(model, loader, opt, sched, precision):
     t = time.perf_counter()
-    engine.train_one_epoch(model, loader, opt, sched, device=torch.device("cpu"), precision=precision)
+    engine.train_one_epoch(model, loader, engine.Optimization(opt, sched), engine.StepPolicy(torch.device("cpu"), precision))
     return time.perf_counter() - t
 
 
@@ -69,8 +69,8 @@ def main() -> None:
     for precision in ("bf16", "fp32"):
         model, opt = make(precision)
         sched = engine.StepScheduler(opt, "constant", 0.05, 10**6, 0)
-        plain = TensorLoader(images, args.batch, mean, std, train=True, augment=None, seed=0, channels_last=True)
-        aug = TensorLoader(images, args.batch, mean, std, train=True, augment=dcfg.augment, seed=0, channels_last=True)
+        plain = TensorLoader(images, args.batch, mean, std, train=True, augment=None, seed=0, placement=Placement(channels_last=True))
+        aug = TensorLoader(images, args.batch, mean, std, train=True, augment=dcfg.augment, seed=0, placement=Placement(channels_last=True))
         batches = [(xb.clone(), yb.clone()) for xb, yb in plain]  # the bare loop's data: ready in memory
         plain.set_epoch(0)
         # warm-up (allocator, oneDNN primitive caches)

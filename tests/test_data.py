@@ -13,6 +13,7 @@ from PIL import Image
 
 from visattn.config import load_config
 from visattn.data import (
+    Placement,
     TensorLoader,
     albumentations_pipeline,
     batch_crop,
@@ -68,7 +69,7 @@ def test_tar_gz_of_folder_and_cache(tmp_path, monkeypatch):
     # the second load comes from the cache: decoding is not called again
     import visattn.data as data
 
-    monkeypatch.setattr(data, "read_image_folder", lambda *a, **k: pytest.fail("cache missed"))
+    monkeypatch.setattr(data.sources, "read_image_folder", lambda *a, **k: pytest.fail("cache missed"))
     s2 = load_splits(cfg, seed=0)
     np.testing.assert_array_equal(s.train.x, s2.train.x)
     assert list((tmp_path / "cache").glob("*.npz"))
@@ -235,10 +236,10 @@ def test_ranks_get_disjoint_equal_shares():
     imgs = make_synthetic(103, seed=0)
     seen = []
     for rank in range(2):
-        ld = TensorLoader(imgs, 10, (0.5,) * 3, (0.25,) * 3, True, None, seed=0, rank=rank, world_size=2)
+        ld = TensorLoader(imgs, 10, (0.5,) * 3, (0.25,) * 3, True, None, seed=0, placement=Placement(rank=rank, world_size=2))
         seen.append(torch.cat([y for _, y in ld]))
         assert len(ld) == 5
-    idx = [set(TensorLoader(imgs, 10, (0.5,) * 3, (0.25,) * 3, True, None, seed=0, rank=r, world_size=2)._indices().tolist())
+    idx = [set(TensorLoader(imgs, 10, (0.5,) * 3, (0.25,) * 3, True, None, seed=0, placement=Placement(rank=r, world_size=2))._indices().tolist())
            for r in range(2)]
     assert not idx[0] & idx[1] and len(idx[0]) == len(idx[1]) == 51
 
@@ -249,7 +250,7 @@ def test_albumentations_loader_runs_extra_transforms(tmp_path):
     from visattn.data import build_loader
 
     s = load_splits(cfg, 0)
-    ld = build_loader(s.train, cfg, 10, True, torch.device("cpu"), 0)
+    ld = build_loader(s.train, cfg, 10, True, 0)
     xb, yb = next(iter(ld))
     assert xb.shape == (10, 3, 32, 32) and yb.shape == (10,) and torch.isfinite(xb).all()
 

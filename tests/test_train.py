@@ -35,8 +35,8 @@ def test_one_step_per_precision(precision, channels_last):
     assert (scaler is not None) == (precision == "fp16")
     before = [p.detach().clone() for p in model.parameters()]
     # fp16 starts at a loss scale of 65536: its first steps may overflow and be skipped (counted), never applied
-    stats, step, raw = engine.train_one_epoch(model, [(x, y)] * 20, opt, sched, device=dev, precision=precision,
-                                              scaler=scaler)
+    stats, step, raw = engine.train_one_epoch(model, [(x, y)] * 20, engine.Optimization(opt, sched, scaler),
+                                              engine.StepPolicy(dev, precision))
     assert step == 20 and stats.nonfinite_steps == 0
     assert stats.skipped_steps < 20 and (precision == "fp16" or stats.skipped_steps == 0)
     assert torch.isfinite(torch.tensor(stats.loss)) and stats.loss > 0
@@ -62,14 +62,14 @@ def test_nonfinite_steps_are_skipped_then_stop():
     y = torch.tensor([0, 1, 2, 0])
     w0 = model[1].weight.detach().clone()
     bad = [(x * float("nan"), y)] * 2
-    stats, _, _ = engine.train_one_epoch(model, bad, opt, sched, device=torch.device("cpu"), precision="fp32",
-                                         max_nonfinite_steps=5)
+    policy = engine.StepPolicy(torch.device("cpu"), "fp32", max_nonfinite_steps=5)
+    stats, _, _ = engine.train_one_epoch(model, bad, engine.Optimization(opt, sched), policy)
     assert stats.nonfinite_steps == 2
     assert torch.equal(model[1].weight, w0)  # skipped: weights untouched
     from visattn.errors import TrainingError
 
     with pytest.raises(TrainingError, match="consecutive non-finite"):
-        engine.train_one_epoch(model, bad * 3, opt, sched, device=torch.device("cpu"), precision="fp32", max_nonfinite_steps=5)
+        engine.train_one_epoch(model, bad * 3, engine.Optimization(opt, sched), policy)
 
 
 def _smoke_cfg(tmp_path, *extra):

@@ -1,14 +1,38 @@
 """visattn: vision attention blocks, CIFAR-10 training and attention-map overlays."""
 __version__ = "0.1.0"
 
-from .attention import (  # noqa: F401
+from .attention import (
     AttentionRecord,
     AttentionTap,
+    AttnLayer,
     attention_info,
+    attention_options,
+    attn_layer,
     create_attention,
+    insert_attention,
     list_attention,
     register_attention,
 )
-from .attention.insert import *  # noqa: F401,F403
-from .models import create_model, list_models, register_model  # noqa: F401
-from .maps import *  # noqa: F401,F403
+from .maps import (
+    COLORMAPS,
+    AttentionRecorder,
+    attention_rollout,
+    colorize,
+    find_taps,
+    images_to_float,
+    infer_grid,
+    log_attention_maps,
+    normalize_maps,
+    overlay,
+    record_attention,
+    spatial_heatmap,
+)
+from .models import create_model, list_models, model_options, register_model
+
+__all__ = [
+    "COLORMAPS", "AttentionRecord", "AttentionRecorder", "AttentionTap", "AttnLayer", "attention_info",
+    "attention_options", "attention_rollout", "attn_layer", "colorize", "create_attention", "create_model",
+    "find_taps", "images_to_float", "infer_grid", "insert_attention", "list_attention", "list_models",
+    "log_attention_maps", "model_options", "normalize_maps", "overlay", "record_attention", "register_attention",
+    "register_model", "spatial_heatmap",
+]

@@ -24,7 +24,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -40,7 +39,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
-        from .trainer import Interrupted, run
+        from .runtime import Interrupted
+        from .trainer import run
 
         try:
             summary = run(cfg)

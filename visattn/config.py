@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
+from .registry import MODELS
 
 
 class _Section(BaseModel):
@@ -33,20 +34,9 @@ class AugmentConfig(_Section):
     hflip: bool = True
     cutout: int = Field(0, ge=0, le=32, description="side of a square cutout hole in pixels (0: off)")
     # Extra albumentations transforms, by class name and keyword arguments, e.g.
-    # [{name: ColorJitter, brightness: 0.2, p: 0.5}]; they need data.loader=albumentations.
+    # [{name: ColorJitter, brightness: 0.2, p: 0.5}]; they need data.loader=albumentations. The transforms
+    # themselves are checked by the data layer before training (this module imports no other part of visattn).
     extra: List[Dict[str, Any]] = Field(default_factory=list)
-
-    @field_validator("extra")
-    @classmethod
-    def _check_extra(cls, v: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-        from .data import build_albumentations_transform  # local: albumentations is slow to import
-
-        for i, spec in enumerate(v):
-            try:
-                build_albumentations_transform(spec)
-            except ValueError as e:
-                raise ValueError(f"entry {i}: {e}") from None
-        return v
 
 
 class DataConfig(_Section):
@@ -76,6 +66,20 @@ class DataConfig(_Section):
         return self
 
 
+def _typed_option(model: str, key: str, value: Any, default: Any) -> Any:
+    """Numbers keep their type: YAML reads 1e38 (no dot) as a string, so convert where the builder wants a
+    number, and refuse what is not one."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"option {key!r} of model {model!r} must be true or false, not {value!r}")
+    elif isinstance(default, (int, float)) and not isinstance(value, (int, float)):
+        try:
+            return float(value) if isinstance(default, float) else int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"option {key!r} of model {model!r} must be a number, not {value!r}") from None
+    return value
+
+
 class ModelConfig(BaseModel):
     """``name`` picks a registered model; every other key is passed to its builder as a keyword option."""
 
@@ -84,27 +88,13 @@ class ModelConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
-        from .models import list_models, model_options
-        from .models.registry import model_defaults
-
-        if self.name not in list_models():
-            raise ValueError(f"unknown model {self.name!r}; valid: {', '.join(list_models())}")
-        valid = set(model_options(self.name)) - {"num_classes"}
-        defaults = model_defaults(self.name)
+        MODELS.check(self.name)
+        valid = set(MODELS.options(self.name)) - {"num_classes"}
+        defaults = MODELS.defaults(self.name)
         for key, value in self.options().items():
             if key not in valid:
                 raise ValueError(f"unknown option {key!r} for model {self.name!r}; valid: {', '.join(sorted(valid))}")
-            default = defaults.get(key)
-            # Numbers keep their type: YAML reads 1e38 (no dot) as a string, so convert where the builder
-            # wants a number, and refuse what is not one.
-            if isinstance(default, (int, float)) and not isinstance(default, bool) and not isinstance(value, (int, float)):
-                try:
-                    number = float(value) if isinstance(default, float) else int(value)
-                except (TypeError, ValueError):
-                    raise ValueError(f"option {key!r} of model {self.name!r} must be a number, not {value!r}") from None
-                setattr(self, key, number)
-            elif isinstance(default, bool) and not isinstance(value, bool):
-                raise ValueError(f"option {key!r} of model {self.name!r} must be true or false, not {value!r}")
+            setattr(self, key, _typed_option(self.name, key, value, defaults.get(key)))
         return self
 
     def options(self) -> Dict[str, Any]:

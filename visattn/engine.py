@@ -11,7 +11,7 @@ import contextlib
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -55,18 +55,26 @@ def make_scaler(device: torch.device, precision: str) -> Optional[torch.amp.Grad
 
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, momentum: float = 0.9,
-                    nesterov: bool = True, betas=(0.9, 0.999), no_decay_norm_bias: bool = True) -> torch.optim.Optimizer:
-    from timm.optim import param_groups_weight_decay
+                    nesterov: bool = True, betas: Sequence[float] = (0.9, 0.999),
+                    no_decay_norm_bias: bool = True) -> torch.optim.Optimizer:
+    """SGD (Nesterov by default) or AdamW through timm's ``create_optimizer_v2``.
 
-    if no_decay_norm_bias:  # norm weights and biases (all 1-d tensors) get no weight decay
-        params = param_groups_weight_decay(model, weight_decay)
-    else:
-        params = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    With ``no_decay_norm_bias`` (the default) norm weights, biases (all 1-d tensors) and every parameter the
+    model lists in ``no_weight_decay()`` (a ViT's ``pos_embed`` and ``cls_token``) get no weight decay.
+    """
+    from timm.optim import create_optimizer_v2
+
+    kwargs: Dict[str, Any] = {}
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=tuple(betas))
-    raise ConfigError(f"optim.name: unknown optimizer {name!r}; valid: sgd, adamw")
+        opt = "sgd" if nesterov and momentum > 0 else "momentum"  # timm: "sgd" is Nesterov, "momentum" is not
+        kwargs["momentum"] = momentum
+    elif name == "adamw":
+        opt = "adamw"
+        kwargs["betas"] = tuple(betas)
+    else:
+        raise ConfigError(f"optim.name: unknown optimizer {name!r}; valid: sgd, adamw")
+    return create_optimizer_v2(model, opt=opt, lr=lr, weight_decay=weight_decay,
+                               filter_bias_and_bn=no_decay_norm_bias, **kwargs)
 
 
 class StepScheduler:
@@ -130,99 +138,102 @@ class EpochStats:
 
 @dataclass
 class StepHooks:
-    """Called by :func:`train_one_epoch` between steps (checkpoints, signals, step limits)."""
+    """Called by :func:`train_one_epoch` between steps (checkpoints, signals, step limits, progress bars)."""
 
     after_step: Optional[Callable[[int], bool]] = None  # gets the global step; True stops the epoch early
     on_check: Optional[Callable[[int, float, float], None]] = None  # (global step, mean loss, lr) at host reads
 
 
-def train_one_epoch(
-    model: nn.Module,
-    loader: Iterable,
-    optimizer: torch.optim.Optimizer,
-    scheduler: StepScheduler,
-    *,
-    device: torch.device,
-    precision: str,
-    scaler: Optional[torch.amp.GradScaler] = None,
-    label_smoothing: float = 0.0,
-    grad_clip: Optional[float] = None,
-    ema: Optional[nn.Module] = None,
-    max_nonfinite_steps: int = 10,
-    check_every: int = 20,
-    global_step: int = 0,
-    hooks: StepHooks = StepHooks(),
-    progress: Optional[Any] = None,
-    carry: Optional[torch.Tensor] = None,
-    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-) -> tuple[EpochStats, int, torch.Tensor]:
+@dataclass
+class Optimization:
+    """What takes a training step: the optimizer, its per-step schedule, and the optional extras."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: StepScheduler
+    scaler: Optional[torch.amp.GradScaler] = None  # fp16 loss scaling
+    ema: Optional[nn.Module] = None  # timm ModelEmaV3, updated after every applied step
+    grad_clip: Optional[float] = None
+
+
+@dataclass
+class StepPolicy:
+    """How steps run and are checked: device, precision, loss smoothing, the non-finite policy."""
+
+    device: torch.device
+    precision: str = "fp32"
+    label_smoothing: float = 0.0
+    max_nonfinite_steps: int = 10  # consecutive non-finite losses before TrainingError
+    check_every: int = 20  # steps between host reads of the statistics (GPUs; a CPU reads every step)
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # all-reduce under data parallelism
+
+
+def _apply_step(model: nn.Module, loss: torch.Tensor, finite: torch.Tensor, opt: Optimization,
+                policy: StepPolicy, check_every: int) -> tuple[bool, torch.Tensor]:
+    """Backward and optimizer step; returns (step applied, 1 if the GradScaler skipped it else 0)."""
+    skipped = torch.zeros((), dtype=torch.float64, device=policy.device)
+    scaler = opt.scaler
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        if opt.grad_clip:
+            scaler.unscale_(opt.optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+        scale_before = scaler._scale.clone() if getattr(scaler, "_scale", None) is not None else None
+        scaler.step(opt.optimizer)  # skipped inside when the gradients hold inf/NaN
+        scaler.update()
+        if scale_before is not None:  # the scale backs off exactly when the step was skipped
+            skipped = (scaler._scale < scale_before).double().sum()
+        return True, skipped
+    reduce = policy.reduce
+    if check_every == 1 and not (bool(finite) if reduce is None else bool(reduce((~finite).float()) == 0)):
+        # CPU: skip the step before it touches the weights; under data parallelism every rank skips together
+        # (a rank-local skip would leave the others waiting in the gradient all-reduce)
+        return False, skipped
+    loss.backward()
+    if opt.grad_clip:
+        nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+    opt.optimizer.step()
+    return True, skipped
+
+
+def train_one_epoch(model: nn.Module, loader: Iterable, opt: Optimization, policy: StepPolicy, *,
+                    hooks: StepHooks = StepHooks(), global_step: int = 0,
+                    carry: Optional[torch.Tensor] = None) -> tuple[EpochStats, int, torch.Tensor]:
     """Train for one pass of ``loader``. Returns (stats, global step, the raw statistics tensor).
 
-    ``carry`` resumes the statistics of a partly done epoch: ``[loss sum, correct, images, nonfinite]``.
+    The statistics ``[loss sum, correct, images, non-finite losses, scaler-skipped steps]`` stay on the device
+    and are updated in place (the caller may checkpoint them mid-epoch); ``carry`` resumes those of a partly
+    done epoch.
     """
     model.train()
-    # [loss sum, correct, images, non-finite losses, scaler-skipped steps], updated in place (the caller may
-    # checkpoint it mid-epoch)
+    device = policy.device
     stats = torch.zeros(5, dtype=torch.float64, device=device) if carry is None else carry
     consecutive = torch.zeros((), dtype=torch.int64, device=device)  # current run of non-finite losses
-    check_every = 1 if device.type == "cpu" else check_every  # CPU: reading a finished scalar is free
+    check_every = 1 if device.type == "cpu" else policy.check_every  # CPU: reading a finished scalar is free
     t0 = time.perf_counter()
     for xb, yb in loader:
-        with autocast(device, precision):
+        with autocast(device, policy.precision):
             logits = model(xb)
-        loss = F.cross_entropy(logits.float(), yb, label_smoothing=label_smoothing)
-        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(logits.float(), yb, label_smoothing=policy.label_smoothing)
+        opt.optimizer.zero_grad(set_to_none=True)
         finite = torch.isfinite(loss.detach())
-        step_ok = True
-        skipped = torch.zeros((), dtype=torch.float64, device=device)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            if grad_clip:
-                scaler.unscale_(optimizer)
-                nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-            scale_before = scaler._scale.clone() if getattr(scaler, "_scale", None) is not None else None
-            scaler.step(optimizer)  # skipped inside when the gradients hold inf/NaN
-            scaler.update()
-            if scale_before is not None:  # the scale backs off exactly when the step was skipped
-                skipped = (scaler._scale < scale_before).double().sum()
-        else:
-            if check_every == 1 and not (bool(finite) if reduce is None else bool(reduce((~finite).float()) == 0)):
-                # CPU: skip the step before it touches the weights; under data parallelism every rank skips
-                # together (a rank-local skip would leave the others waiting in the gradient all-reduce)
-                step_ok = False
-            else:
-                loss.backward()
-                if grad_clip:
-                    nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-                optimizer.step()
+        step_ok, skipped = _apply_step(model, loss, finite, opt, policy, check_every)
         if step_ok:
-            scheduler.step()
-            if ema is not None:
-                ema.update(model)
+            opt.scheduler.step()
+            if opt.ema is not None:
+                opt.ema.update(model)
         global_step += 1
         n = yb.shape[0]
         with torch.no_grad():
-            correct = (logits.argmax(1) == yb).sum()
-            stats += torch.stack([torch.where(finite, loss.detach().double() * n, torch.zeros((), dtype=torch.float64, device=device)),
-                                  correct.double(), torch.tensor(float(n), dtype=torch.float64, device=device),
-                                  (~finite).double(), skipped])
-        if progress is not None:
-            progress.update(1)
+            zero = torch.zeros((), dtype=torch.float64, device=device)
+            stats += torch.stack([torch.where(finite, loss.detach().double() * n, zero),
+                                  (logits.argmax(1) == yb).sum().double(), zero + n, (~finite).double(), skipped])
         consecutive = torch.where(finite, torch.zeros_like(consecutive), consecutive + 1)
         if global_step % check_every == 0:
-            run = int(consecutive)
-            if run >= max_nonfinite_steps:
-                raise TrainingError(
-                    f"{run} consecutive non-finite losses at step {global_step}; stopping "
-                    "(lower optim.lr, use precision=bf16/fp32, or set optim.grad_clip); last good checkpoint kept"
-                )
-            if hooks.on_check is not None and (global_step % max(check_every, 20) == 0):
-                s = stats.tolist()
-                hooks.on_check(global_step, s[0] / max(s[2] - s[3], 1), optimizer.param_groups[0]["lr"])
+            _check(int(consecutive), global_step, stats, opt, policy, hooks, check_every)
         if hooks.after_step is not None and hooks.after_step(global_step):
             break
     seconds = time.perf_counter() - t0
-    total = reduce(stats.clone()) if reduce is not None else stats
+    total = policy.reduce(stats.clone()) if policy.reduce is not None else stats
     loss_sum, correct, images, nonfinite, skipped_steps = total.tolist()
     good = max(images, 1)
     return (
@@ -231,6 +242,19 @@ def train_one_epoch(
         global_step,
         stats,
     )
+
+
+def _check(run: int, global_step: int, stats: torch.Tensor, opt: Optimization, policy: StepPolicy,
+           hooks: StepHooks, check_every: int) -> None:
+    """The host read every ``check_every`` steps: stop on too many non-finite losses, report the loss."""
+    if run >= policy.max_nonfinite_steps:
+        raise TrainingError(
+            f"{run} consecutive non-finite losses at step {global_step}; stopping "
+            "(lower optim.lr, use precision=bf16/fp32, or set optim.grad_clip); last good checkpoint kept"
+        )
+    if hooks.on_check is not None and (global_step % max(check_every, 20) == 0):
+        s = stats.tolist()
+        hooks.on_check(global_step, s[0] / max(s[2] - s[3], 1), opt.optimizer.param_groups[0]["lr"])
 
 
 def tta_views(x: torch.Tensor, tta: str) -> List[torch.Tensor]:

@@ -22,10 +22,10 @@ def load_model_from_checkpoint(path: str, device: torch.device) -> tuple[torch.n
     from .checkpoint import load_checkpoint
     from .errors import CheckpointError
     from .models import create_model
-    from .trainer import load_run_config
+    from .config import build_config
 
     state = load_checkpoint(path)
-    cfg = load_run_config(state["config"])
+    cfg = build_config(state["config"])
     num_classes = len(state.get("classes") or []) or 10
     model = create_model(cfg.model.name, num_classes=num_classes, **cfg.model.options())
     weights = state["model"]
@@ -42,7 +42,7 @@ def load_model_from_checkpoint(path: str, device: torch.device) -> tuple[torch.n
 def evaluate_checkpoint(checkpoint: str, data: Optional[str] = None, tta: Optional[str] = None,
                         batch_size: int = 1000, device: str = "auto", precision: Optional[str] = None) -> Dict[str, Any]:
     from . import engine
-    from .data import build_loader, load_splits
+    from .data import Placement, build_loader, load_splits
     from .errors import DataError
 
     dev = engine.resolve_device(device)
@@ -61,7 +61,7 @@ def evaluate_checkpoint(checkpoint: str, data: Optional[str] = None, tta: Option
             f"--data {data}: classes {list(splits.eval.classes)[:4]}... differ from the checkpoint's {classes[:4]}..."
         )
     prec = engine.resolve_precision(precision or cfg.precision, dev)
-    loader = build_loader(splits.eval, dcfg, batch_size, False, dev, cfg.seed, channels_last=cfg.channels_last)
+    loader = build_loader(splits.eval, dcfg, batch_size, False, cfg.seed, Placement(dev, channels_last=cfg.channels_last))
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     res = engine.evaluate(model, loader, device=dev, precision=prec, tta=tta or cfg.eval.tta, num_classes=len(classes))

@@ -1,15 +1,67 @@
-"""A small name -> builder registry shared by attention blocks and models.
+"""The two name -> builder registries, attention blocks and models, with one :class:`Registry` class.
 
-Decorator based (``@register_attention("se")``), duplicate names are rejected, and an unknown name or a
-bad keyword option is answered with an error that lists what is valid (never an ``assert``).
+Decorator based (``@register_attention("se")``, ``@register_model("mynet")``), duplicate names are
+rejected, and an unknown name or a bad keyword option is answered with an error that lists what is valid
+(never an ``assert``). A model *variant* is a builder that puts a dict of arguments onto one class
+(timm's and torchvision's pattern)::
+
+    @register_model("vit_tiny", family="vit", cls=VisionTransformer)
+    def vit_tiny(**kwargs):
+        return VisionTransformer(**dict(dict(depth=9, dim=192), **kwargs))
+
+The options of such a builder are read from ``cls``'s signature (and, where ``cls.__init__`` passes
+``**kwargs`` on, from its base classes' keyword parameters that have defaults), so the config checks model
+options without the builders copying signatures.
+
+This module imports nothing else from visattn: the blocks and models register themselves when
+``visattn.attention`` and ``visattn.models`` are imported (``import visattn`` does both).
 """
 from __future__ import annotations
 
 import inspect
 from typing import Any, Callable, Dict, List, Optional
 
+from torch import nn
+
+
+def _own_params(target: Callable[..., Any]) -> List[inspect.Parameter]:
+    params = inspect.signature(target).parameters.values()
+    return [p for p in params if p.name != "self"]
+
+
+def _signature_params(fn: Callable[..., Any], cls: Optional[type]) -> Dict[str, inspect.Parameter]:
+    """Keyword parameters ``fn`` accepts, looking through ``**kwargs`` into ``cls`` and its base classes.
+
+    A base class's parameters without a default are left out: the subclass fills those in itself (e.g. a
+    transformer's tokenizer).
+    """
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    params = _own_params(target)
+    out = {p.name: p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        return out
+    if inspect.isclass(fn):
+        chain = fn.__mro__[1:]
+    elif cls is not None:
+        chain = cls.__mro__
+    else:
+        return out
+    for klass in chain:
+        if not (isinstance(klass, type) and issubclass(klass, nn.Module)) or klass is nn.Module:
+            break
+        own = _own_params(klass.__init__)
+        for p in own:
+            keyword = p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+            if keyword and p.name not in out and (klass is cls or p.default is not inspect.Parameter.empty):
+                out[p.name] = p
+        if not any(p.kind is p.VAR_KEYWORD for p in own):
+            break
+    return out
+
 
 class Registry:
+    """Names -> builders (classes or functions), with metadata and option checks."""
+
     def __init__(self, what: str):
         self.what = what  # "attention block" or "model", used in messages
         self._builders: Dict[str, Callable[..., Any]] = {}
@@ -34,38 +86,104 @@ class Registry:
         return out
 
     def meta(self, name: str) -> Dict[str, Any]:
-        return dict(self._meta[self._check(name)])
+        return {k: v for k, v in self._meta[self.check(name)].items() if k != "cls"}
 
     def get(self, name: str) -> Callable[..., Any]:
-        return self._builders[self._check(name)]
+        return self._builders[self.check(name)]
 
-    def _check(self, name: str) -> str:
+    def check(self, name: str) -> str:
+        """``name`` if registered, else a ValueError that lists the valid names."""
         if name not in self._builders:
             raise ValueError(f"unknown {self.what} {name!r}; valid: {', '.join(self.names())}")
         return name
 
+    def _params(self, name: str) -> Dict[str, inspect.Parameter]:
+        return _signature_params(self.get(name), self._meta[name].get("cls"))
+
     def options(self, name: str) -> List[str]:
-        """Keyword options the builder accepts (for error messages and docs)."""
-        fn = self.get(name)
-        target = fn.__init__ if inspect.isclass(fn) else fn
-        params = list(inspect.signature(target).parameters.values())
-        return [p.name for p in params if p.name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        """Keyword options the builder accepts (for error messages, config checks and docs)."""
+        return list(self._params(name))
+
+    def defaults(self, name: str) -> Dict[str, Any]:
+        """Default values of the builder's keyword options (for type checks of config values)."""
+        return {k: p.default for k, p in self._params(name).items() if p.default is not inspect.Parameter.empty}
+
+    def check_options(self, name: str, kwargs: Dict[str, Any]) -> None:
+        valid = set(self.options(name))
+        bad = sorted(k for k in kwargs if k not in valid)
+        if bad:
+            raise ValueError(f"{self.what} {name!r} got unknown option(s) {', '.join(bad)}; valid: {', '.join(sorted(valid))}")
 
     def create(self, name: str, *args: Any, **kwargs: Any) -> Any:
         fn = self.get(name)
         target = fn.__init__ if inspect.isclass(fn) else fn
-        sig = inspect.signature(target)
-        accepts_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        if not accepts_var_kw:
-            valid = set(self.options(name))
-            bad = sorted(k for k in kwargs if k not in valid)
-            if bad:
-                raise ValueError(
-                    f"{self.what} {name!r} got unknown option(s) {', '.join(bad)}; valid: {', '.join(sorted(valid))}"
-                )
+        open_ended = any(p.kind is p.VAR_KEYWORD for p in _own_params(target))
+        if not open_ended or self._meta[name].get("cls") is not None:
+            self.check_options(name, kwargs)
         return fn(*args, **kwargs)
 
 
 def describe(obj: Optional[Callable[..., Any]]) -> str:
     doc = inspect.getdoc(obj) if obj is not None else None
     return (doc or "").strip().splitlines()[0] if doc else ""
+
+
+# ------------------------------------------------------------------------------------- attention blocks
+
+ATTENTION = Registry("attention block")
+LAYOUTS = ("feature", "token")  # (B, C, H, W) -> same, or (B, N, D) -> same
+
+
+def register_attention(name: str, layout: str = "feature", kind: str = "channel"):
+    """Register a block class/builder. ``layout``: 'feature' or 'token'; ``kind``: what its tap carries."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    return ATTENTION.register(name, layout=layout, kind=kind)
+
+
+def list_attention(layout: Optional[str] = None) -> List[str]:
+    """Names of the registered blocks ("none" included), optionally only one layout."""
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; valid: {', '.join(LAYOUTS)}")
+    return ATTENTION.names(layout=layout)
+
+
+def attention_info(name: str) -> dict:
+    """``{"layout": ..., "kind": ...}`` of block ``name`` (ValueError listing the blocks if unknown)."""
+    return ATTENTION.meta(name)
+
+
+def attention_options(name: str) -> List[str]:
+    return ATTENTION.options(name)
+
+
+def create_attention(name: str, channels: int, **kwargs: Any) -> nn.Module:
+    """Build block ``name`` for ``channels`` input channels (or token dim); ``"none"`` gives an identity."""
+    return ATTENTION.create(name, channels, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------- models
+
+MODELS = Registry("model")
+
+
+def register_model(name: str, family: str = "cnn", cls: Optional[type] = None):
+    """Register a model builder; ``cls``: the class a ``**kwargs`` variant builder puts its arguments onto."""
+    return MODELS.register(name, family=family, cls=cls)
+
+
+def list_models(family: Optional[str] = None) -> List[str]:
+    return MODELS.names(family=family)
+
+
+def model_options(name: str) -> List[str]:
+    return MODELS.options(name)
+
+
+def model_defaults(name: str) -> Dict[str, Any]:
+    return MODELS.defaults(name)
+
+
+def create_model(name: str, num_classes: int = 10, **kwargs: Any) -> nn.Module:
+    """Build model ``name``; keyword options are the builder's (``model_options(name)`` lists them)."""
+    return MODELS.create(name, num_classes=num_classes, **kwargs)

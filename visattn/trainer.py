@@ -1,185 +1,139 @@
-"""The training run: reads the config once and drives the engine.
+"""The training run, in three steps that read top to bottom: ``build``, ``resume``, ``fit``.
 
-``run(cfg)`` sets up the device, precision, data, model, optimizer, schedule, EMA, TensorBoard and the run
-directory, resumes when asked, trains with a checkpoint every epoch (and every ``train.ckpt_every_steps``),
-evaluates, logs attention maps, and stops cleanly on SIGTERM/SIGINT after the current step with a
-checkpoint saved. Under ``torchrun`` it runs data-parallel (gloo on CPU, NCCL on GPU); rank 0 alone writes.
+``run(cfg)`` = ``build(cfg)`` (device, precision, data, model, optimizer, schedule, EMA, loaders: a
+:class:`Run`), then ``resume(run, path)`` when asked, then ``fit(run)``: the run folder and TensorBoard are
+opened, and each epoch trains (checkpointing every ``train.ckpt_every_steps``), evaluates, writes a metrics
+row, saves ``best.pt``/``last.pt`` and logs attention maps. SIGTERM/SIGINT stop the run after the current
+step with a checkpoint saved. Under ``torchrun`` it runs data-parallel (gloo on CPU, NCCL on GPU); rank 0
+alone writes.
+
+The config is read here and nowhere below: the data layer gets its typed ``data`` section, the engine gets
+plain arguments (:class:`~visattn.engine.Optimization`, :class:`~visattn.engine.StepPolicy`).
 """
 from __future__ import annotations
 
+import functools
 import json
-import os
-import random
 import signal
-import subprocess
 import sys
 import time
-from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from . import engine
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, build_config
-from .data import build_loader, load_splits
-from .errors import CheckpointError, ConfigError, TrainingError
+from .config import Config
+from .data import Placement, Splits, build_loader, check_augment, load_splits, normalize, spread_indices
+from .data.loaders import EpochLoader
+from .errors import CheckpointError, ConfigError
 from .models import create_model
+from .runtime import (
+    DistInfo,
+    Interrupted,
+    StopFlag,
+    all_finite,
+    config_diff,
+    git_revision,
+    graceful_signals,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+    trim_metrics,
+    versions,
+    yaml_dump,
+)
 
 RESUME_MUST_MATCH = ("model", "data")  # config sections a resume may not silently change
 # settings the saved optimizer/schedule state is shaped by: never changed on resume, even with resume_allow_changes
 RESUME_FIXED = ("optim.name", "optim.no_decay_norm_bias", "sched.name")
+EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "nonfinite_steps",
+                 "skipped_steps")
 
 
-# --------------------------------------------------------------------------------------------- helpers
+@dataclass
+class Run:
+    """Everything a run holds. ``model`` is the module whose state is saved (never the compiled/DDP wrapper)."""
 
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        if torch.cuda.is_available():
-            torch.backends.cudnn.benchmark = False
-            torch.backends.cudnn.deterministic = True
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    elif torch.cuda.is_available():
-        torch.backends.cudnn.benchmark = True
-
-
-def git_revision() -> str:
-    try:
-        here = Path(__file__).resolve().parent
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        if rev.returncode != 0:
-            return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return rev.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def versions() -> Dict[str, str]:
-    import platform
-
-    import timm
-    import torchvision
-
-    from . import __version__
-
-    return {"visattn": __version__, "torch": str(torch.__version__), "torchvision": str(torchvision.__version__),
-            "timm": str(timm.__version__), "python": platform.python_version(), "numpy": str(np.__version__)}
-
-
-def rng_state() -> Dict[str, Any]:
-    st = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate()),
-          "numpy": _numpy_state_to_plain(np.random.get_state())}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def set_rng_state(st: Dict[str, Any]) -> None:
-    torch.set_rng_state(st["torch"])
-    random.setstate(_to_tuples(st["python"]))
-    np.random.set_state(_numpy_state_from_plain(st["numpy"]))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
-def _to_lists(x: Any) -> Any:
-    return [_to_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _to_tuples(x: Any) -> Any:
-    return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
-
-
-def _numpy_state_to_plain(st: tuple) -> Dict[str, Any]:
-    return {"name": st[0], "keys": torch.from_numpy(st[1].astype(np.int64)), "pos": int(st[2]),
-            "has_gauss": int(st[3]), "gauss": float(st[4])}
-
-
-def _numpy_state_from_plain(d: Dict[str, Any]) -> tuple:
-    return (d["name"], d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["gauss"])
-
-
-def config_diff(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "") -> List[str]:
-    """Dotted keys whose values differ between two nested dicts."""
-    out = []
-    for k in sorted(set(a) | set(b)):
-        key = f"{prefix}{k}"
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += config_diff(va, vb, key + ".")
-        elif va != vb:
-            out.append(key)
-    return out
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop finishes the current step, saves and exits."""
-
-    def __init__(self) -> None:
-        self.signum: Optional[int] = None
-
-    def __bool__(self) -> bool:
-        return self.signum is not None
-
-
-@contextmanager
-def graceful_signals(flag: StopFlag) -> Iterator[None]:
-    def handler(signum: int, frame: Any) -> None:
-        if flag.signum is not None and signum == signal.SIGINT:  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
-        flag.signum = signum
-        print(f"\nreceived {signal.Signals(signum).name}: finishing the current step, then saving", file=sys.stderr, flush=True)
-
-    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        for s in old:
-            signal.signal(s, handler)
-    except ValueError:  # not the main thread (e.g. called from a notebook worker): no handlers
-        old = {}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-class Interrupted(Exception):
-    """Training stopped on a signal after saving; ``exit_code`` is 128 + the signal number."""
-
-    def __init__(self, signum: int, path: Path):
-        super().__init__(f"stopped by {signal.Signals(signum).name}; state saved to {path} (resume with resume=auto)")
-        self.exit_code = 128 + signum
-
-
-# ---------------------------------------------------------------------------------------------- the run
-
-
-class DistInfo:
-    def __init__(self) -> None:
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.enabled = self.world_size > 1
+    cfg: Config
+    dist: DistInfo
+    run_dir: Path
+    splits: Splits
+    model: nn.Module
+    opt: engine.Optimization
+    policy: engine.StepPolicy
+    train_loader: EpochLoader
+    eval_loader: EpochLoader
+    say: Callable[..., None]
+    resume_from: Optional[Path] = None
+    epoch: int = 0  # epochs finished
+    step: int = 0  # optimizer steps taken (global)
+    best_acc: float = -1.0
+    carry: Optional[torch.Tensor] = None  # a resumed partial epoch's statistics
+    live: Optional[torch.Tensor] = None  # the running epoch's statistics, saved by mid-epoch checkpoints
+    writer: Any = None  # TensorBoard SummaryWriter (rank 0)
+    probe: Optional[tuple] = None  # fixed (images, labels) whose attention maps are logged
+    stop: StopFlag = field(default_factory=StopFlag)
+    history: List[Dict[str, Any]] = field(default_factory=list)
+    last_eval: Dict[str, Any] = field(default_factory=dict)
+    t_start: float = field(default_factory=time.perf_counter)
 
     @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    def device(self) -> torch.device:
+        return self.policy.device
 
-    def reduce(self, t: torch.Tensor) -> torch.Tensor:
-        if self.enabled:
-            dist.all_reduce(t)
-        return t
+    @property
+    def num_classes(self) -> int:
+        return len(self.splits.train.classes)
+
+    @property
+    def eval_model(self) -> nn.Module:
+        return self.opt.ema.module if self.opt.ema is not None else self.model
+
+
+# -------------------------------------------------------------------------------------------------- build
+
+
+def build(cfg: Config, log: Callable[..., None] = print) -> Run:
+    """Set up everything the run needs; nothing is written yet."""
+    di = DistInfo()
+    if di.enabled and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
+    device = engine.resolve_device(cfg.device)
+    if di.enabled and device.type == "cuda":
+        device = torch.device("cuda", di.local_rank)
+        torch.cuda.set_device(device)
+    precision = engine.resolve_precision(cfg.precision, device)
+    run_dir = Path(cfg.run_dir)
+    resume_from = _resume_path(cfg, run_dir)
+    check_augment(cfg.data)
+    say = log if di.is_main else (lambda *a, **k: None)
+
+    seed_everything(cfg.seed + di.rank, cfg.deterministic)
+    splits = load_splits(cfg.data, cfg.seed)
+    say(f"data: {len(splits.train)} train images ({splits.source}); evaluating on the {splits.eval_split}"
+        + (f"; {splits.skipped} unreadable images skipped" if splits.skipped else ""))
+    model = _build_model(cfg, splits, device, di)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"model: {cfg.model.name} ({n_params / 1e6:.2f}M parameters) on {device}, precision {precision}"
+        + (f", {di.world_size} ranks" if di.enabled else ""))
+
+    if cfg.train.batch_size % di.world_size:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} must divide evenly over {di.world_size} ranks")
+    placement = Placement(device, di.rank, di.world_size, cfg.channels_last)
+    train_loader = build_loader(splits.train, cfg.data, cfg.train.batch_size // di.world_size, True, cfg.seed, placement)
+    eval_loader = build_loader(splits.eval, cfg.data, cfg.eval.batch_size, False, cfg.seed, placement)
+    if len(train_loader) == 0:
+        raise ConfigError(f"train.batch_size={cfg.train.batch_size} exceeds the {len(splits.train)} training images")
+    policy = engine.StepPolicy(device, precision, cfg.train.label_smoothing, cfg.train.max_nonfinite_steps,
+                               cfg.train.check_every, di.reduce if di.enabled else None)
+    return Run(cfg=cfg, dist=di, run_dir=run_dir, splits=splits, model=model,
+               opt=_build_optimization(cfg, model, len(train_loader), device, precision), policy=policy,
+               train_loader=train_loader, eval_loader=eval_loader, say=say, resume_from=resume_from)
 
 
 def _resume_path(cfg: Config, run_dir: Path) -> Optional[Path]:
@@ -203,29 +157,9 @@ def _resume_path(cfg: Config, run_dir: Path) -> Optional[Path]:
     return p
 
 
-def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
-    """Train as ``cfg`` says; returns a summary dict (best/final accuracy, paths, wall time)."""
-    di = DistInfo()
-    if di.enabled and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo"
-        dist.init_process_group(backend)
-    device = engine.resolve_device(cfg.device)
-    if di.enabled and device.type == "cuda":
-        device = torch.device("cuda", di.local_rank)
-        torch.cuda.set_device(device)
-    precision = engine.resolve_precision(cfg.precision, device)
-    run_dir = Path(cfg.run_dir)
-    resume_from = _resume_path(cfg, run_dir)
-    say = log if di.is_main else (lambda *a, **k: None)
-
-    seed_everything(cfg.seed + di.rank, cfg.deterministic)
-    splits = load_splits(cfg.data, cfg.seed)
-    num_classes = len(splits.train.classes)
-    say(f"data: {len(splits.train)} train images ({splits.source}); evaluating on the {splits.eval_split}"
-        + (f"; {splits.skipped} unreadable images skipped" if splits.skipped else ""))
-
+def _build_model(cfg: Config, splits: Splits, device: torch.device, di: DistInfo) -> nn.Module:
     try:
-        model = create_model(cfg.model.name, num_classes=num_classes, **cfg.model.options())
+        model = create_model(cfg.model.name, num_classes=len(splits.train.classes), **cfg.model.options())
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model: {e}") from None
     if getattr(model, "needs_data_init", False):  # e.g. a whitening stem computed from training patches
@@ -239,260 +173,271 @@ def run(cfg: Config, log: Any = print) -> Dict[str, Any]:
                 dist.broadcast(t, src=0)
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
-    raw_model = model  # the module whose state is saved (not the compiled / DDP wrapper)
-    n_params = sum(p.numel() for p in raw_model.parameters())
-    say(f"model: {cfg.model.name} ({n_params / 1e6:.2f}M parameters) on {device}, precision {precision}"
-        + (f", {di.world_size} ranks" if di.enabled else ""))
+    return model
 
-    o = cfg.optim
-    optimizer = engine.build_optimizer(raw_model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas,
+
+def _build_optimization(cfg: Config, model: nn.Module, steps_per_epoch: int, device: torch.device,
+                        precision: str) -> engine.Optimization:
+    o, s = cfg.optim, cfg.sched
+    optimizer = engine.build_optimizer(model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas,
                                        o.no_decay_norm_bias)
-    if cfg.train.batch_size % di.world_size:
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} must divide evenly over {di.world_size} ranks")
-    local_bs = cfg.train.batch_size // di.world_size
-    train_loader = build_loader(splits.train, cfg.data, local_bs, True, device, cfg.seed, di.rank, di.world_size,
-                                cfg.channels_last)
-    eval_loader = build_loader(splits.eval, cfg.data, cfg.eval.batch_size, False, device, cfg.seed, di.rank,
-                               di.world_size, cfg.channels_last)
-    steps_per_epoch = len(train_loader)
-    if steps_per_epoch == 0:
-        raise ConfigError(f"train.batch_size={cfg.train.batch_size} exceeds the {len(splits.train)} training images")
-    total_steps = steps_per_epoch * cfg.train.epochs
-    scheduler = engine.StepScheduler(optimizer, cfg.sched.name, o.lr, total_steps,
-                                     int(round(cfg.sched.warmup_epochs * steps_per_epoch)), cfg.sched.min_lr_ratio,
-                                     cfg.sched.anneal)
-    scaler = engine.make_scaler(device, precision)
+    scheduler = engine.StepScheduler(optimizer, s.name, o.lr, steps_per_epoch * cfg.train.epochs,
+                                     int(round(s.warmup_epochs * steps_per_epoch)), s.min_lr_ratio, s.anneal)
     ema = None
     if cfg.train.ema_decay:
         from timm.utils import ModelEmaV3
 
-        ema = ModelEmaV3(raw_model, decay=cfg.train.ema_decay)
+        ema = ModelEmaV3(model, decay=cfg.train.ema_decay)
+    return engine.Optimization(optimizer, scheduler, engine.make_scaler(device, precision), ema, o.grad_clip)
 
-    start_epoch, global_step, best_acc, carry = 0, 0, -1.0, None
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, map_location="cpu")
-        diff = [k for sec in RESUME_MUST_MATCH
-                for k in config_diff({sec: state["config"].get(sec, {})}, {sec: cfg.to_dict()[sec]})]
-        if diff and not cfg.resume_allow_changes:
-            raise CheckpointError(
-                f"resume: {resume_from} was trained with different settings for {', '.join(diff)} "
-                "(set resume_allow_changes=true to resume anyway)"
-            )
-        fixed = [k for sec in ("optim", "sched")
-                 for k in config_diff({sec: state["config"].get(sec, {})}, {sec: cfg.to_dict()[sec]}) if k in RESUME_FIXED]
-        if fixed:
-            raise CheckpointError(f"resume: {resume_from} holds optimizer/schedule state made with other settings for "
-                                  f"{', '.join(fixed)}, which cannot change on resume")
-        try:
-            raw_model.load_state_dict(state["model"])
-        except RuntimeError as e:  # the first line only says "Error(s) in loading state_dict": name the first mismatch
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            why = (lines[1] if len(lines) > 1 else lines[0] if lines else "")[:200]
-            raise CheckpointError(f"resume: {resume_from} does not fit model {cfg.model.name!r} ({why})") from None
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            if scaler is not None and state.get("scaler"):
-                scaler.load_state_dict(state["scaler"])
-            if ema is not None and state.get("ema") is not None:
-                ema.load_state_dict(state["ema"])
-            train_loader.load_state_dict(state["loader"])
-            set_rng_state(state["rng"])
-            start_epoch, global_step = int(state["epoch"]), int(state["step"])
-        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-            why = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise CheckpointError(f"resume: {resume_from} does not fit this run ({e.__class__.__name__}: {why[:120]})") from None
-        best_acc = float(state.get("best_acc", -1.0))
-        carry = state.get("epoch_stats") if di.is_main else None  # all-rank totals: counted once, on rank 0
-        say(f"resumed from {resume_from}: epoch {start_epoch}, step {global_step}"
-            + (f" ({train_loader.position} batches into the epoch)" if train_loader.position else ""))
 
-    train_model: nn.Module = raw_model
-    if cfg.compile:
-        train_model = torch.compile(raw_model)
-    if di.enabled:
+# ------------------------------------------------------------------------------------------------- resume
+
+
+def resume(run: Run, path: Path) -> None:
+    """Load model, optimizer, schedule, scaler, EMA, data order, RNG and counters from checkpoint ``path``."""
+    cfg = run.cfg
+    state = load_checkpoint(path, map_location="cpu")
+    _check_resume_config(state, cfg, path)
+    try:
+        run.model.load_state_dict(state["model"])
+    except RuntimeError as e:  # the first line only says "Error(s) in loading state_dict": name the first mismatch
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = (lines[1] if len(lines) > 1 else lines[0] if lines else "")[:200]
+        raise CheckpointError(f"resume: {path} does not fit model {cfg.model.name!r} ({why})") from None
+    opt = run.opt
+    try:
+        opt.optimizer.load_state_dict(state["optimizer"])
+        opt.scheduler.load_state_dict(state["scheduler"])
+        if opt.scaler is not None and state.get("scaler"):
+            opt.scaler.load_state_dict(state["scaler"])
+        if opt.ema is not None and state.get("ema") is not None:
+            opt.ema.load_state_dict(state["ema"])
+        run.train_loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        run.epoch, run.step = int(state["epoch"]), int(state["step"])
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"resume: {path} does not fit this run ({e.__class__.__name__}: {why[:120]})") from None
+    run.best_acc = float(state.get("best_acc", -1.0))
+    run.carry = state.get("epoch_stats") if run.dist.is_main else None  # all-rank totals: counted once, on rank 0
+    run.resume_from = path
+    position = run.train_loader.position
+    run.say(f"resumed from {path}: epoch {run.epoch}, step {run.step}"
+            + (f" ({position} batches into the epoch)" if position else ""))
+
+
+def _check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None:
+    now = cfg.to_dict()
+    diff = [k for sec in RESUME_MUST_MATCH for k in config_diff({sec: state["config"].get(sec, {})}, {sec: now[sec]})]
+    if diff and not cfg.resume_allow_changes:
+        raise CheckpointError(
+            f"resume: {path} was trained with different settings for {', '.join(diff)} "
+            "(set resume_allow_changes=true to resume anyway)"
+        )
+    fixed = [k for sec in ("optim", "sched")
+             for k in config_diff({sec: state["config"].get(sec, {})}, {sec: now[sec]}) if k in RESUME_FIXED]
+    if fixed:
+        raise CheckpointError(f"resume: {path} holds optimizer/schedule state made with other settings for "
+                              f"{', '.join(fixed)}, which cannot change on resume")
+
+
+# ---------------------------------------------------------------------------------------------------- fit
+
+
+def fit(run: Run) -> Dict[str, Any]:
+    """Train from ``run.epoch`` to ``cfg.train.epochs``; returns a summary (best/final accuracy, paths, time)."""
+    cfg = run.cfg
+    train_model = torch.compile(run.model) if cfg.compile else run.model
+    if run.dist.enabled:
+        device = run.device
         train_model = nn.parallel.DistributedDataParallel(
             train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    eval_model = ema.module if ema is not None else raw_model
-
-    writer = None
-    if di.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(_yaml_dump(cfg.to_dict()))
-        info = {"seed": cfg.seed, "versions": versions(), "git": git_revision(), "argv": sys.argv,
-                "eval_split": splits.eval_split, "device": str(device), "precision": precision,
-                "world_size": di.world_size, "parameters": n_params, "classes": list(splits.train.classes)}
-        (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
-        if resume_from is not None:
-            _trim_metrics(run_dir / "metrics.jsonl", start_epoch)
-        for p in run_dir.glob(".*.pt.*.tmp"):  # torn checkpoint writes of a killed run
-            p.unlink(missing_ok=True)
-        if cfg.log.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(str(run_dir / "tb"), purge_step=global_step if resume_from else None)
-
-    probe = None
-    if di.is_main and cfg.log.maps_every and _has_taps(raw_model):
-        from .data import normalize, spread_indices
-
-        pick = spread_indices(splits.eval.y, cfg.log.probe_size)  # fixed: one image per class in turn
-        px = torch.from_numpy(splits.eval.x[pick]).permute(0, 3, 1, 2)
-        probe = (normalize(px, cfg.data.mean, cfg.data.std).to(device), torch.from_numpy(splits.eval.y[pick]).to(device))
-
-    def checkpoint_state(epoch: int, position_stats: Optional[torch.Tensor]) -> Dict[str, Any]:
-        return {
-            "model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "ema": ema.state_dict() if ema is not None else None,
-            "rng": rng_state(), "loader": train_loader.state_dict(), "epoch": epoch, "step": global_step,
-            "epoch_stats": position_stats.cpu() if position_stats is not None else None,
-            "best_acc": best_acc, "config": cfg.to_dict(), "classes": list(splits.train.classes),
-            "eval_split": splits.eval_split, "versions": versions(), "git": git_revision(), "seed": cfg.seed,
-        }
-
-    stop = StopFlag()
-    metrics_path = run_dir / "metrics.jsonl"
-    t_start = time.perf_counter()
-    history: List[Dict[str, Any]] = []
-    last: Dict[str, Any] = {}
-    stats_box: Dict[str, torch.Tensor] = {}
-
-    def after_step(step: int) -> bool:
-        nonlocal global_step
-        global_step = step
-        halt = bool(stop)
-        if di.enabled:  # every rank stops at the same step
-            t = torch.tensor([1.0 if halt else 0.0], device=device)
-            halt = bool(di.reduce(t).item() > 0)
-            if halt and stop.signum is None:
-                stop.signum = signal.SIGTERM
-        if cfg.train.max_steps is not None and step >= cfg.train.max_steps:
-            halt = True
-        every = cfg.train.ckpt_every_steps
-        if halt or (every and step % every == 0):  # the same decision on every rank
-            live = stats_box.get("live")
-            if di.enabled and live is not None:  # carry the partial epoch's totals over all ranks; rank 0 resumes them
-                live = di.reduce(live.clone())
-            # a periodic save never replaces the last good checkpoint with non-finite weights (on a GPU the loss is
-            # checked only every train.check_every steps, after the weights have taken the step)
-            if di.is_main and (halt or _all_finite(raw_model)):
-                save_checkpoint(checkpoint_state(train_loader.epoch, live), run_dir / "last.pt")
-        return halt
-
-    def on_check(step: int, loss: float, lr: float) -> None:
-        if writer is not None:
-            writer.add_scalar("train/loss_step", loss, step)
-            writer.add_scalar("train/lr", lr, step)
-
-    with graceful_signals(stop):
-        for epoch in range(start_epoch, cfg.train.epochs):
-            if cfg.train.max_steps is not None and global_step >= cfg.train.max_steps:
+    if run.dist.is_main:
+        _open_outputs(run)
+    run.t_start = time.perf_counter()
+    with graceful_signals(run.stop):
+        for epoch in range(run.epoch, cfg.train.epochs):
+            if cfg.train.max_steps is not None and run.step >= cfg.train.max_steps:
                 break
-            train_loader.set_epoch(epoch)
-            bar = None
-            if di.is_main and cfg.log.progress:
-                from tqdm import tqdm
-
-                bar = tqdm(total=len(train_loader), initial=train_loader.position, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
-                           leave=False, dynamic_ncols=True, file=sys.stderr)
-            live = torch.zeros(5, dtype=torch.float64, device=device) if carry is None else carry.to(device).double()
-            stats_box["live"] = live
-            carry = None
-            ep, global_step, live = engine.train_one_epoch(
-                train_model, train_loader, optimizer, scheduler, device=device, precision=precision, scaler=scaler,
-                label_smoothing=cfg.train.label_smoothing, grad_clip=o.grad_clip, ema=ema,
-                max_nonfinite_steps=cfg.train.max_nonfinite_steps, check_every=cfg.train.check_every,
-                global_step=global_step, hooks=engine.StepHooks(after_step=after_step, on_check=on_check),
-                progress=bar, carry=live, reduce=di.reduce if di.enabled else None,
-            )
-            if bar is not None:
-                bar.close()
-            if stop or 0 < train_loader.position < len(train_loader):  # stopped mid-epoch: state already saved
-                if stop:
-                    if writer is not None:
-                        writer.close()
-                    raise Interrupted(stop.signum, run_dir / "last.pt")
+            ep = _train_epoch(run, train_model, epoch)
+            if run.stop or 0 < run.train_loader.position < len(run.train_loader):  # stopped mid-epoch: saved
+                if run.stop:
+                    _close(run)
+                    raise Interrupted(run.stop.signum, run.run_dir / "last.pt")
                 break
-            done = epoch + 1
-            row: Dict[str, Any] = {"epoch": done, "step": global_step, "train_loss": ep.loss, "train_acc": ep.acc,
-                                   "images_per_s": ep.images_per_s,  # ep.images is already summed over ranks
-                                   "epoch_seconds": ep.seconds, "nonfinite_steps": ep.nonfinite_steps,
-                                   "skipped_steps": ep.skipped_steps,
-                                   "lr": optimizer.param_groups[0]["lr"],
-                                   "wall_seconds": time.perf_counter() - t_start}
-            if done % cfg.eval.every == 0 or done == cfg.train.epochs:
-                if di.enabled:  # BN running stats drift apart per rank: evaluate rank 0's, the ones it saves
-                    with torch.no_grad():
-                        for b in eval_model.buffers():
-                            dist.broadcast(b, src=0)
-                ev = engine.evaluate(eval_model, eval_loader, device=device, precision=precision, tta=cfg.eval.tta,
-                                     num_classes=num_classes, reduce=di.reduce if di.enabled else None)
-                row.update({"val_loss": ev["loss"], "val_acc": ev["acc"], "eval_seconds": ev["seconds"]})
-                last = ev
-            is_best = "val_acc" in row and row["val_acc"] > best_acc
-            if is_best:
-                best_acc = row["val_acc"]
-            row["best_val_acc"] = best_acc
-            history.append(row)
-            if di.is_main:
-                # last.pt goes last: it commits the epoch. A crash before it redoes the epoch on resume, which first
-                # drops the metrics rows past the checkpoint, so no row is lost or written twice.
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                train_loader.set_epoch(done)
-                state = checkpoint_state(done, None)
-                if is_best:
-                    save_checkpoint(state, run_dir / "best.pt")
-                save_checkpoint(state, run_dir / "last.pt")
-                if writer is not None:
-                    for k in ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "nonfinite_steps", "skipped_steps"):
-                        if k in row:
-                            tag = k.replace("_", "/", 1) if k.startswith(("train_", "val_")) else f"train/{k}"
-                            writer.add_scalar("train/lr_epoch" if k == "lr" else tag, row[k], done)
-                    if probe is not None and cfg.log.maps_every and done % cfg.log.maps_every == 0:
-                        _log_maps(writer, eval_model, probe, done, cfg, splits.train.classes)
-                    writer.flush()
-                msg = f"epoch {done}/{cfg.train.epochs}: train loss {ep.loss:.4f} acc {ep.acc:.4f}"
-                if "val_acc" in row:
-                    msg += f" | val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}"
-                msg += f" | {row['images_per_s']:.0f} img/s | {row['wall_seconds']:.0f}s"
-                say(msg)
-            if stop:
-                if writer is not None:
-                    writer.close()
-                raise Interrupted(stop.signum, run_dir / "last.pt")
-    if writer is not None:
-        writer.close()
-    if di.enabled:
+            _end_epoch(run, ep, epoch + 1)
+            if run.stop:
+                _close(run)
+                raise Interrupted(run.stop.signum, run.run_dir / "last.pt")
+    _close(run)
+    if run.dist.enabled:
         dist.barrier()
-    summary = {"best_val_acc": best_acc, "final": history[-1] if history else None, "epochs": len(history),
-               "wall_seconds": time.perf_counter() - t_start, "run_dir": str(run_dir), "eval_split": splits.eval_split,
-               "per_class_acc": last.get("per_class_acc"), "classes": list(splits.train.classes)}
-    return summary
+    return {"best_val_acc": run.best_acc, "final": run.history[-1] if run.history else None,
+            "epochs": len(run.history), "wall_seconds": time.perf_counter() - run.t_start,
+            "run_dir": str(run.run_dir), "eval_split": run.splits.eval_split,
+            "per_class_acc": run.last_eval.get("per_class_acc"), "classes": list(run.splits.train.classes)}
 
 
-def _all_finite(module: nn.Module) -> bool:
-    return bool(torch.stack([torch.isfinite(p).all() for p in module.parameters()]).all())
+def run(cfg: Config, log: Callable[..., None] = print) -> Dict[str, Any]:
+    """Train as ``cfg`` says: :func:`build`, :func:`resume` when a checkpoint is to be continued, :func:`fit`."""
+    r = build(cfg, log)
+    if r.resume_from is not None:
+        resume(r, r.resume_from)
+    return fit(r)
 
 
-def _trim_metrics(path: Path, epochs_done: int) -> None:
-    """Keep the complete rows of epochs the checkpoint has finished; drop later ones and a torn last line."""
-    if not path.is_file():
+def _open_outputs(run: Run) -> None:
+    """Rank 0: the run folder's config, run info and TensorBoard writer, and the fixed probe batch for maps."""
+    cfg, run_dir = run.cfg, run.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml_dump(cfg.to_dict()))
+    info = {"seed": cfg.seed, "versions": versions(), "git": git_revision(), "argv": sys.argv,
+            "eval_split": run.splits.eval_split, "device": str(run.device), "precision": run.policy.precision,
+            "world_size": run.dist.world_size, "parameters": sum(p.numel() for p in run.model.parameters()),
+            "classes": list(run.splits.train.classes)}
+    (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
+    if run.resume_from is not None:
+        trim_metrics(run_dir / "metrics.jsonl", run.epoch)
+    for p in run_dir.glob(".*.pt.*.tmp"):  # torn checkpoint writes of a killed run
+        p.unlink(missing_ok=True)
+    if cfg.log.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        run.writer = SummaryWriter(str(run_dir / "tb"), purge_step=run.step if run.resume_from else None)
+    if cfg.log.maps_every and _has_taps(run.model):
+        ev = run.splits.eval
+        pick = spread_indices(ev.y, cfg.log.probe_size)  # fixed: one image per class in turn
+        px = torch.from_numpy(ev.x[pick]).permute(0, 3, 1, 2)
+        run.probe = (normalize(px, cfg.data.mean, cfg.data.std).to(run.device), torch.from_numpy(ev.y[pick]).to(run.device))
+
+
+def _close(run: Run) -> None:
+    if run.writer is not None:
+        run.writer.close()
+        run.writer = None
+
+
+def _train_epoch(run: Run, train_model: nn.Module, epoch: int) -> engine.EpochStats:
+    cfg, loader = run.cfg, run.train_loader
+    loader.set_epoch(epoch)
+    bar = None
+    if run.dist.is_main and cfg.log.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(loader), initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
+                   leave=False, dynamic_ncols=True, file=sys.stderr)
+    device = run.device
+    run.live = torch.zeros(5, dtype=torch.float64, device=device) if run.carry is None else run.carry.to(device).double()
+    run.carry = None
+    hooks = engine.StepHooks(after_step=functools.partial(_after_step, run, bar),
+                             on_check=functools.partial(_on_check, run))
+    ep, run.step, run.live = engine.train_one_epoch(train_model, loader, run.opt, run.policy, hooks=hooks,
+                                                    global_step=run.step, carry=run.live)
+    if bar is not None:
+        bar.close()
+    return ep
+
+
+def _after_step(run: Run, bar: Any, step: int) -> bool:
+    """After every step: progress, the stop decision (signals, max_steps), periodic checkpoints."""
+    run.step = step
+    if bar is not None:
+        bar.update(1)
+    halt = bool(run.stop)
+    if run.dist.enabled:  # every rank stops at the same step
+        t = torch.tensor([1.0 if halt else 0.0], device=run.device)
+        halt = bool(run.dist.reduce(t).item() > 0)
+        if halt and run.stop.signum is None:
+            run.stop.signum = signal.SIGTERM
+    if run.cfg.train.max_steps is not None and step >= run.cfg.train.max_steps:
+        halt = True
+    every = run.cfg.train.ckpt_every_steps
+    if halt or (every and step % every == 0):  # the same decision on every rank
+        live = run.live
+        if run.dist.enabled and live is not None:  # carry the partial epoch's totals over all ranks; rank 0 resumes
+            live = run.dist.reduce(live.clone())
+        # a periodic save never replaces the last good checkpoint with non-finite weights (on a GPU the loss is
+        # checked only every train.check_every steps, after the weights have taken the step)
+        if run.dist.is_main and (halt or all_finite(run.model)):
+            save_checkpoint(_checkpoint_state(run, run.train_loader.epoch, live), run.run_dir / "last.pt")
+    return halt
+
+
+def _on_check(run: Run, step: int, loss: float, lr: float) -> None:
+    if run.writer is not None:
+        run.writer.add_scalar("train/loss_step", loss, step)
+        run.writer.add_scalar("train/lr", lr, step)
+
+
+def _checkpoint_state(run: Run, epoch: int, position_stats: Optional[torch.Tensor]) -> Dict[str, Any]:
+    opt, cfg = run.opt, run.cfg
+    return {
+        "model": run.model.state_dict(), "optimizer": opt.optimizer.state_dict(), "scheduler": opt.scheduler.state_dict(),
+        "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
+        "ema": opt.ema.state_dict() if opt.ema is not None else None,
+        "rng": rng_state(), "loader": run.train_loader.state_dict(), "epoch": epoch, "step": run.step,
+        "epoch_stats": position_stats.cpu() if position_stats is not None else None,
+        "best_acc": run.best_acc, "config": cfg.to_dict(), "classes": list(run.splits.train.classes),
+        "eval_split": run.splits.eval_split, "versions": versions(), "git": git_revision(), "seed": cfg.seed,
+    }
+
+
+def _end_epoch(run: Run, ep: engine.EpochStats, done: int) -> None:
+    """Evaluate (when due), then write the metrics row, checkpoints, TensorBoard scalars and maps."""
+    cfg = run.cfg
+    row: Dict[str, Any] = {"epoch": done, "step": run.step, "train_loss": ep.loss, "train_acc": ep.acc,
+                           "images_per_s": ep.images_per_s,  # ep.images is already summed over ranks
+                           "epoch_seconds": ep.seconds, "nonfinite_steps": ep.nonfinite_steps,
+                           "skipped_steps": ep.skipped_steps, "lr": run.opt.optimizer.param_groups[0]["lr"],
+                           "wall_seconds": time.perf_counter() - run.t_start}
+    if done % cfg.eval.every == 0 or done == cfg.train.epochs:
+        row.update(_evaluate(run))
+    is_best = "val_acc" in row and row["val_acc"] > run.best_acc
+    if is_best:
+        run.best_acc = row["val_acc"]
+    row["best_val_acc"] = run.best_acc
+    run.history.append(row)
+    if not run.dist.is_main:
         return
-    lines = path.read_text().splitlines(keepends=True)
-    keep = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if line.endswith("\n") and isinstance(row, dict) and int(row.get("epoch", 0)) <= epochs_done:
-            keep.append(line)
-    if keep != lines:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, path)
+    # last.pt goes last: it commits the epoch. A crash before it redoes the epoch on resume, which first drops
+    # the metrics rows past the checkpoint, so no row is lost or written twice.
+    with open(run.run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    run.train_loader.set_epoch(done)
+    state = _checkpoint_state(run, done, None)
+    if is_best:
+        save_checkpoint(state, run.run_dir / "best.pt")
+    save_checkpoint(state, run.run_dir / "last.pt")
+    if run.writer is not None:
+        _log_scalars(run, row, done)
+    msg = f"epoch {done}/{cfg.train.epochs}: train loss {ep.loss:.4f} acc {ep.acc:.4f}"
+    if "val_acc" in row:
+        msg += f" | val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}"
+    run.say(msg + f" | {row['images_per_s']:.0f} img/s | {row['wall_seconds']:.0f}s")
+
+
+def _evaluate(run: Run) -> Dict[str, Any]:
+    eval_model = run.eval_model
+    if run.dist.enabled:  # BN running stats drift apart per rank: evaluate rank 0's, the ones it saves
+        with torch.no_grad():
+            for b in eval_model.buffers():
+                dist.broadcast(b, src=0)
+    ev = engine.evaluate(eval_model, run.eval_loader, device=run.device, precision=run.policy.precision,
+                         tta=run.cfg.eval.tta, num_classes=run.num_classes, reduce=run.policy.reduce)
+    run.last_eval = ev
+    return {"val_loss": ev["loss"], "val_acc": ev["acc"], "eval_seconds": ev["seconds"]}
+
+
+def _log_scalars(run: Run, row: Dict[str, Any], done: int) -> None:
+    writer, cfg = run.writer, run.cfg
+    for k in EPOCH_SCALARS:
+        if k in row:
+            tag = k.replace("_", "/", 1) if k.startswith(("train_", "val_")) else f"train/{k}"
+            writer.add_scalar("train/lr_epoch" if k == "lr" else tag, row[k], done)
+    if run.probe is not None and cfg.log.maps_every and done % cfg.log.maps_every == 0:
+        log_maps(writer, run.eval_model, run.probe, done, cfg, run.splits.train.classes)
+    writer.flush()
 
 
 def _has_taps(model: nn.Module) -> bool:
@@ -501,19 +446,9 @@ def _has_taps(model: nn.Module) -> bool:
     return any(isinstance(m, AttentionTap) for m in model.modules())
 
 
-def _log_maps(writer: Any, model: nn.Module, probe: Any, step: int, cfg: Config, classes: Any) -> None:
+def log_maps(writer: Any, model: nn.Module, probe: Any, step: int, cfg: Config, classes: Any) -> None:
+    """Log the attention maps of ``probe`` (images, labels) as the run's config says."""
     from .maps.tensorboard import log_attention_maps
 
     log_attention_maps(writer, model, probe[0], probe[1], step, cfg.data.mean, cfg.data.std, list(classes),
                        scale=cfg.log.map_scale, head_maps=cfg.log.head_maps)
-
-
-def _yaml_dump(d: Dict[str, Any]) -> str:
-    import yaml
-
-    return yaml.safe_dump(d, sort_keys=False)
-
-
-def load_run_config(tree: Dict[str, Any]) -> Config:
-    """Rebuild a :class:`Config` from the dict stored in a checkpoint or a run's config.yaml."""
-    return build_config(tree)

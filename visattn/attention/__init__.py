@@ -1,13 +1,26 @@
 """Attention blocks: channel, spatial, spatial self-attention and token self-attention, one contract."""
-from .registry import (
-    attention_info,
-    attention_options,
-    create_attention,
-    list_attention,
-    register_attention,
-)
+from typing import Any
+
+from torch import nn
+
+from ..registry import attention_info, attention_options, create_attention, list_attention, register_attention
 from .tap import AttentionRecord, AttentionTap
 
+
+@register_attention("none", layout="feature", kind="channel")
+class NoAttention(nn.Identity):
+    """Identity: the attention slot left empty."""
+
+    def __init__(self, channels: int = 0, **kwargs: Any):
+        super().__init__()
+
+
 # Importing the block modules registers their blocks.
-from . import channel, spatial, self_attn2d, token  # noqa: F401,E402
-from .insert import *  # noqa: F401,F403,E402
+from . import channel, self_attn2d, spatial, token  # noqa: E402
+from .insert import AttnLayer, attn_layer, insert_attention  # noqa: E402
+
+__all__ = [
+    "AttentionRecord", "AttentionTap", "AttnLayer", "NoAttention", "attention_info", "attention_options", "attn_layer",
+    "channel", "create_attention", "insert_attention", "list_attention", "register_attention", "self_attn2d",
+    "spatial", "token",
+]

@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from .registry import register_model
+from ..registry import register_model
 from .vit import Size, TokenClassifier, to_2tuple
 
 __all__ = ["ConvTokenizer", "CompactConvTransformer", "cct_2", "cct_7"]
@@ -62,100 +62,30 @@ class ConvTokenizer(nn.Module):
 
 
 class CompactConvTransformer(TokenClassifier):
-    """CCT: convolutional tokenizer + transformer + sequence pooling (Hassani et al., 2021, arXiv 2104.05704)."""
+    """CCT: convolutional tokenizer + transformer + sequence pooling (Hassani et al., 2021, arXiv 2104.05704).
 
-    def __init__(
-        self,
-        num_classes: int = 10,
-        img_size: Size = 32,
-        in_chans: int = 3,
-        n_conv_layers: int = 1,
-        kernel_size: int = 3,
-        conv_channels: int = 64,
-        dim: int = 256,
-        depth: int = 7,
-        num_heads: int = 4,
-        mlp_ratio: float = 2.0,
-        pool: str = "seq",
-        attn: str = "mhsa",
-        attn_kwargs: Optional[Dict[str, Any]] = None,
-        drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.1,
-        drop_path_rate: float = 0.1,
-    ):
+    Transformer options not named here (``mlp_ratio``, ``attn``, ``attn_kwargs``, ``drop_rate``,
+    ``drop_path_rate``) are :class:`TokenClassifier`'s.
+    """
+
+    def __init__(self, num_classes: int = 10, img_size: Size = 32, in_chans: int = 3, n_conv_layers: int = 1,
+                 kernel_size: int = 3, conv_channels: int = 64, dim: int = 256, depth: int = 7, num_heads: int = 4,
+                 pool: str = "seq", attn_drop_rate: float = 0.1, **kwargs: Any):
         img_size = to_2tuple(img_size, "img_size")
         tokenizer = ConvTokenizer(in_chans, dim, n_conv_layers, kernel_size, conv_channels)
-        super().__init__(
-            tokenizer,
-            tokenizer.grid_size(img_size),
-            img_size,
-            num_classes,
-            dim=dim,
-            depth=depth,
-            num_heads=num_heads,
-            mlp_ratio=mlp_ratio,
-            pool=pool,
-            attn=attn,
-            attn_kwargs=attn_kwargs,
-            drop_rate=drop_rate,
-            attn_drop_rate=attn_drop_rate,
-            drop_path_rate=drop_path_rate,
-        )
+        super().__init__(tokenizer, tokenizer.grid_size(img_size), img_size, num_classes, dim=dim, depth=depth,
+                         num_heads=num_heads, pool=pool, attn_drop_rate=attn_drop_rate, **kwargs)
 
 
-@register_model("cct_2", family="hybrid")
-def cct_2(
-    num_classes: int = 10,
-    *,
-    img_size: Size = 32,
-    in_chans: int = 3,
-    pool: str = "seq",
-    attn: str = "mhsa",
-    attn_kwargs: Optional[Dict[str, Any]] = None,
-    drop_rate: float = 0.0,
-    attn_drop_rate: float = 0.1,
-    drop_path_rate: float = 0.1,
-    n_conv_layers: int = 2,
-    kernel_size: int = 3,
-    conv_channels: int = 64,
-    depth: int = 2,
-    dim: int = 128,
-    num_heads: int = 2,
-    mlp_ratio: float = 1.0,
-) -> CompactConvTransformer:
+@register_model("cct_2", family="hybrid", cls=CompactConvTransformer)
+def cct_2(**kwargs: Any) -> CompactConvTransformer:
     """CCT-2/3x2: two 3x3 conv layers (8x8 tokens), 2 blocks, dim 128, 2 heads, MLP ratio 1, ~0.28M parameters."""
-    return CompactConvTransformer(
-        num_classes, img_size=img_size, in_chans=in_chans, n_conv_layers=n_conv_layers, kernel_size=kernel_size,
-        conv_channels=conv_channels, dim=dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, pool=pool,
-        attn=attn, attn_kwargs=attn_kwargs, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
-        drop_path_rate=drop_path_rate,
-    )  # fmt: skip
+    variant = dict(n_conv_layers=2, kernel_size=3, conv_channels=64, depth=2, dim=128, num_heads=2, mlp_ratio=1.0)
+    return CompactConvTransformer(**dict(variant, **kwargs))
 
 
-@register_model("cct_7", family="hybrid")
-def cct_7(
-    num_classes: int = 10,
-    *,
-    img_size: Size = 32,
-    in_chans: int = 3,
-    pool: str = "seq",
-    attn: str = "mhsa",
-    attn_kwargs: Optional[Dict[str, Any]] = None,
-    drop_rate: float = 0.0,
-    attn_drop_rate: float = 0.1,
-    drop_path_rate: float = 0.1,
-    n_conv_layers: int = 1,
-    kernel_size: int = 3,
-    conv_channels: int = 64,
-    depth: int = 7,
-    dim: int = 256,
-    num_heads: int = 4,
-    mlp_ratio: float = 2.0,
-) -> CompactConvTransformer:
+@register_model("cct_7", family="hybrid", cls=CompactConvTransformer)
+def cct_7(**kwargs: Any) -> CompactConvTransformer:
     """CCT-7/3x1: one 3x3 conv layer (16x16 tokens), 7 blocks, dim 256, 4 heads, MLP ratio 2, ~3.8M parameters."""
-    return CompactConvTransformer(
-        num_classes, img_size=img_size, in_chans=in_chans, n_conv_layers=n_conv_layers, kernel_size=kernel_size,
-        conv_channels=conv_channels, dim=dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio, pool=pool,
-        attn=attn, attn_kwargs=attn_kwargs, drop_rate=drop_rate, attn_drop_rate=attn_drop_rate,
-        drop_path_rate=drop_path_rate,
-    )  # fmt: skip
+    variant = dict(n_conv_layers=1, kernel_size=3, conv_channels=64, depth=7, dim=256, num_heads=4, mlp_ratio=2.0)
+    return CompactConvTransformer(**dict(variant, **kwargs))

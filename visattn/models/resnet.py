@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..attention import create_attention, list_attention
-from .registry import register_model
+from ..registry import register_model
 
 AttnSpec = Union[str, Sequence[str]]
 
@@ -192,28 +192,23 @@ def _init_weights(model: nn.Module) -> None:
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
 
 
-@register_model("resnet18", family="cnn")
-def resnet18(num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
-             in_chans: int = 3) -> CifarResNet:
+@register_model("resnet18", family="cnn", cls=CifarResNet)
+def resnet18(**kwargs: Any) -> CifarResNet:
     """CIFAR ResNet-18 (11.2M parameters): BasicBlocks [2, 2, 2, 2] at widths 64-128-256-512."""
-    return CifarResNet([2, 2, 2, 2], num_classes=num_classes, attention=attention, attn_kwargs=attn_kwargs, in_chans=in_chans)
+    return CifarResNet(**dict(dict(layers=(2, 2, 2, 2)), **kwargs))
 
 
-@register_model("resnet34", family="cnn")
-def resnet34(num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
-             in_chans: int = 3) -> CifarResNet:
+@register_model("resnet34", family="cnn", cls=CifarResNet)
+def resnet34(**kwargs: Any) -> CifarResNet:
     """CIFAR ResNet-34 (21.3M parameters): BasicBlocks [3, 4, 6, 3]."""
-    return CifarResNet([3, 4, 6, 3], num_classes=num_classes, attention=attention, attn_kwargs=attn_kwargs, in_chans=in_chans)
+    return CifarResNet(**dict(dict(layers=(3, 4, 6, 3)), **kwargs))
 
 
-@register_model("resnet_fast", family="cnn")
-def resnet_fast(num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
-                widths: Sequence[int] = (64, 256, 256), units: Sequence[int] = (1, 1, 1), stem_width: int = 32,
-                head_scale: float = 1.0, in_chans: int = 3, stem: str = "conv") -> FastResNet:
+@register_model("resnet_fast", family="cnn", cls=FastResNet)
+def resnet_fast(**kwargs: Any) -> FastResNet:
     """Small fast CIFAR ResNet (about 2M parameters at widths 64-256-256) for CPU budgets.
 
     ``stem="whiten"`` replaces the 3x3 stem conv with a frozen patch-whitening 2x2 conv computed from the
     training images (the trainer calls ``data_init`` before the first step).
     """
-    return FastResNet(widths=widths, units=units, stem_width=stem_width, num_classes=num_classes,
-                      attention=attention, attn_kwargs=attn_kwargs, in_chans=in_chans, head_scale=head_scale, stem=stem)
+    return FastResNet(**kwargs)

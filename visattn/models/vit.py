@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, PatchEmbed, trunc_normal_
 from torch import nn
 
-from ..attention.registry import attention_info, create_attention
-from .registry import register_model
+from ..registry import attention_info, create_attention
+from ..registry import register_model
 
 __all__ = ["Block", "TokenClassifier", "ShiftedPatchTokenizer", "VisionTransformer", "vit_tiny", "vit_small"]
 
@@ -73,17 +73,17 @@ class TokenClassifier(nn.Module):
         tokenizer: nn.Module,
         grid_size: Tuple[int, int],
         img_size: Tuple[int, int],
-        num_classes: int,
-        dim: int,
-        depth: int,
-        num_heads: int,
-        mlp_ratio: float,
-        pool: str,
-        attn: str,
-        attn_kwargs: Optional[Dict[str, Any]],
-        drop_rate: float,
-        attn_drop_rate: float,
-        drop_path_rate: float,
+        num_classes: int = 10,
+        dim: int = 192,
+        depth: int = 9,
+        num_heads: int = 12,
+        mlp_ratio: float = 2.0,
+        pool: str = "cls",
+        attn: str = "mhsa",
+        attn_kwargs: Optional[Dict[str, Any]] = None,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.1,
     ):
         super().__init__()
         if pool not in POOLS:
@@ -193,26 +193,14 @@ class ShiftedPatchTokenizer(nn.Module):
 
 
 class VisionTransformer(TokenClassifier):
-    """ViT on ``patch_size`` patches of an ``img_size`` image (Dosovitskiy et al., 2020, arXiv 2010.11929)."""
+    """ViT on ``patch_size`` patches of an ``img_size`` image (Dosovitskiy et al., 2020, arXiv 2010.11929).
 
-    def __init__(
-        self,
-        num_classes: int = 10,
-        img_size: Size = 32,
-        patch_size: int = 4,
-        in_chans: int = 3,
-        dim: int = 192,
-        depth: int = 9,
-        num_heads: int = 12,
-        mlp_ratio: float = 2.0,
-        pool: str = "cls",
-        attn: str = "mhsa",
-        attn_kwargs: Optional[Dict[str, Any]] = None,
-        spt: bool = False,
-        drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.0,
-        drop_path_rate: float = 0.1,
-    ):
+    Transformer options (``depth``, ``num_heads``, ``mlp_ratio``, ``pool``, ``attn``, ``attn_kwargs``, the
+    drop rates) are :class:`TokenClassifier`'s.
+    """
+
+    def __init__(self, num_classes: int = 10, img_size: Size = 32, patch_size: int = 4, in_chans: int = 3,
+                 dim: int = 192, spt: bool = False, **kwargs: Any):
         img_size = to_2tuple(img_size, "img_size")
         if patch_size < 1 or img_size[0] % patch_size or img_size[1] % patch_size:
             raise ValueError(f"img_size {img_size} must be divisible by patch_size {patch_size}")
@@ -222,75 +210,18 @@ class VisionTransformer(TokenClassifier):
         else:
             # the model checks the image size itself (ValueError), so timm's strict assert is not needed
             tokenizer = PatchEmbed(img_size, patch_size, in_chans, dim, strict_img_size=False)
-        super().__init__(
-            tokenizer,
-            grid,
-            img_size,
-            num_classes,
-            dim=dim,
-            depth=depth,
-            num_heads=num_heads,
-            mlp_ratio=mlp_ratio,
-            pool=pool,
-            attn=attn,
-            attn_kwargs=attn_kwargs,
-            drop_rate=drop_rate,
-            attn_drop_rate=attn_drop_rate,
-            drop_path_rate=drop_path_rate,
-        )
+        super().__init__(tokenizer, grid, img_size, num_classes, dim=dim, **kwargs)
         self.patch_size = patch_size
         self.spt = spt
 
 
-@register_model("vit_tiny", family="vit")
-def vit_tiny(
-    num_classes: int = 10,
-    *,
-    img_size: Size = 32,
-    patch_size: int = 4,
-    in_chans: int = 3,
-    pool: str = "cls",
-    attn: str = "mhsa",
-    attn_kwargs: Optional[Dict[str, Any]] = None,
-    spt: bool = False,
-    drop_rate: float = 0.0,
-    attn_drop_rate: float = 0.0,
-    drop_path_rate: float = 0.1,
-    depth: int = 9,
-    dim: int = 192,
-    num_heads: int = 12,
-    mlp_ratio: float = 2.0,
-) -> VisionTransformer:
+@register_model("vit_tiny", family="vit", cls=VisionTransformer)
+def vit_tiny(**kwargs: Any) -> VisionTransformer:
     """ViT-Tiny for 32x32 (Lee et al. 2021's small-dataset ViT): depth 9, dim 192, 12 heads, MLP ratio 2, ~2.7M."""
-    return VisionTransformer(
-        num_classes, img_size=img_size, patch_size=patch_size, in_chans=in_chans, dim=dim, depth=depth,
-        num_heads=num_heads, mlp_ratio=mlp_ratio, pool=pool, attn=attn, attn_kwargs=attn_kwargs, spt=spt,
-        drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate,
-    )  # fmt: skip
+    return VisionTransformer(**dict(dict(depth=9, dim=192, num_heads=12, mlp_ratio=2.0), **kwargs))
 
 
-@register_model("vit_small", family="vit")
-def vit_small(
-    num_classes: int = 10,
-    *,
-    img_size: Size = 32,
-    patch_size: int = 4,
-    in_chans: int = 3,
-    pool: str = "cls",
-    attn: str = "mhsa",
-    attn_kwargs: Optional[Dict[str, Any]] = None,
-    spt: bool = False,
-    drop_rate: float = 0.0,
-    attn_drop_rate: float = 0.0,
-    drop_path_rate: float = 0.1,
-    depth: int = 12,
-    dim: int = 256,
-    num_heads: int = 8,
-    mlp_ratio: float = 2.0,
-) -> VisionTransformer:
+@register_model("vit_small", family="vit", cls=VisionTransformer)
+def vit_small(**kwargs: Any) -> VisionTransformer:
     """ViT-Small for 32x32: depth 12, dim 256, 8 heads, MLP ratio 2, ~6.4M parameters."""
-    return VisionTransformer(
-        num_classes, img_size=img_size, patch_size=patch_size, in_chans=in_chans, dim=dim, depth=depth,
-        num_heads=num_heads, mlp_ratio=mlp_ratio, pool=pool, attn=attn, attn_kwargs=attn_kwargs, spt=spt,
-        drop_rate=drop_rate, attn_drop_rate=attn_drop_rate, drop_path_rate=drop_path_rate,
-    )  # fmt: skip
+    return VisionTransformer(**dict(dict(depth=12, dim=256, num_heads=8, mlp_ratio=2.0), **kwargs))

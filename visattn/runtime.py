@@ -1,0 +1,189 @@
+"""What a training run needs around the model: seeds and RNG state, versions and git revision, signals,
+data-parallel process info, and the run folder's metrics file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if torch.cuda.is_available():
+            torch.backends.cudnn.benchmark = False
+            torch.backends.cudnn.deterministic = True
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    elif torch.cuda.is_available():
+        torch.backends.cudnn.benchmark = True
+
+
+def git_revision() -> str:
+    try:
+        here = Path(__file__).resolve().parent
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if rev.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return rev.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> Dict[str, str]:
+    import platform
+
+    import timm
+    import torchvision
+
+    from . import __version__
+
+    return {"visattn": __version__, "torch": str(torch.__version__), "torchvision": str(torchvision.__version__),
+            "timm": str(timm.__version__), "python": platform.python_version(), "numpy": str(np.__version__)}
+
+
+def rng_state() -> Dict[str, Any]:
+    st = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate()),
+          "numpy": _numpy_state_to_plain(np.random.get_state())}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: Dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(_to_tuples(st["python"]))
+    np.random.set_state(_numpy_state_from_plain(st["numpy"]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _to_lists(x: Any) -> Any:
+    return [_to_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _to_tuples(x: Any) -> Any:
+    return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def _numpy_state_to_plain(st: tuple) -> Dict[str, Any]:
+    return {"name": st[0], "keys": torch.from_numpy(st[1].astype(np.int64)), "pos": int(st[2]),
+            "has_gauss": int(st[3]), "gauss": float(st[4])}
+
+
+def _numpy_state_from_plain(d: Dict[str, Any]) -> tuple:
+    return (d["name"], d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["gauss"])
+
+
+def config_diff(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "") -> List[str]:
+    """Dotted keys whose values differ between two nested dicts."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        key = f"{prefix}{k}"
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += config_diff(va, vb, key + ".")
+        elif va != vb:
+            out.append(key)
+    return out
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop finishes the current step, saves and exits."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+
+@contextmanager
+def graceful_signals(flag: StopFlag) -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        if flag.signum is not None and signum == signal.SIGINT:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        flag.signum = signum
+        print(f"\nreceived {signal.Signals(signum).name}: finishing the current step, then saving", file=sys.stderr, flush=True)
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for s in old:
+            signal.signal(s, handler)
+    except ValueError:  # not the main thread (e.g. called from a notebook worker): no handlers
+        old = {}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class Interrupted(Exception):
+    """Training stopped on a signal after saving; ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int, path: Path):
+        super().__init__(f"stopped by {signal.Signals(signum).name}; state saved to {path} (resume with resume=auto)")
+        self.exit_code = 128 + signum
+
+
+class DistInfo:
+    def __init__(self) -> None:
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.enabled = self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(t)
+        return t
+
+
+def all_finite(module: nn.Module) -> bool:
+    return bool(torch.stack([torch.isfinite(p).all() for p in module.parameters()]).all())
+
+
+def trim_metrics(path: Path, epochs_done: int) -> None:
+    """Keep the complete rows of epochs the checkpoint has finished; drop later ones and a torn last line."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if line.endswith("\n") and isinstance(row, dict) and int(row.get("epoch", 0)) <= epochs_done:
+            keep.append(line)
+    if keep != lines:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+
+
+def yaml_dump(d: Dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(d, sort_keys=False)
