@@ -8,7 +8,7 @@ CONFIG ?= configs/smoke.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv train test bench clean
+.PHONY: venv train test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,6 +25,9 @@ train: venv
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: venv
+	$(PY) -m ruff check .
 
 bench: venv
 	$(PY) bench/train_overhead.py

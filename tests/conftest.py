@@ -1,12 +1,22 @@
 """Shared fixtures: where the real CIFAR-10 images are, small synthetic configs."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Dict, List
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "configs" / "smoke.yaml"
+TIMING = {"images_per_s", "epoch_seconds", "wall_seconds", "eval_seconds"}  # metrics that vary run to run
+
+
+def metrics_rows(run_dir: Path) -> List[Dict]:
+    """The run's metrics.jsonl rows without the timing fields (for comparing two runs exactly)."""
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def real_data_path() -> Path | None:

@@ -1,7 +1,6 @@
 """Dataset sources, the cache, the stratified split and the batch loaders."""
 from __future__ import annotations
 
-import io
 import pickle
 import tarfile
 from pathlib import Path

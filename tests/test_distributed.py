@@ -19,13 +19,11 @@ from typing import Dict, List, Optional
 
 import pytest
 import torch
+from conftest import ROOT, SMOKE, metrics_rows
 
 from visattn.checkpoint import load_checkpoint
 from visattn.evaluate import evaluate_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "configs" / "smoke.yaml"
-TIMING = {"images_per_s", "epoch_seconds", "wall_seconds", "eval_seconds"}
 TRAIN_IMAGES, VAL_IMAGES, BATCH = 300, 100, 50  # global batch 50 = 25 per rank; 6 steps per epoch
 OVERRIDES = [f"data.synthetic_size={TRAIN_IMAGES + VAL_IMAGES}", f"data.val_size={VAL_IMAGES}",
              f"train.batch_size={BATCH}", "train.epochs=2", "model.widths=[8,16,16]", "model.stem_width=8",
@@ -145,11 +143,6 @@ def _torchrun(tmp_path: Path, run_dir: Path, tag: str, *extra: str, sigterm_at_s
             "steps": steps}
 
 
-def _rows(run_dir: Path) -> List[Dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def _differing(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> List[str]:
     """Keys whose tensors differ (empty when the two state dicts are identical)."""
     assert set(a) == set(b)
@@ -170,14 +163,14 @@ def test_torchrun_two_ranks_agree_count_all_images_and_resume_exactly(tmp_path):
     assert _differing(w0["ema"], w1["ema"]) == []
     # the weights rank 0 saved are the weights it ended with, and they score what the metrics say
     assert _differing(load_checkpoint(full / "last.pt")["model"], w0["model"]) == []
-    best = max(_rows(full), key=lambda row: row["val_acc"])
+    best = max(metrics_rows(full), key=lambda row: row["val_acc"])
     assert evaluate_checkpoint(str(full / "best.pt"), device="cpu")["acc"] == pytest.approx(best["val_acc"], abs=1e-9)
 
     # metrics are reduced over the ranks: each rank trained on half, each reports all images
     for r in res["ranks"]:
         assert r["train_images"] == [TRAIN_IMAGES, TRAIN_IMAGES]
         assert r["eval_images"] == [VAL_IMAGES, VAL_IMAGES]
-    rows = _rows(full)
+    rows = metrics_rows(full)
     assert [row["epoch"] for row in rows] == [1, 2] and rows[-1]["step"] == 2 * TRAIN_IMAGES // BATCH
     # throughput counts every rank's images once: images_per_s is the all-rank count over the epoch's time
     raw = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()]
@@ -214,6 +207,6 @@ def test_torchrun_two_ranks_agree_count_all_images_and_resume_exactly(tmp_path):
     assert got["step"] == want["step"]
     assert _differing(got["model"], want["model"]) == []
     assert _differing(got["ema"], want["ema"]) == []
-    assert _rows(part) == rows
+    assert metrics_rows(part) == rows
     assert _differing(res2["weights"][1]["ema"], w1["ema"]) == []
 

@@ -12,7 +12,6 @@ the files of an existing run byte-for-byte as they were.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from typing import Callable, Dict, List
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, SMOKE, metrics_rows
 from PIL import Image
 
 from visattn import evaluate as evaluate_cli
@@ -35,9 +35,6 @@ from visattn.errors import CheckpointError
 from visattn.models import create_model
 from visattn.trainer import run
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "configs" / "smoke.yaml"
-TIMING = {"images_per_s", "epoch_seconds", "wall_seconds", "eval_seconds"}
 TINY = ["data.synthetic_size=400", "data.val_size=100", "model.widths=[8,16,16]", "model.stem_width=8",
         "model.attention=none", "log.progress=false", "log.maps_every=0", "device=cpu", "eval.tta=none",
         "precision=fp32"]  # fp32: over twice as fast as bf16 on CPUs without bf16 matrix units
@@ -93,11 +90,6 @@ def _snapshot(folder: Path) -> Dict[str, str]:
     """Every file under ``folder`` (hidden ones too) with the sha256 of its bytes."""
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def _rows(run_dir: Path) -> List[Dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _env(**extra: str) -> Dict[str, str]:
@@ -197,7 +189,7 @@ def test_kill_9_anywhere_loses_at_most_one_interval_and_resumes_exactly(tmp_path
     got, want = load_checkpoint(rd / "last.pt"), load_checkpoint(ref / "last.pt")
     assert got["step"] == want["step"] == total
     assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
-    assert _rows(rd) == _rows(ref)
+    assert metrics_rows(rd) == metrics_rows(ref)
     assert _tmp_files(rd) == []
 
 
@@ -223,7 +215,7 @@ def test_sigterm_saves_the_current_step_and_exits_143(tmp_path):
     assert not (rd / "metrics.jsonl").exists()  # no epoch finished, no row
 
     summary = run(load_config(SMOKE, [f"run_dir={rd}", *SIGNAL_RUN, "resume=auto"]), log=lambda *a, **k: None)
-    assert [r["epoch"] for r in _rows(rd)] == [1, 2] and summary["final"]["step"] == EPOCHS * STEPS_PER_EPOCH
+    assert [r["epoch"] for r in metrics_rows(rd)] == [1, 2] and summary["final"]["step"] == EPOCHS * STEPS_PER_EPOCH
     assert load_checkpoint(rd / "last.pt")["step"] == EPOCHS * STEPS_PER_EPOCH
 
 
@@ -428,7 +420,7 @@ def test_allowed_changes_resume(tmp_path, finished_run):
         (rd / name).write_bytes((finished_run / name).read_bytes())
     rc, err = _cli(_resume(rd, "resume=auto", "data.augment.hflip=false", "resume_allow_changes=true"))
     assert rc == 0, err
-    assert [r["epoch"] for r in _rows(rd)] == [1, 2]
+    assert [r["epoch"] for r in metrics_rows(rd)] == [1, 2]
     assert load_checkpoint(rd / "last.pt")["config"]["data"]["augment"]["hflip"] is False
 
 

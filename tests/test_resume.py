@@ -7,20 +7,17 @@ EMA and scheduler state must be equal to the bit, and ``metrics.jsonl`` equal ro
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Dict, List
 
 import pytest
 import torch
+from conftest import SMOKE, metrics_rows
 
 from visattn.checkpoint import load_checkpoint
 from visattn.config import load_config
 from visattn.trainer import run
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "configs" / "smoke.yaml"
-TIMING = {"images_per_s", "epoch_seconds", "wall_seconds", "eval_seconds"}
 STEPS_PER_EPOCH = 6  # 300 training images (400 - 100 held out) / batch 50
 EPOCHS = 2
 
@@ -56,11 +53,6 @@ def _cfg(run_dir: Path, variant: str, *extra: str):
 
 def _quiet(*a, **k):
     pass
-
-
-def _rows(run_dir: Path) -> List[Dict]:
-    return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
-            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _assert_same_state(a: Dict, b: Dict) -> None:
@@ -127,7 +119,7 @@ def test_stopped_and_resumed_run_equals_uninterrupted(tmp_path, reference, varia
     got, want = load_checkpoint(rd / "last.pt"), load_checkpoint(ref / "last.pt")
     assert got["step"] == want["step"] == EPOCHS * STEPS_PER_EPOCH
     _assert_same_state(got, want)
-    assert _rows(rd) == _rows(ref)
+    assert metrics_rows(rd) == metrics_rows(ref)
     assert torch.equal(torch.tensor(load_checkpoint(rd / "best.pt")["best_acc"]),
                        torch.tensor(load_checkpoint(ref / "best.pt")["best_acc"]))
 
@@ -142,7 +134,7 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path, reference):
     summary = run(_cfg(rd, "resnet", "resume=auto"), log=_quiet)
     assert summary["epochs"] == 0
     _assert_same_state(load_checkpoint(rd / "last.pt"), load_checkpoint(ref / "last.pt"))
-    assert _rows(rd) == _rows(ref)
+    assert metrics_rows(rd) == metrics_rows(ref)
 
 
 @pytest.mark.parametrize("damage", ["row-ahead", "torn-line"])
@@ -159,4 +151,4 @@ def test_metrics_follow_the_checkpoint_after_a_crash(tmp_path, reference, damage
     with open(rd / "metrics.jsonl", "a") as f:
         f.write(rows[1] if damage == "row-ahead" else rows[1][: len(rows[1]) // 2])
     run(_cfg(rd, "resnet", "resume=auto", "train.max_steps=null"), log=_quiet)
-    assert _rows(rd) == _rows(ref)
+    assert metrics_rows(rd) == metrics_rows(ref)

@@ -20,9 +20,9 @@ from .errors import VisattnError
 def load_model_from_checkpoint(path: str, device: torch.device) -> tuple[torch.nn.Module, Any, Dict[str, Any]]:
     """(model in eval mode with the checkpoint's weights — EMA weights when the run kept them, config, state)."""
     from .checkpoint import load_checkpoint
+    from .config import build_config
     from .errors import CheckpointError
     from .models import create_model
-    from .config import build_config
 
     state = load_checkpoint(path)
     cfg = build_config(state["config"])

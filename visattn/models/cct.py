@@ -14,7 +14,7 @@ The taps of all blocks and of the sequence-pooling head carry the tokenizer's gr
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 from torch import nn

@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, PatchEmbed, trunc_normal_
 from torch import nn
 
-from ..registry import attention_info, create_attention
-from ..registry import register_model
+from ..registry import attention_info, create_attention, register_model
 
 __all__ = ["Block", "TokenClassifier", "ShiftedPatchTokenizer", "VisionTransformer", "vit_tiny", "vit_small"]
 

@@ -1,0 +1,85 @@
+"""The house rules a newcomer relies on, checked: short functions, no reaching into other modules' privates,
+a leaf config, an evaluate that does not need the trainer."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "visattn"
+SOURCES = sorted(PKG.rglob("*.py"))
+MAX_LINES = 80
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _resolve(path: Path, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _visattn_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom):
+            mod = _resolve(path, node)
+            if mod.startswith("visattn"):
+                out.add(mod)
+                out.update(f"{mod}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("visattn"))
+    return out
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=[str(p.relative_to(PKG)) for p in SOURCES])
+def test_functions_fit_on_a_screen(path):
+    long = [f"{n.name} ({n.end_lineno - n.lineno + 1} lines, line {n.lineno})"
+            for n in ast.walk(_tree(path)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > MAX_LINES]
+    assert not long, f"functions longer than {MAX_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=[str(p.relative_to(PKG)) for p in SOURCES])
+def test_no_private_names_from_other_modules(path):
+    bad = []
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.ImportFrom):
+            mod = _resolve(path, node)
+            if mod.startswith("visattn") and mod != _module_name(path):
+                bad += [f"{mod}.{a.name}" for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not bad, f"imports another module's private names: {bad}"
+
+
+def test_config_is_a_leaf():
+    """config.py validates through the registry's public lookup and imports no other part of visattn."""
+    assert _visattn_imports(PKG / "config.py") <= {"visattn.errors", "visattn.errors.ConfigError",
+                                                    "visattn.registry", "visattn.registry.MODELS"}
+
+
+def test_registry_and_errors_import_nothing_of_visattn():
+    assert not _visattn_imports(PKG / "registry.py")
+    assert not _visattn_imports(PKG / "errors.py")
+
+
+def test_evaluate_does_not_import_the_trainer():
+    assert not any(m.startswith("visattn.trainer") for m in _visattn_imports(PKG / "evaluate.py"))
+
+
+def test_package_exports_are_explicit():
+    for path in SOURCES:
+        stars = [n for n in ast.walk(_tree(path)) if isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names)]
+        assert not stars, f"{path.relative_to(PKG)} uses a star import"

@@ -1,0 +1,59 @@
+"""Which parameters get weight decay: engine.build_optimizer goes through timm's create_optimizer_v2, which
+keeps norms, biases and the model's ``no_weight_decay()`` names (a ViT's pos_embed, cls_token) undecayed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from visattn import create_model, engine
+
+
+def _decay_by_name(model, opt):
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+
+
+@pytest.mark.parametrize("name,opt_name", [("vit_tiny", "adamw"), ("cct_2", "adamw"), ("resnet_fast", "sgd"),
+                                           ("vit_tiny", "sgd")])
+def test_decay_spares_norms_biases_and_position_embeddings(name, opt_name):
+    kw = {"depth": 2} if name == "vit_tiny" else {}
+    model = create_model(name, **kw)
+    opt = engine.build_optimizer(model, opt_name, 1e-3, 0.05)
+    decay = _decay_by_name(model, opt)
+    assert set(decay) == {n for n, p in model.named_parameters() if p.requires_grad}  # every parameter, once
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        spared = p.ndim <= 1 or n in {"pos_embed", "cls_token"}
+        assert decay[n] == (0.0 if spared else 0.05), n
+    if name == "vit_tiny":
+        assert decay["pos_embed"] == decay["cls_token"] == 0.0
+        assert decay["blocks.0.attn.qkv.weight"] == 0.05
+    if name == "cct_2":
+        assert decay["pos_embed"] == 0.0 and decay["tokenizer.layers.0.weight"] == 0.05
+
+
+def test_norms_and_biases_decay_when_asked_but_declared_names_never():
+    """optim.no_decay_norm_bias=false decays the 1-d parameters too; what the model declares in
+    ``no_weight_decay()`` stays undecayed (timm's rule)."""
+    model = create_model("vit_tiny", depth=1)
+    decay = _decay_by_name(model, engine.build_optimizer(model, "adamw", 1e-3, 0.05, no_decay_norm_bias=False))
+    assert decay["blocks.0.norm1.weight"] == decay["head.bias"] == 0.05
+    assert decay["pos_embed"] == decay["cls_token"] == 0.0
+
+
+@pytest.mark.parametrize("momentum,nesterov,expect", [(0.9, True, True), (0.9, False, False), (0.0, True, False)])
+def test_sgd_momentum_and_nesterov(momentum, nesterov, expect):
+    model = torch.nn.Linear(3, 2)
+    opt = engine.build_optimizer(model, "sgd", 0.1, 5e-4, momentum=momentum, nesterov=nesterov)
+    assert isinstance(opt, torch.optim.SGD)
+    assert opt.defaults["nesterov"] is expect and opt.defaults["momentum"] == momentum
+
+
+def test_adamw_betas_and_unknown_name():
+    opt = engine.build_optimizer(torch.nn.Linear(3, 2), "adamw", 1e-3, 0.05, betas=(0.8, 0.99))
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.8, 0.99)
+    from visattn.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown optimizer 'lamb'"):
+        engine.build_optimizer(torch.nn.Linear(3, 2), "lamb", 1e-3, 0.0)
