@@ -32,6 +32,9 @@ class AugmentConfig(_Section):
     crop_padding: int = Field(4, ge=0, le=16, description="pad then random-crop back to size (0: off)")
     padding_mode: Literal["reflect", "constant"] = "reflect"
     hflip: bool = True
+    # "random": each image flipped with p=0.5 every epoch; "alternate" (airbench): a random half flipped in
+    # the first epoch, and every image's orientation switched each later epoch (tensor loader only)
+    hflip_mode: Literal["random", "alternate"] = "random"
     cutout: int = Field(0, ge=0, le=32, description="side of a square cutout hole in pixels (0: off)")
     # Extra albumentations transforms, by class name and keyword arguments, e.g.
     # [{name: ColorJitter, brightness: 0.2, p: 0.5}]; they need data.loader=albumentations. The transforms
@@ -59,6 +62,8 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
+        if self.augment.hflip_mode == "alternate" and self.loader != "tensor":
+            raise ValueError("augment.hflip_mode=alternate needs loader=tensor")
         if self.augment.extra and self.loader != "albumentations":
             raise ValueError("augment.extra needs loader=albumentations (the tensor loader runs only crop, flip and cutout)")
         if any(s <= 0 for s in self.std):
@@ -109,6 +114,7 @@ class OptimConfig(_Section):
     betas: Tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(5e-4, ge=0, le=1)
     no_decay_norm_bias: bool = True  # no weight decay on norm weights and biases (1-d parameters)
+    norm_bias_lr_scale: float = Field(1.0, gt=0, le=1000)  # norm-layer biases train at lr times this (airbench: 64)
     grad_clip: Optional[float] = Field(None, gt=0)
 
 
@@ -117,6 +123,7 @@ class SchedConfig(_Section):
     warmup_epochs: float = Field(1.0, ge=0)  # cosine: linear warmup; onecycle: rise length
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     anneal: Literal["linear", "cos"] = "linear"  # onecycle's decay shape
+    start_lr_ratio: float = Field(0.04, gt=0, le=1)  # onecycle starts at lr times this (airbench: 0.2)
 
 
 class TrainConfig(_Section):
@@ -128,6 +135,11 @@ class TrainConfig(_Section):
     max_nonfinite_steps: int = Field(10, ge=1)  # consecutive non-finite losses before the run stops
     check_every: int = Field(20, ge=1)  # steps between host reads of the loss statistics on GPUs
     max_steps: Optional[int] = Field(None, ge=1)  # stop early after this many steps in total (smoke/debug)
+    # lookahead weight averaging (airbench): every N steps (0: off) the weights are pulled toward a slow copy
+    # with weight lookahead_decay**N * progress**lookahead_power; the slow copy is evaluated and saved at the end
+    lookahead_every: int = Field(0, ge=0, le=1000)
+    lookahead_decay: float = Field(0.95, gt=0, le=1)
+    lookahead_power: float = Field(3.0, ge=0, le=10)
 
 
 class EvalConfig(_Section):

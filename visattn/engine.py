@@ -56,11 +56,13 @@ def make_scaler(device: torch.device, precision: str) -> Optional[torch.amp.Grad
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, momentum: float = 0.9,
                     nesterov: bool = True, betas: Sequence[float] = (0.9, 0.999),
-                    no_decay_norm_bias: bool = True) -> torch.optim.Optimizer:
+                    no_decay_norm_bias: bool = True, norm_bias_lr_scale: float = 1.0) -> torch.optim.Optimizer:
     """SGD (Nesterov by default) or AdamW through timm's ``create_optimizer_v2``.
 
     With ``no_decay_norm_bias`` (the default) norm weights, biases (all 1-d tensors) and every parameter the
     model lists in ``no_weight_decay()`` (a ViT's ``pos_embed`` and ``cls_token``) get no weight decay.
+    ``norm_bias_lr_scale`` puts the biases of the norm layers in a group of their own whose learning rate is
+    that many times ``lr`` (airbench trains BatchNorm biases 64x faster); the schedulers honour it.
     """
     from timm.optim import create_optimizer_v2
 
@@ -73,15 +75,38 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
         kwargs["betas"] = tuple(betas)
     else:
         raise ConfigError(f"optim.name: unknown optimizer {name!r}; valid: sgd, adamw")
-    return create_optimizer_v2(model, opt=opt, lr=lr, weight_decay=weight_decay,
+    params: Any = model
+    if norm_bias_lr_scale != 1.0:
+        params = _groups_with_norm_bias_scale(model, weight_decay, no_decay_norm_bias, norm_bias_lr_scale)
+    return create_optimizer_v2(params, opt=opt, lr=lr, weight_decay=weight_decay,
                                filter_bias_and_bn=no_decay_norm_bias, **kwargs)
+
+
+def _groups_with_norm_bias_scale(model: nn.Module, weight_decay: float, no_decay_1d: bool,
+                                 scale: float) -> List[Dict[str, Any]]:
+    from timm.optim import param_groups_weight_decay
+
+    norm_types = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+    norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, norm_types) and m.bias is not None}
+    skip = set(getattr(model, "no_weight_decay", lambda: set())())
+    if no_decay_1d:
+        groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=skip)
+    else:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    out = []
+    for g in groups:
+        rest = [p for p in g["params"] if id(p) not in norm_biases]
+        fast = [p for p in g["params"] if id(p) in norm_biases]
+        out += [dict(g, params=rest)] if rest else []
+        out += [dict(g, params=fast, lr_scale=scale)] if fast else []
+    return out
 
 
 class StepScheduler:
     """One interface, stepped once per optimizer step, over torch's OneCycleLR and timm's cosine schedule."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, name: str, lr: float, total_steps: int, warmup_steps: int,
-                 min_lr_ratio: float = 0.0, anneal: str = "linear"):
+                 min_lr_ratio: float = 0.0, anneal: str = "linear", start_lr_ratio: float = 0.04):
         self.name = name
         self.num_updates = 0
         self.inner: Any = None
@@ -89,9 +114,13 @@ class StepScheduler:
             # OneCycleLR divides by each phase's length in steps: keep both phases at least 1 step long
             total = max(total_steps, 4)
             pct = min(max(warmup_steps, 2), total - 2) / total
+            # each group peaks at lr times its "lr_scale" (e.g. BN biases at a higher rate), starting from
+            # start_lr_ratio of that, ending at min_lr_ratio of it (about 0 when min_lr_ratio is 0)
+            max_lr = [lr * g.get("lr_scale", 1.0) for g in optimizer.param_groups]
             self.inner = torch.optim.lr_scheduler.OneCycleLR(
-                optimizer, max_lr=lr, total_steps=total, pct_start=pct, anneal_strategy=anneal,
-                cycle_momentum=False, div_factor=25.0, final_div_factor=1.0 / max(min_lr_ratio, 1e-4) / 25.0 if min_lr_ratio else 1e4,
+                optimizer, max_lr=max_lr, total_steps=total, pct_start=pct, anneal_strategy=anneal,
+                cycle_momentum=False, div_factor=1.0 / start_lr_ratio,
+                final_div_factor=start_lr_ratio / max(min_lr_ratio, 1e-4) if min_lr_ratio else 1e4,
             )
         elif name == "cosine":
             from timm.scheduler import CosineLRScheduler
@@ -144,6 +173,40 @@ class StepHooks:
     on_check: Optional[Callable[[int, float, float], None]] = None  # (global step, mean loss, lr) at host reads
 
 
+class Lookahead:
+    """Lookahead-style weight averaging on a cubic schedule (airbench94; Zhang et al. 2019, arXiv 1907.08610).
+
+    Every ``every`` steps the slow copy moves toward the fast weights, ``slow = a * slow + (1 - a) * fast``,
+    and the fast weights are reset to it, with ``a = decay ** every * (step / total_steps) ** power``: no
+    averaging early, strong averaging at the end. :meth:`finish` puts the slow weights into the model after
+    the last step. Float parameters and buffers (BN running statistics) take part; integer buffers do not.
+    """
+
+    def __init__(self, model: nn.Module, total_steps: int, every: int = 5, decay: float = 0.95, power: float = 3.0):
+        self.total_steps, self.every, self.decay, self.power = max(total_steps, 1), every, decay, power
+        self.fast = [t for t in model.state_dict().values() if t.is_floating_point()]  # share the model's storage
+        self.slow = [t.detach().clone() for t in self.fast]
+
+    @torch.no_grad()
+    def step(self, global_step: int) -> None:
+        if global_step % self.every:
+            return
+        a = self.decay ** self.every * min(global_step / self.total_steps, 1.0) ** self.power
+        torch._foreach_lerp_(self.slow, self.fast, 1.0 - a)
+        torch._foreach_copy_(self.fast, self.slow)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        torch._foreach_copy_(self.fast, self.slow)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"slow": [t.clone() for t in self.slow]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for t, saved in zip(self.slow, state["slow"]):
+            t.copy_(saved)
+
+
 @dataclass
 class Optimization:
     """What takes a training step: the optimizer, its per-step schedule, and the optional extras."""
@@ -153,6 +216,7 @@ class Optimization:
     scaler: Optional[torch.amp.GradScaler] = None  # fp16 loss scaling
     ema: Optional[nn.Module] = None  # timm ModelEmaV3, updated after every applied step
     grad_clip: Optional[float] = None
+    lookahead: Optional[Lookahead] = None
 
 
 @dataclass
@@ -222,6 +286,8 @@ def train_one_epoch(model: nn.Module, loader: Iterable, opt: Optimization, polic
             if opt.ema is not None:
                 opt.ema.update(model)
         global_step += 1
+        if opt.lookahead is not None:
+            opt.lookahead.step(global_step)
         n = yb.shape[0]
         with torch.no_grad():
             zero = torch.zeros((), dtype=torch.float64, device=device)

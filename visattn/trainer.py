@@ -50,7 +50,7 @@ from .runtime import (
 
 RESUME_MUST_MATCH = ("model", "data")  # config sections a resume may not silently change
 # settings the saved optimizer/schedule state is shaped by: never changed on resume, even with resume_allow_changes
-RESUME_FIXED = ("optim.name", "optim.no_decay_norm_bias", "sched.name")
+RESUME_FIXED = ("optim.name", "optim.no_decay_norm_bias", "optim.norm_bias_lr_scale", "sched.name")
 EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "nonfinite_steps",
                  "skipped_steps")
 
@@ -180,15 +180,19 @@ def _build_optimization(cfg: Config, model: nn.Module, steps_per_epoch: int, dev
                         precision: str) -> engine.Optimization:
     o, s = cfg.optim, cfg.sched
     optimizer = engine.build_optimizer(model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas,
-                                       o.no_decay_norm_bias)
-    scheduler = engine.StepScheduler(optimizer, s.name, o.lr, steps_per_epoch * cfg.train.epochs,
-                                     int(round(s.warmup_epochs * steps_per_epoch)), s.min_lr_ratio, s.anneal)
+                                       o.no_decay_norm_bias, o.norm_bias_lr_scale)
+    total = steps_per_epoch * cfg.train.epochs
+    scheduler = engine.StepScheduler(optimizer, s.name, o.lr, total, int(round(s.warmup_epochs * steps_per_epoch)),
+                                     s.min_lr_ratio, s.anneal, s.start_lr_ratio)
+    t = cfg.train
+    lookahead = engine.Lookahead(model, total, t.lookahead_every, t.lookahead_decay, t.lookahead_power) \
+        if t.lookahead_every else None
     ema = None
     if cfg.train.ema_decay:
         from timm.utils import ModelEmaV3
 
         ema = ModelEmaV3(model, decay=cfg.train.ema_decay)
-    return engine.Optimization(optimizer, scheduler, engine.make_scaler(device, precision), ema, o.grad_clip)
+    return engine.Optimization(optimizer, scheduler, engine.make_scaler(device, precision), ema, o.grad_clip, lookahead)
 
 
 # ------------------------------------------------------------------------------------------------- resume
@@ -213,6 +217,8 @@ def resume(run: Run, path: Path) -> None:
             opt.scaler.load_state_dict(state["scaler"])
         if opt.ema is not None and state.get("ema") is not None:
             opt.ema.load_state_dict(state["ema"])
+        if opt.lookahead is not None:
+            opt.lookahead.load_state_dict(state["lookahead"])
         run.train_loader.load_state_dict(state["loader"])
         set_rng_state(state["rng"])
         run.epoch, run.step = int(state["epoch"]), int(state["step"])
@@ -321,6 +327,8 @@ def _close(run: Run) -> None:
 def _train_epoch(run: Run, train_model: nn.Module, epoch: int) -> engine.EpochStats:
     cfg, loader = run.cfg, run.train_loader
     loader.set_epoch(epoch)
+    if hasattr(run.model, "set_epoch"):  # e.g. the whitening stem's bias trains for its first epochs only
+        run.model.set_epoch(epoch)
     bar = None
     if run.dist.is_main and cfg.log.progress:
         from tqdm import tqdm
@@ -376,6 +384,7 @@ def _checkpoint_state(run: Run, epoch: int, position_stats: Optional[torch.Tenso
         "model": run.model.state_dict(), "optimizer": opt.optimizer.state_dict(), "scheduler": opt.scheduler.state_dict(),
         "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
         "ema": opt.ema.state_dict() if opt.ema is not None else None,
+        "lookahead": opt.lookahead.state_dict() if opt.lookahead is not None else None,
         "rng": rng_state(), "loader": run.train_loader.state_dict(), "epoch": epoch, "step": run.step,
         "epoch_stats": position_stats.cpu() if position_stats is not None else None,
         "best_acc": run.best_acc, "config": cfg.to_dict(), "classes": list(run.splits.train.classes),
@@ -391,6 +400,8 @@ def _end_epoch(run: Run, ep: engine.EpochStats, done: int) -> None:
                            "epoch_seconds": ep.seconds, "nonfinite_steps": ep.nonfinite_steps,
                            "skipped_steps": ep.skipped_steps, "lr": run.opt.optimizer.param_groups[0]["lr"],
                            "wall_seconds": time.perf_counter() - run.t_start}
+    if done == cfg.train.epochs and run.opt.lookahead is not None:
+        run.opt.lookahead.finish()  # the averaged weights are the ones evaluated and saved
     if done % cfg.eval.every == 0 or done == cfg.train.epochs:
         row.update(_evaluate(run))
     is_best = "val_acc" in row and row["val_acc"] > run.best_acc

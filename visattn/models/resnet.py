@@ -95,16 +95,34 @@ class FastUnit(nn.Module):
         return self.act(x + self.attn(self.bn(self.conv(x))))
 
 
-class FastGroup(nn.Module):
-    """conv3x3 -> max-pool 2 -> BN -> GELU -> residual unit(s); halves the resolution."""
+class PlainUnit(nn.Module):
+    """airbench's second conv of a group, no residual: ``GELU(attn(BN(conv(x))))`` (``block="plain"``)."""
 
-    def __init__(self, cin: int, cout: int, units: int, attention: str, attn_kwargs: Dict[str, Any]):
+    def __init__(self, width: int, attention: str, attn_kwargs: Dict[str, Any]):
+        super().__init__()
+        self.conv = conv3x3(width, width)
+        self.bn = nn.BatchNorm2d(width)
+        self.attn = create_attention(attention, width, **attn_kwargs)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.attn(self.bn(self.conv(x))))
+
+
+UNITS = {"residual": FastUnit, "plain": PlainUnit}
+
+
+class FastGroup(nn.Module):
+    """conv3x3 -> max-pool 2 -> BN -> GELU -> unit(s); halves the resolution."""
+
+    def __init__(self, cin: int, cout: int, units: int, attention: str, attn_kwargs: Dict[str, Any],
+                 block: str = "residual"):
         super().__init__()
         self.conv = conv3x3(cin, cout)
         self.pool = nn.MaxPool2d(2)
         self.bn = nn.BatchNorm2d(cout)
         self.act = nn.GELU()
-        self.units = nn.Sequential(*[FastUnit(cout, attention, attn_kwargs) for _ in range(units)])
+        self.units = nn.Sequential(*[UNITS[block](cout, attention, attn_kwargs) for _ in range(units)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.units(self.act(self.bn(self.pool(self.conv(x)))))
@@ -146,16 +164,23 @@ class WhiteningStem(nn.Module):
 
 
 class FastResNet(nn.Module):
-    """Stem (3x3 conv, or a frozen whitening 2x2 conv), three :class:`FastGroup`s, global max-pool, linear head."""
+    """Stem (3x3 conv, or a frozen whitening 2x2 conv), three :class:`FastGroup`s, global max-pool, linear head.
+
+    Options that reproduce airbench94's network (Jordan 2024, arXiv 2404.00498), off by default:
+    ``block="plain"`` (no residual: conv-BN-GELU as the group's second conv), ``bn_momentum`` / ``bn_eps`` for
+    every BatchNorm (airbench: 0.4 in PyTorch's convention, 1e-12), ``bn_scale="frozen"`` (BN scales fixed at 1,
+    only the biases train), ``conv_init="dirac"`` (each 3x3 conv starts as the identity on its first input
+    channels), ``whiten_bias_epochs=N`` (the whitening stem's bias trains for the first N epochs only) and
+    ``head_scale`` (airbench: 1/9).
+    """
 
     def __init__(self, widths: Sequence[int] = (64, 256, 256), units: Sequence[int] = (1, 1, 1), stem_width: int = 32,
                  num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
-                 in_chans: int = 3, head_scale: float = 1.0, stem: str = "conv"):
+                 in_chans: int = 3, head_scale: float = 1.0, stem: str = "conv", block: str = "residual",
+                 bn_momentum: float = 0.1, bn_eps: float = 1e-5, bn_scale: str = "learn", conv_init: str = "kaiming",
+                 whiten_bias_epochs: int = 0):
         super().__init__()
-        if len(widths) != len(units):
-            raise ValueError(f"widths has {len(widths)} entries but units has {len(units)}")
-        if stem not in ("conv", "whiten"):
-            raise ValueError(f"stem must be 'conv' or 'whiten', not {stem!r}")
+        _check_fast_options(widths, units, stem, block, bn_scale, conv_init)
         names = _per_stage(attention, len(widths))
         kw = dict(attn_kwargs or {})
         if stem == "whiten":
@@ -164,15 +189,17 @@ class FastResNet(nn.Module):
         else:
             self.stem = nn.Sequential(conv3x3(in_chans, stem_width), nn.BatchNorm2d(stem_width), nn.GELU())
         self.needs_data_init = stem == "whiten"
+        self.whiten_bias_epochs = whiten_bias_epochs if stem == "whiten" else 0
         groups, cin = [], stem_width
         for w, u, name in zip(widths, units, names):
-            groups.append(FastGroup(cin, w, u, name, kw))
+            groups.append(FastGroup(cin, w, u, name, kw, block))
             cin = w
         self.layers = nn.Sequential(*groups)
         self.pool = nn.AdaptiveMaxPool2d(1)
         self.fc = nn.Linear(cin, num_classes, bias=False)
         self.head_scale = head_scale
-        _init_weights(self)
+        _init_weights(self, dirac=conv_init == "dirac")
+        _configure_norms(self, bn_momentum, bn_eps, frozen_scale=bn_scale == "frozen")
 
     def data_init(self, images_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> None:
         """Compute the whitening stem from training images (uint8 ``(N, C, H, W)``); no-op for a conv stem."""
@@ -181,15 +208,44 @@ class FastResNet(nn.Module):
             s = torch.tensor(std).view(1, -1, 1, 1)
             self.stem.data_init((images_uint8.float() / 255 - m) / s)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Called by the trainer before each epoch (0-based): freezes the whitening bias after its epochs."""
+        if self.whiten_bias_epochs and isinstance(self.stem, WhiteningStem):
+            self.stem.conv.bias.requires_grad_(epoch < self.whiten_bias_epochs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.layers(self.stem(x))
         return self.fc(torch.flatten(self.pool(x), 1)) * self.head_scale
 
 
-def _init_weights(model: nn.Module) -> None:
+def _check_fast_options(widths: Sequence[int], units: Sequence[int], stem: str, block: str, bn_scale: str,
+                        conv_init: str) -> None:
+    if len(widths) != len(units):
+        raise ValueError(f"widths has {len(widths)} entries but units has {len(units)}")
+    for what, value, valid in (("stem", stem, ("conv", "whiten")), ("block", block, tuple(UNITS)),
+                               ("bn_scale", bn_scale, ("learn", "frozen")), ("conv_init", conv_init, ("kaiming", "dirac"))):
+        if value not in valid:
+            raise ValueError(f"{what} must be one of {', '.join(valid)}, not {value!r}")
+
+
+def _configure_norms(model: nn.Module, momentum: float, eps: float, frozen_scale: bool) -> None:
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum, m.eps = momentum, eps
+            if frozen_scale:
+                nn.init.ones_(m.weight)
+                m.weight.requires_grad_(False)
+
+
+def _init_weights(model: nn.Module, dirac: bool = False) -> None:
+    """Kaiming-normal convs; with ``dirac``, each 3x3 conv's first ``in_channels`` filters pass their input
+    channel through unchanged (airbench's identity initialisation)."""
     for m in model.modules():
         if isinstance(m, nn.Conv2d) and m.weight.requires_grad and not hasattr(m, "_visattn_keep_init"):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            if dirac and m.kernel_size == (3, 3) and m.out_channels >= m.in_channels and m.groups == 1:
+                with torch.no_grad():
+                    nn.init.dirac_(m.weight[: m.in_channels])
 
 
 @register_model("resnet18", family="cnn", cls=CifarResNet)
