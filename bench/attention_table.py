@@ -1,127 +1,188 @@
-"""Reruns the README's attention comparison: each config x seed under one fixed CPU budget, on the real images.
+"""The README's attention comparison at the CPU recipe's full budget, paired by seed against no attention.
 
-    python bench/attention_table.py --plot assets/accuracy_vs_time.png   # all configs below, seeds 0 1 2
-    python bench/attention_table.py --seeds 0 --configs configs/attention/resnet_fast_se.yaml
+    python bench/attention_table.py                          # every config below, seeds until the CIs are tight
+    python bench/attention_table.py --configs configs/attention/resnet_fast_se.yaml --seeds 0 1
+    python bench/attention_table.py --report --plot assets/accuracy_vs_time.png     # table and plot, no training
 
-The fixed CPU budget: every run trains for ``--epochs`` (2) epochs on a stratified ``--subset`` (10,000) of the
-45,000 training images left after holding out the stratified 5,000-image validation split
-(``data.split_seed=0``: the same images for every seed and config) and is scored once, at the end, on that
-whole validation split with flip test-time augmentation. The table gives each run's training wall time
-beside its accuracy, so the cost of each attention type shows. Results go to ``bench/results/attention_table.json`` (runs already
-there are skipped, so an interrupted sweep continues); ``--plot`` draws validation accuracy against wall time.
+Budget: every config trains for its fixed number of epochs (``--epochs``, default the config's own: 4 for the
+``resnet_fast`` configs, which are the CPU recipe ``configs/cifar10_cpu.yaml`` with one attention type each,
+and the same 4 epochs for the transformers) on all 45,000 training images left after holding out the
+stratified 5,000-image validation split (``data.split_seed=0``: the same images for every run), and is
+scored once, at the end, on that split with the config's test-time augmentation. A busy machine changes only
+the time a run takes, never its budget.
+
+Seeds: runs go seed-major (seed 0 of every config, then seed 1, ...), so a partial sweep still pairs every
+config with ``resnet_fast_none`` on the same seeds. By default it keeps adding seeds (up to ``--max-seeds``)
+until the 95% interval of every ``resnet_fast`` config's paired difference to ``none`` is at most
+``--target`` (0.5) points wide on each side. Results are appended to ``bench/results/attention_table.json`` after
+every run (runs already there are skipped), so an interrupted sweep continues where it stopped.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-DEFAULT_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ("none", "se", "eca", "cbam", "coord", "nonlocal")] + [
-    "configs/vit_tiny.yaml", "configs/vit_tiny_lsa_spt.yaml", "configs/cct_2.yaml"]
+ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
+CNN_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ATTENTION]
+TRANSFORMER_CONFIGS = ["configs/vit_tiny.yaml", "configs/vit_tiny_lsa_spt.yaml", "configs/cct_2.yaml"]
+BASELINE = "resnet_fast_none"
+RESULTS = ROOT / "bench" / "results" / "attention_table.json"
+# two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
-def run_one(config: str, seed: int, epochs: int, subset: int, run_root: Path, data_root: str | None) -> dict:
+def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_root: Optional[str]) -> dict:
     from visattn.config import load_config
     from visattn.trainer import run
 
     name = Path(config).stem
     run_dir = run_root / f"{name}-s{seed}"
-    overrides = [f"seed={seed}", f"run_dir={run_dir}", f"train.epochs={epochs}", "log.progress=false",
-                 "log.maps_every=0", "resume=null", f"data.subset={subset}", f"eval.every={epochs}", "eval.tta=flip"]
+    if run_dir.exists():  # a run killed part-way: start it again from scratch
+        shutil.rmtree(run_dir)
+    overrides = [f"seed={seed}", f"run_dir={run_dir}", "log.progress=false", "log.maps_every=0"]
+    if epochs:
+        overrides.append(f"train.epochs={epochs}")
     if data_root:
         overrides.append(f"data.root={data_root}")
-    if (run_dir / "last.pt").exists():
-        import shutil
-
-        shutil.rmtree(run_dir)
     cfg = load_config(ROOT / config, overrides)
-    t0 = time.perf_counter()
+    overrides.append(f"eval.every={cfg.train.epochs}")  # score once, at the end
+    cfg = load_config(ROOT / config, overrides)
     summary = run(cfg, log=lambda *a: None)
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     info = json.loads((run_dir / "run_info.json").read_text())
-    return {"config": config, "name": name, "seed": seed, "epochs": epochs, "subset": subset, "best_val_acc": summary["best_val_acc"],
-            "final_val_acc": rows[-1]["val_acc"], "train_seconds": sum(r["epoch_seconds"] for r in rows),
-            "wall_seconds": time.perf_counter() - t0, "images_per_s": statistics.mean(r["images_per_s"] for r in rows),
-            "parameters": info["parameters"], "eval_split": summary["eval_split"],
-            "curve": [(r["wall_seconds"], r.get("val_acc")) for r in rows]}
+    return {"config": config, "name": name, "seed": seed, "epochs": cfg.train.epochs, "val_acc": rows[-1]["val_acc"],
+            "train_seconds": sum(r["epoch_seconds"] for r in rows),
+            "images_per_s": statistics.mean(r["images_per_s"] for r in rows), "parameters": info["parameters"],
+            "eval_split": summary["eval_split"], "git": info["git"]}
 
 
-def table(results: list[dict]) -> str:
-    by: dict[str, list[dict]] = {}
+def default_epochs(config: str) -> Optional[int]:
+    """The transformers train for the CPU recipe's epochs (the same budget in images as the ResNets)."""
+    if config in TRANSFORMER_CONFIGS:
+        from visattn.config import load_config
+
+        return load_config(ROOT / "configs" / "cifar10_cpu.yaml").train.epochs
+    return None
+
+
+def mean_ci(xs: List[float]) -> Tuple[float, float]:
+    """Mean and the half-width of its 95% t interval (inf for a single value)."""
+    m = statistics.mean(xs)
+    if len(xs) < 2:
+        return m, math.inf
+    return m, T95[min(len(xs) - 1, len(T95)) - 1] * statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def paired(results: List[dict], name: str) -> Optional[Tuple[float, float, int]]:
+    """(mean difference to the baseline in points, 95% half-width, pairs) over the seeds both have."""
+    base = {r["seed"]: r["val_acc"] for r in results if r["name"] == BASELINE}
+    diffs = [100 * (r["val_acc"] - base[r["seed"]]) for r in results if r["name"] == name and r["seed"] in base]
+    if not diffs:
+        return None
+    m, h = mean_ci(diffs)
+    return m, h, len(diffs)
+
+
+def verdict(d: Optional[Tuple[float, float, int]]) -> str:
+    if d is None or d[2] < 2:
+        return "too few seeds"
+    m, h, _ = d
+    if m - h > 0:
+        return "better"
+    if m + h < 0:
+        return "worse"
+    return "no difference resolved" if h <= 0.5 else "undecided (interval too wide)"
+
+
+def table(results: List[dict]) -> str:
+    lines = ["| config | params | epochs | seeds | val acc % (mean ± std) | difference to none, points (95% CI) | "
+             "verdict | train time s (median) | images/s (median) |", "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+    by: Dict[str, List[dict]] = {}
     for r in results:
         by.setdefault(r["name"], []).append(r)
-    lines = ["| config | params | val acc % (mean ± std) | seeds | train time s (median) | images/s (median) |",
-             "|---|---:|---:|---:|---:|---:|"]
     for name, rs in by.items():
-        accs = [100 * r["final_val_acc"] for r in rs]
-        sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        lines.append(f"| `{name}` | {rs[0]['parameters'] / 1e6:.2f}M | {statistics.mean(accs):.2f} ± {sd:.2f} | {len(rs)} "
-                     f"| {statistics.median(r['train_seconds'] for r in rs):.0f} | {statistics.median(r['images_per_s'] for r in rs):.0f} |")
+        accs = [100 * r["val_acc"] for r in rs]
+        sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
+        d = paired(results, name) if name.startswith("resnet_fast") and name != BASELINE else None
+        diff = "—" if d is None else f"{d[0]:+.2f} ± {d[1]:.2f} ({d[2]} pairs)"
+        lines.append(f"| `{name}` | {rs[0]['parameters'] / 1e6:.2f}M | {rs[0]['epochs']} | {len(rs)} | "
+                     f"{statistics.mean(accs):.2f} ± {sd:.2f} | {diff} | "
+                     f"{verdict(d) if name.startswith('resnet_fast') and name != BASELINE else '—'} | "
+                     f"{statistics.median(r['train_seconds'] for r in rs):.0f} | "
+                     f"{statistics.median(r['images_per_s'] for r in rs):.0f} |")
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: List[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5), dpi=110)
-    names = list(dict.fromkeys(r["name"] for r in results))
-    cmap = plt.get_cmap("tab10")
-    for i, name in enumerate(names):
+    cmap = plt.get_cmap("tab20")
+    for i, name in enumerate(dict.fromkeys(r["name"] for r in results)):
         rs = [x for x in results if x["name"] == name]
-        ts = [r["train_seconds"] for r in rs]
-        accs = [100 * r["final_val_acc"] for r in rs]
-        ax.scatter(ts, accs, color=cmap(i % 10), s=14, alpha=0.6)
-        sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        ax.errorbar([statistics.mean(ts)], [statistics.mean(accs)], yerr=[sd], fmt="o", ms=7, capsize=3,
-                    color=cmap(i % 10), label=name)
-    ax.set_xlabel("training wall time (s) on 2 CPU cores")
+        ts, accs = [r["train_seconds"] for r in rs], [100 * r["val_acc"] for r in rs]
+        ax.scatter(ts, accs, color=cmap(i % 20), s=12, alpha=0.5)
+        m, h = mean_ci(accs)
+        ax.errorbar([statistics.median(ts)], [m], yerr=[0 if math.isinf(h) else h], fmt="o", ms=6, capsize=3,
+                    color=cmap(i % 20), label=f"{name} (n={len(rs)})")
+    ax.set_xlabel("training time (s) on 2 CPU cores")
     ax.set_ylabel("validation accuracy (%)")
-    ax.set_title(f"CIFAR-10 held-out validation (5,000 images): {results[0]['epochs']} epochs on "
-                 f"{results[0]['subset']:,} training images;\nsmall dots: seeds, large: mean \u00b1 std", fontsize=9)
+    ax.set_title("CIFAR-10, 5,000-image validation split held out from train; 45,000 training images,\n"
+                 "fixed epochs per config. Dots: seeds; markers: mean with its 95% interval", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
 
 
+def tight_enough(results: List[dict], configs: List[str], target: float) -> bool:
+    names = [Path(c).stem for c in configs if Path(c).stem.startswith("resnet_fast") and Path(c).stem != BASELINE]
+    ds = [paired(results, n) for n in names]
+    return all(d is not None and d[1] <= target for d in ds)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--configs", nargs="*", default=DEFAULT_CONFIGS)
-    ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
-    ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--subset", type=int, default=10000)
+    ap.add_argument("--configs", nargs="*", default=CNN_CONFIGS + TRANSFORMER_CONFIGS)
+    ap.add_argument("--seeds", nargs="*", type=int, default=None, help="exactly these seeds (default: adaptive)")
+    ap.add_argument("--max-seeds", type=int, default=10)
+    ap.add_argument("--target", type=float, default=0.5, help="95%% half-width to reach on every difference")
+    ap.add_argument("--epochs", type=int, default=None, help="default: each config's own train.epochs")
     ap.add_argument("--data-root", default=None)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "attention_table.json"))
-    ap.add_argument("--run-root", default=str(ROOT / "runs" / "table"))
-    ap.add_argument("--plot", default=None, help="write the accuracy-vs-wall-time plot here (PNG)")
-    ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--runs", default=str(ROOT / "runs" / "attention_table"))
+    ap.add_argument("--report", action="store_true", help="print the table (and plot) from the results file only")
+    ap.add_argument("--plot", default=None, help="write the accuracy-vs-time plot here (PNG)")
     args = ap.parse_args()
-    out = Path(args.out)
-    results = json.loads(out.read_text()) if out.exists() else []
-    if not args.plot_only:
-        for seed in args.seeds:  # seed-major: a partial sweep still covers every config
-            for config in args.configs:
-                if any(r["config"] == config and r["seed"] == seed and r["epochs"] == args.epochs
-                       and r.get("subset") == args.subset for r in results):
-                    continue
-                r = run_one(config, seed, args.epochs, args.subset, Path(args.run_root), args.data_root)
-                results.append(r)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps(results, indent=1))
-                print(f"{r['name']} seed {seed}: val {100 * r['final_val_acc']:.2f}% in {r['train_seconds']:.0f}s", flush=True)
-    print(table([r for r in results if r["epochs"] == args.epochs]))
-    if args.plot:
-        plot([r for r in results if r["epochs"] == args.epochs], Path(args.plot))
+    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
+    seeds = args.seeds if args.seeds is not None else list(range(args.max_seeds))
+    for seed in [] if args.report else seeds:  # seed-major: a partial sweep still pairs every config
+        if args.seeds is None and seed >= 3 and tight_enough(results, args.configs, args.target):
+            break
+        for config in args.configs:
+            if any(r["config"] == config and r["seed"] == seed for r in results):
+                continue
+            r = run_one(config, seed, args.epochs or default_epochs(config), Path(args.runs), args.data_root)
+            results.append(r)
+            RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            RESULTS.write_text(json.dumps(results, indent=1))
+            print(f"{r['name']} seed {seed}: val {100 * r['val_acc']:.2f}% in {r['train_seconds']:.0f}s", flush=True)
+    print(table(results))
+    if args.plot and results:
+        plot(results, Path(args.plot))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,12 @@ VARIANTS: Dict[str, List[str]] = {
     "resnet": RESNET,
     # EMA weights and cutout draw on state beyond the model: the EMA copy and the loader's augmentation generator
     "ema-cutout": RESNET + ["train.ema_decay=0.9", "data.augment.cutout=8"],
+    # the CPU recipe's levers: lookahead's slow weights, alternating flips (epoch parity), the whitening bias
+    # frozen after epoch 1, BN biases in their own faster group
+    "recipe": RESNET + ["train.lookahead_every=2", "data.augment.hflip_mode=alternate", "model.stem=whiten",
+                        "model.whiten_bias_epochs=1", "model.block=plain", "model.bn_scale=frozen",
+                        "model.conv_init=dirac", "model.bn_momentum=0.4", "optim.norm_bias_lr_scale=8",
+                        "sched.start_lr_ratio=0.2"],
     # dropout and drop-path draw from the global torch RNG, which the checkpoint must carry
     "vit-dropout": ["model.name=vit_tiny", "model.depth=1", "model.dim=32", "model.num_heads=2", "model.patch_size=8",
                     "model.drop_rate=0.1", "model.drop_path_rate=0.2", "optim.lr=0.05"],
@@ -70,7 +76,7 @@ def _assert_same_state(a: Dict, b: Dict) -> None:
         else:
             assert x == y, f"{where}: {x!r} != {y!r}"
 
-    for key in ("model", "optimizer", "scheduler", "ema", "epoch", "step", "best_acc", "loader"):
+    for key in ("model", "optimizer", "scheduler", "ema", "lookahead", "epoch", "step", "best_acc", "loader"):
         eq(a[key], b[key], key)
 
 
@@ -96,6 +102,7 @@ CASES = [
     ("resnet", [4]),  # mid-epoch 1
     ("resnet", [1, 6, 9]),  # after the first step, exactly at the end of epoch 1, then mid-epoch 2
     ("ema-cutout", [8]),
+    ("recipe", [3, 8]),  # mid-epoch 1 (bias still training, even flip parity), then mid-epoch 2
     ("vit-dropout", [5, 10]),  # bf16 autocast (the CPU default) here
 ]
 

@@ -1,0 +1,98 @@
+"""The CPU recipe's ablation: the full ``configs/cifar10_cpu.yaml``, and the same with one lever taken back.
+
+    python bench/recipe_ablation.py                       # every variant below, seed 0, on the real images
+    python bench/recipe_ablation.py --variants full no_lookahead --seeds 0 1
+
+Every run trains ``configs/cifar10_cpu.yaml`` for its fixed number of epochs (a busy machine changes only the
+time, never the budget) and is scored once, at the end, on the 5,000-image validation split held out from
+the 45,000 training images (stratified, ``data.split_seed=0``: the same images for every run) with the
+config's 6-view test-time augmentation. Each finished run is appended to ``bench/results/recipe_ablation.json``
+(runs already there are skipped, so an interrupted sweep continues where it stopped); ``--table`` prints
+the markdown table from that file without training.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIG = ROOT / "configs" / "cifar10_cpu.yaml"
+RESULTS = ROOT / "bench" / "results" / "recipe_ablation.json"
+
+# name -> (what the variant takes back, overrides on top of the full recipe)
+VARIANTS = {
+    "full": ("nothing: the recipe as shipped", []),
+    "no_lookahead": ("lookahead weight averaging", ["train.lookahead_every=0"]),
+    "random_flip": ("alternating flip (random flips instead)", ["data.augment.hflip_mode=random"]),
+    "default_bn": ("BN momentum 0.4, eps 1e-12, frozen scales, 64x bias lr (PyTorch defaults instead)",
+                   ["model.bn_momentum=0.1", "model.bn_eps=1e-5", "model.bn_scale=learn", "optim.norm_bias_lr_scale=1"]),
+    "kaiming_init": ("dirac initialisation (Kaiming only)", ["model.conv_init=kaiming"]),
+    "residual": ("plain units (visattn's residual units instead)", ["model.block=residual"]),
+    "whiten_bias_always": ("whitening bias frozen after epoch 1 (trains throughout)", ["model.whiten_bias_epochs=0"]),
+    "v1_recipe": ("all of the above, and batch 256 / lr 0.3 / momentum 0.9 / wd 5e-4 / head scale 1: the previous recipe",
+                  ["train.lookahead_every=0", "data.augment.hflip_mode=random", "model.bn_momentum=0.1",
+                   "model.bn_eps=1e-5", "model.bn_scale=learn", "optim.norm_bias_lr_scale=1", "model.conv_init=kaiming",
+                   "model.block=residual", "model.whiten_bias_epochs=0", "model.head_scale=1.0", "train.batch_size=256",
+                   "optim.lr=0.3", "optim.momentum=0.9", "optim.weight_decay=0.0005", "sched.start_lr_ratio=0.04",
+                   "sched.warmup_epochs=1"]),
+}
+
+
+def run_one(variant: str, seed: int, run_root: Path, data_root: str | None) -> dict:
+    from visattn.config import load_config
+    from visattn.trainer import run
+
+    run_dir = run_root / f"{variant}-s{seed}"
+    if run_dir.exists():  # a run killed part-way: start it again from scratch
+        shutil.rmtree(run_dir)
+    overrides = [f"seed={seed}", f"run_dir={run_dir}", "log.progress=false", *VARIANTS[variant][1]]
+    if data_root:
+        overrides.append(f"data.root={data_root}")
+    cfg = load_config(CONFIG, overrides)
+    summary = run(cfg, log=print)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    info = json.loads((run_dir / "run_info.json").read_text())
+    return {"variant": variant, "seed": seed, "overrides": VARIANTS[variant][1], "epochs": cfg.train.epochs,
+            "val_acc": rows[-1]["val_acc"], "train_seconds": sum(r["epoch_seconds"] for r in rows),
+            "images_per_s": sum(r["images_per_s"] for r in rows) / len(rows), "parameters": info["parameters"],
+            "eval_split": summary["eval_split"], "git": info["git"]}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| variant | takes back | seed | val acc % | train time s | images/s |", "|---|---|---:|---:|---:|---:|"]
+    order = list(VARIANTS)
+    for r in sorted(results, key=lambda r: (order.index(r["variant"]) if r["variant"] in order else 99, r["seed"])):
+        what = VARIANTS.get(r["variant"], ("?", []))[0]
+        lines.append(f"| `{r['variant']}` | {what} | {r['seed']} | {100 * r['val_acc']:.2f} | {r['train_seconds']:.0f} "
+                     f"| {r['images_per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0])
+    ap.add_argument("--runs", default=str(ROOT / "runs" / "recipe_ablation"))
+    ap.add_argument("--data-root", default=None, help="default: the config's data.root")
+    ap.add_argument("--table", action="store_true", help="print the table from the results file and exit")
+    args = ap.parse_args()
+    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
+    if not args.table:
+        for variant in args.variants:
+            for seed in args.seeds:
+                if any(r["variant"] == variant and r["seed"] == seed for r in results):
+                    continue
+                print(f"== {variant} seed {seed}", flush=True)
+                results.append(run_one(variant, seed, Path(args.runs), args.data_root))
+                RESULTS.parent.mkdir(parents=True, exist_ok=True)
+                RESULTS.write_text(json.dumps(results, indent=1))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()
