@@ -1,0 +1,102 @@
+"""Train / evaluation splits: a test split where the data has one, else a stratified, seeded hold-out."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, List, Tuple
+
+import numpy as np
+
+from ..errors import DataError
+from . import sources
+from .cache import cached_read, default_cache_dir
+from .sources import ImageSet
+
+if TYPE_CHECKING:
+    from ..config import DataConfig
+
+
+@dataclass
+class Splits:
+    train: ImageSet
+    eval: ImageSet
+    eval_split: str  # human-readable: which split the reported figures come from
+    source: str
+    skipped: int = 0  # unreadable images skipped (data.on_bad_image=skip)
+
+
+def load_splits(cfg: DataConfig, seed: int) -> Splits:
+    """Read the dataset named by a :class:`visattn.config.DataConfig` and split it for training/eval.
+
+    ``seed`` drives only the synthetic images; the held-out split and the subset follow ``cfg.split_seed``,
+    so runs with different seeds are scored on the same validation images.
+    """
+    cache_dir = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
+    source = cfg.source
+    skipped = 0
+    if source == "synthetic":
+        full = sources.make_synthetic(cfg.synthetic_size, size=cfg.image_size, seed=seed)
+        parts = {"train": full}
+        origin = "synthetic"
+    else:
+        root = Path(os.path.expandvars(os.path.expanduser(cfg.root)))
+        if source == "torchvision":
+            root = sources.torchvision_download(root, cfg.download)
+            source = "cifar_python"
+        elif source == "auto":
+            source = sources.detect_source(root)
+        elif not root.exists():
+            raise DataError(f"data.root {str(root)!r} does not exist")
+        parts, skipped = cached_read(root, (source, cfg.image_size, cfg.on_bad_image), cache_dir,
+                                     lambda: sources.read_source(root, source, cfg.image_size, cfg.on_bad_image, cache_dir))
+        origin = str(root)
+    train = parts["train"]
+    if cfg.use_test_split and "test" in parts:
+        ev, eval_split = parts["test"], f"test split of {origin} ({len(parts['test'])} images)"
+    else:
+        if cfg.val_size >= len(train):
+            raise DataError(f"data.val_size={cfg.val_size} is not smaller than the {len(train)} training images")
+        if cfg.val_size < len(train.classes):
+            raise DataError(f"data.val_size={cfg.val_size} is smaller than the {len(train.classes)} classes")
+        tr_idx, va_idx = stratified_split(train.y, cfg.val_size, cfg.split_seed)
+        ev = ImageSet(train.x[va_idx], train.y[va_idx], train.classes)
+        train = ImageSet(train.x[tr_idx], train.y[tr_idx], train.classes)
+        eval_split = f"validation split held out from train ({len(ev)} images, stratified, split seed {cfg.split_seed})"
+    if cfg.subset is not None and cfg.subset < len(train):  # after the hold-out: the eval images never change
+        keep, _ = stratified_split(train.y, len(train) - cfg.subset, cfg.split_seed + 1)
+        train = ImageSet(train.x[keep], train.y[keep], train.classes)
+    return Splits(train=train, eval=ev, eval_split=eval_split, source=source, skipped=skipped)
+
+
+def spread_indices(y: np.ndarray, k: int) -> np.ndarray:
+    """``k`` indices taking the first image of each class in turn (class 0, 1, ..., then the second of each)."""
+    per_class = [np.nonzero(y == c)[0] for c in np.unique(y)]
+    out: List[int] = []
+    j = 0
+    while len(out) < min(k, len(y)):
+        for idx in per_class:
+            if j < len(idx) and len(out) < k:
+                out.append(int(idx[j]))
+        j += 1
+    return np.asarray(out, dtype=np.int64)
+
+
+def stratified_split(y: np.ndarray, n_out: int, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Indices (kept, held out) with ``n_out`` held out spread evenly over the classes, seeded."""
+    g = np.random.default_rng(seed)
+    classes = np.unique(y)
+    counts = np.array([(y == c).sum() for c in classes])
+    # Largest-remainder apportionment of n_out over the classes, proportional to their sizes.
+    quota = counts * n_out / len(y)
+    take = np.floor(quota).astype(int)
+    for i in np.argsort(-(quota - take), kind="stable")[: n_out - take.sum()]:
+        take[i] += 1
+    held = []
+    for c, k in zip(classes, take):
+        idx = np.nonzero(y == c)[0]
+        held.append(g.permutation(idx)[:k])
+    held_idx = np.sort(np.concatenate(held))
+    mask = np.ones(len(y), dtype=bool)
+    mask[held_idx] = False
+    return np.nonzero(mask)[0], held_idx
