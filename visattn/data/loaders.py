@@ -87,6 +87,10 @@ class TensorLoader(EpochLoader):
         self.y = torch.from_numpy(images.y).to(device)
         self.augment = augment if train else None
         self.gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + 17)
+        self.flip_mask = None  # alternating flips: which images are mirrored in even epochs (fixed by the seed)
+        if self.augment is not None and self.augment.hflip and self.augment.hflip_mode == "alternate":
+            g = torch.Generator().manual_seed(seed * 7919 + 23)
+            self.flip_mask = (torch.rand(len(images), generator=g) < 0.5).to(device)
         self._fill = torch.zeros(3, device=device)  # cutout fill: the mean pixel, i.e. 0 after normalisation
         self._scale = (1.0 / (255.0 * torch.tensor(std, device=device))).view(1, 3, 1, 1)
         self._shift = (-torch.tensor(mean, device=device) / torch.tensor(std, device=device)).view(1, 3, 1, 1)
@@ -109,12 +113,15 @@ class TensorLoader(EpochLoader):
         super().load_state_dict(state)
         self.gen.set_state(state["gen"])
 
-    def _augment(self, xb: torch.Tensor) -> torch.Tensor:
-        """0..255 float batch -> augmented, normalised batch."""
+    def _augment(self, xb: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+        """0..255 float batch (images ``sel``) -> augmented, normalised batch."""
         a = self.augment
         if a is not None and a.crop_padding:
             xb = batch_crop(xb, a.crop_padding, a.padding_mode, self.gen)
-        if a is not None and a.hflip:
+        if self.flip_mask is not None:  # every image changes orientation from one epoch to the next
+            flip = self.flip_mask[sel] ^ bool(self.epoch % 2)
+            xb = torch.where(flip[:, None, None, None], xb.flip(3), xb)
+        elif a is not None and a.hflip:
             xb = batch_hflip(xb, self.gen)
         xb = xb * self._scale + self._shift
         if a is not None and a.cutout:
@@ -127,7 +134,7 @@ class TensorLoader(EpochLoader):
         while self.position < nb:
             i = self.position
             sel = idx[i * self.batch_size : (i + 1) * self.batch_size]
-            xb = self._finish(self._augment(self.x[sel].float()))
+            xb = self._finish(self._augment(self.x[sel].float(), sel))
             self.position += 1
             yield xb, self.y[sel]
         self._end_epoch()
