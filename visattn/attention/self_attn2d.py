@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .channel import check_channels, reduced_channels
+from .channel import check_channels, check_feature_map, check_norm_batch, reduced_channels
 from .functional import sdpa
 from .registry import register_attention
 from .tap import AttentionTap
@@ -37,12 +37,17 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
 
 def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``(B, heads, N, d)`` attention output -> ``(B, heads * d, H, W)`` in the memory format of ``like``
-    (mixing formats would send the BN that follows down a slow path)."""
+    (mixing formats would send the BN that follows down a slow path).
+
+    One explicit copy into the target layout, then a view: a bare ``reshape`` of SDPA's output is recorded
+    by ``torch.export`` as a view chosen for the fused kernel's strides, which ONNX export's decomposed
+    attention does not reproduce ("Cannot view a tensor ...")."""
     B, n, N, d = y.shape
     H, W = like.shape[-2:]
-    y = y.permute(0, 2, 1, 3).reshape(B, H, W, n * d).permute(0, 3, 1, 2)  # channels-last strided
-    cl = like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous()
-    return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+    if like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous():
+        y = y.transpose(1, 2).clone(memory_format=torch.contiguous_format)  # (B, N, heads, d)
+        return y.view(B, H, W, n * d).permute(0, 3, 1, 2)  # channels-last strided
+    return y.transpose(2, 3).clone(memory_format=torch.contiguous_format).view(B, n * d, H, W)
 
 
 def _attend(block: nn.Module, q, k, v, H: int, W: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -79,6 +84,7 @@ class NonLocal2d(nn.Module):
         super().__init__()
         check_channels(channels)
         inter = reduced_channels(channels, rd_ratio, rd_channels, 1)
+        self.channels = channels
         self.inter_channels = inter
         self.scale = inter**-0.5 if use_scale else 1.0
         self.qkv = nn.Linear(channels, 3 * inter)  # theta, phi, g stacked, applied per position
@@ -96,7 +102,9 @@ class NonLocal2d(nn.Module):
             nn.init.zeros_(self.norm.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_feature_map(self, x, self.channels)
         B, C, H, W = x.shape
+        check_norm_batch(self, self.norm, B * H * W, x)
         d = self.inter_channels
         qkv = self.qkv(_tokens(x))  # (B, N, 3d)
         q, k, v = qkv.view(B, 1, H * W, 3 * d).split(d, dim=-1)  # (B, 1, N, d) each
@@ -148,6 +156,7 @@ class MHSA2d(nn.Module):
             raise ValueError(f"num_heads must be a positive int dividing channels={channels}, got {num_heads!r}")
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_size must be a positive int, got {max_size!r}")
+        self.channels = channels
         self.num_heads = num_heads
         self.head_dim = channels // num_heads
         self.scale = self.head_dim**-0.5
@@ -172,12 +181,15 @@ class MHSA2d(nn.Module):
         qg = q.reshape(B, n, H, W, d)
         e_h = rel_pos_embed(self.rel_h, H).to(q.dtype)  # (H, H, d)
         e_w = rel_pos_embed(self.rel_w, W).to(q.dtype)  # (W, W, d)
-        lh = torch.einsum("bnhwd,hkd->bnhwk", qg, e_h)  # (B, n, H, W, H): key row k
-        lw = torch.einsum("bnhwd,wkd->bnhwk", qg, e_w)  # (B, n, H, W, W): key column k
+        # batched matmuls broadcast over (B, n) (an einsum here lowers to a view ONNX export cannot take)
+        lh = qg @ e_h.transpose(1, 2)  # (B, n, H, W, d) @ (H, d, H) -> (B, n, H, W, H): key row k
+        lw = (qg.transpose(2, 3) @ e_w.transpose(1, 2)).transpose(2, 3)  # (B, n, H, W, W): key column k
         return (lh[..., :, None] + lw[..., None, :]).reshape(B, n, N, N)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_feature_map(self, x, self.channels)
         B, C, H, W = x.shape
+        check_norm_batch(self, self.norm, B * H * W, x)
         n, d = self.num_heads, self.head_dim
         qkv = self.qkv(_tokens(x))  # (B, N, 3C)
         q, k, v = qkv.view(B, H * W, 3, n, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, n, N, d) each
