@@ -9,6 +9,9 @@ Both are residual blocks whose output path ends in a BatchNorm with zero-initial
 as the identity and can be dropped into a trained network. Both attend over all ``N = H * W`` positions:
 time and (on the explicit paths) memory grow as ``N**2``, so they suit the later, smaller stages.
 
+Composability: plain PyTorch (compile with ``fullgraph=True``, ``torch.export``, ONNX, ``torch.jit.trace``,
+``torch.func``); double backward under ``sdpa_kernel(SDPBackend.MATH)`` (the fused kernels have none).
+
 Observation: the tap (kind ``"token"``) carries ``(B, heads, N, N)`` row-stochastic weights with
 ``grid=(H, W)`` and no prefix tokens. The training path is fused ``F.scaled_dot_product_attention``; on
 recording passes (``tap.active``) the softmax is computed explicitly in fp32, passed through the tap, and
@@ -53,11 +56,12 @@ def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def _attend(block: nn.Module, q, k, v, H: int, W: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Softmax attention ``(B, n, N, d)`` -> ``(B, n, N, d)``, scores ``q k^T * block.scale (+ bias)``."""
     if block.tap.active:
-        logits = (q.float() * block.scale) @ k.float().transpose(-2, -1)  # (B, n, N, N) fp32
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 input
+        logits = (q.to(acc) * block.scale) @ k.to(acc).transpose(-2, -1)  # (B, n, N, N)
         if bias is not None:
-            logits = logits + bias.float()
+            logits = logits + bias.to(acc)
         attn = block.tap(logits.softmax(dim=-1), grid=(H, W), num_prefix_tokens=0)
-        return (attn @ v.float()).to(v.dtype)
+        return (attn @ v.to(acc)).to(v.dtype)
     mask = None if bias is None else bias.to(q.dtype)
     return sdpa(q, k, v, attn_mask=mask, scale=block.scale)
 
@@ -71,6 +75,11 @@ class NonLocal2d(nn.Module):
     ``softmax(theta^T phi)`` over all positions weights ``g``; a 1x1 conv ``W_z`` back to ``C`` and
     BatchNorm whose scale is zero-initialised, added to the input: ``z = BN(W_z y) + x`` starts as the
     identity. ``use_scale`` divides the logits by ``sqrt(C * rd_ratio)`` as the paper's code does.
+    Input ``(B, channels, H, W)``; training mode needs more than one value for the BN (not batch 1 with a
+    1x1 map).
+
+    Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
+    ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
     """
 
     def __init__(
@@ -139,7 +148,12 @@ class MHSA2d(nn.Module):
     arXiv 1904.09925): the 2D relative logits go into the fused attention as a float ``attn_mask``. The
     tables cover offsets up to ``max_size - 1``; larger maps use a linearly resampled table, so any H, W
     works. BoTNet puts this layer in place of a 3x3 conv; as a drop-in block it is wrapped like the
-    non-local block, ``x + BN(proj(y))`` with the BN scale zero-initialised.
+    non-local block, ``x + BN(proj(y))`` with the BN scale zero-initialised. Input ``(B, channels, H, W)``;
+    training mode needs more than one value for the BN (not batch 1 with a 1x1 map).
+
+    Double backward (gradient penalties): run under ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
+    The fused SDPA kernels have no double backward (on CPU the float ``attn_mask`` that carries the
+    relative logits already selects the math kernel, on GPUs it need not).
     """
 
     def __init__(

@@ -184,9 +184,9 @@ class MultiHeadSelfAttention(nn.Module):
         if self.score == "dot":
             return q @ k.transpose(-2, -1)
         if self.score == "general":
-            return (q @ self.general_weight.float()) @ k.transpose(-2, -1)  # (B,h,N,d)@(h,d,d) broadcasts
+            return (q @ self.general_weight.to(q.dtype)) @ k.transpose(-2, -1)  # (B,h,N,d)@(h,d,d) broadcasts
         # additive: tanh(q_i + k_j) is (B, h, N, N, d); contract d with the per-head v.
-        return torch.einsum("bhije,he->bhij", torch.tanh(q.unsqueeze(3) + k.unsqueeze(2)), self.additive_v.float())
+        return torch.einsum("bhije,he->bhij", torch.tanh(q.unsqueeze(3) + k.unsqueeze(2)), self.additive_v.to(q.dtype))
 
     def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                is_causal: bool = False) -> torch.Tensor:
@@ -215,9 +215,11 @@ class MultiHeadSelfAttention(nn.Module):
 
     def attention_weights(self, q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                           is_causal: bool = False) -> torch.Tensor:
-        """Explicit fp32 weights ``(B, heads, N, N)``, rows summing to 1 (hard top-k applied in eval)."""
+        """Explicit fp32 (fp64 for fp64 input) weights ``(B, heads, N, N)``, rows summing to 1 (hard top-k
+        applied in eval)."""
         with torch.autocast(device_type=q.device.type, enabled=False):
-            logits = mask_logits(self._logits(q.float(), k.float()), attn_mask, is_causal)
+            acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 input
+            logits = mask_logits(self._logits(q.to(acc), k.to(acc)), attn_mask, is_causal)
             if self._use_hard():
                 return top_k_softmax(logits, 1 if self.hard == "argmax" else int(self.hard))
             return logits.softmax(dim=-1)
@@ -356,8 +358,9 @@ class SequencePooling(nn.Module):
         # large tokens could overflow to inf.
         with torch.autocast(device_type=x.device.type, enabled=False):
             lin = self.attention_pool
-            bias = None if lin.bias is None else lin.bias.float()
-            w = F.linear(x.float(), lin.weight.float(), bias).squeeze(-1).softmax(dim=-1)  # (B, N)
+            acc = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 input
+            bias = None if lin.bias is None else lin.bias.to(acc)
+            w = F.linear(x.to(acc), lin.weight.to(acc), bias).squeeze(-1).softmax(dim=-1)  # (B, N)
         w = self.tap(w, grid=self.tap_grid, num_prefix_tokens=self.num_prefix_tokens)
         return (w.to(x.dtype).unsqueeze(1) @ x).squeeze(1)  # (B, 1, N) @ (B, N, D) -> (B, D)
 
