@@ -18,6 +18,7 @@ see a single value per channel.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Optional, Type
@@ -83,8 +84,13 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def autocast_off(x: torch.Tensor):
-    """The gate networks run in their parameters' dtype: they are tiny, and fp32 gates cannot overflow."""
-    return torch.autocast(x.device.type, enabled=False)
+    """The gate networks run in their parameters' dtype: they are tiny, and fp32 gates cannot overflow.
+
+    The autocast region is entered only while autocast is on: an empty one still costs time in eager mode
+    and splits the graph ``torch.compile`` hands to Inductor."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.autocast(x.device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 @register_attention("se", layout="feature", kind="channel")
