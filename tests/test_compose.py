@@ -327,7 +327,7 @@ def test_double_backward_matches_reference(name):
         assert any(g.abs().max() > 1e-3 for g in ours[1:])
 
 
-def test_sdpa_blocks_need_the_math_backend_only_for_double_backward():
+def test_sdpa_blocks_document_the_math_backend():
     """What the docstrings say: outside ``sdpa_kernel(SDPBackend.MATH)`` the first backward works whatever
     kernel runs; double backward is guaranteed only with the math kernel (checked above)."""
     for name in sorted(SDPA_BLOCKS):
