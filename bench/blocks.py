@@ -1,16 +1,21 @@
-"""Forward + backward time of visattn's attention blocks against timm's equivalents, on CPU, in one process.
+"""Forward + backward time of visattn's attention blocks against timm's equivalents, eager and compiled, on
+CPU, in one process.
 
 Each row builds visattn's block and timm's module with the same configuration (timm's options are set to
 the paper defaults visattn uses where they differ), feeds both the same input and the same upstream
-gradient (a dense random tensor, as in a real network), and times ``forward + backward`` in train mode.
-Repeats are interleaved (ours, timm, timm, ours, ...) so drift in machine load hits both sides, and the
-table reports medians. Shapes are CIFAR's: feature maps ``--batch x 64 x 32 x 32``, tokens
-``--batch x 65 x 192`` with 3 heads (a ViT-Tiny-width model on 4x4 patches plus a class token).
+gradient (a dense random tensor, as in a real network), and times ``forward + backward`` in train mode,
+four ways: visattn eager, timm eager, visattn under ``torch.compile`` (Inductor, ``fullgraph=True``) and
+timm under ``torch.compile`` (Inductor, default options). Compilation happens in the warm-up calls. Repeats
+are interleaved (each repeat runs every row and every variant, alternating who goes first) so drift in
+machine load hits all sides, and the table reports medians. Shapes are CIFAR's: feature maps
+``--batch x 64 x 32 x 32``, tokens ``--batch x 65 x 192`` with 3 heads (a ViT-Tiny-width model on 4x4
+patches plus a class token).
 
-    python bench/blocks.py --repeats 15 --threads 2           # fp32
-    python bench/blocks.py --repeats 15 --threads 2 --dtype bf16   # under torch.autocast("cpu", bfloat16)
+    python bench/blocks.py --repeats 7 --threads 2                 # fp32, eager and compiled
+    python bench/blocks.py --repeats 7 --threads 2 --dtype bf16    # under torch.autocast("cpu", bfloat16)
+    python bench/blocks.py --no-compile                            # eager only
 
-ratio = visattn ms / timm ms (below 1.0: visattn is faster).
+ratio = visattn ms / timm ms (below 1.0: visattn is faster). Prints a markdown table.
 """
 from __future__ import annotations
 
@@ -116,9 +121,12 @@ def step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast_dtype)
     return dt
 
 
+VARIANTS = ("visattn eager", "timm eager", "visattn compiled", "timm compiled")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=15, help="timed forward+backward calls per block and side")
+    p.add_argument("--repeats", type=int, default=7, help="timed forward+backward calls per block and side")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--batch", type=int, default=128)
@@ -129,15 +137,13 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=65)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: run under CPU autocast")
     p.add_argument("--only", nargs="*", default=None, help="row names to run (default: all)")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="eager only (no torch.compile)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     autocast_dtype = torch.bfloat16 if args.dtype == "bf16" else None
 
     table = rows(args.channels, args.dim, args.heads)
-    if "mhsa" not in visattn.list_attention("token"):
-        print("note: visattn's token block 'mhsa' is not registered yet; its row is skipped")
-        table = [r for r in table if r[0] != "mhsa"]
     if args.only:
         table = [r for r in table if r[0] in args.only]
 
@@ -146,23 +152,31 @@ def main(argv=None) -> None:
         "tokens": torch.randn(args.batch, args.tokens, args.dim),
     }
     grads = {k: torch.randn_like(v) for k, v in inputs.items()}
-    built: Dict[str, Tuple[nn.Module, nn.Module]] = {}
+    variants = VARIANTS if args.compile else VARIANTS[:2]
+    built: Dict[str, Dict[str, nn.Module]] = {}
     for name, _, ours, ref, _ in table:
-        built[name] = (ours().train(), ref().train())
+        o, r = ours().train(), ref().train()
+        built[name] = {"visattn eager": o, "timm eager": r}
+        if args.compile:  # the compiled modules share the eager ones' parameters
+            built[name]["visattn compiled"] = torch.compile(o, fullgraph=True, dynamic=False)
+            built[name]["timm compiled"] = torch.compile(r, dynamic=False)
 
-    times: Dict[Tuple[str, int], List[float]] = {}
-    for name, _, _, _, kind in table:
+    t_start = time.perf_counter()
+    times: Dict[Tuple[str, str], List[float]] = {}
+    for name, _, _, _, kind in table:  # warm-up; compiles the compiled variants
         x = inputs[kind].clone().requires_grad_()
-        for side in (0, 1):
+        for v in variants:
             for _ in range(args.warmup):
-                step(built[name][side], x, grads[kind], autocast_dtype)
+                step(built[name][v], x, grads[kind], autocast_dtype)
+    t_warm = time.perf_counter() - t_start
     for r in range(args.repeats):
         for name, _, _, _, kind in table:
             x = inputs[kind].clone().requires_grad_()
-            order = (0, 1) if r % 2 == 0 else (1, 0)  # alternate who goes first
-            for side in order:
-                times.setdefault((name, side), []).append(step(built[name][side], x, grads[kind], autocast_dtype))
+            order = variants if r % 2 == 0 else variants[::-1]  # alternate who goes first
+            for v in order:
+                times.setdefault((name, v), []).append(step(built[name][v], x, grads[kind], autocast_dtype))
 
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     print(
         f"visattn blocks vs timm, forward+backward, train mode, {args.dtype}"
         f"{' (CPU autocast)' if autocast_dtype else ''}; torch {torch.__version__}, timm {timm.__version__}, "
@@ -171,17 +185,25 @@ def main(argv=None) -> None:
     print(
         f"feature maps {args.batch}x{args.channels}x{args.size}x{args.size}; "
         f"tokens {args.batch}x{args.tokens}x{args.dim}, {args.heads} heads; "
-        f"median of {args.repeats} interleaved repeats"
+        f"median of {args.repeats} interleaved repeats; warm-up (incl. compilation) {t_warm:.0f} s"
     )
     if CoordAttn is None:
         print("timm has no coordinate attention: 'coord' is compared with a plain reference in this file")
-    head = f"{'block':<10} {'baseline':<40} {'visattn ms':>11} {'timm ms':>9} {'ratio':>6}"
+    print()
+    head = "| block | timm baseline | visattn eager ms | timm eager ms | eager ratio |"
+    rule = "|---|---|---:|---:|---:|"
+    if args.compile:
+        head += " visattn compiled ms | timm compiled ms | compiled ratio |"
+        rule += "---:|---:|---:|"
     print(head)
-    print("-" * len(head))
+    print(rule)
     for name, base, _, _, _ in table:
-        ours_ms = statistics.median(times[(name, 0)]) * 1e3
-        ref_ms = statistics.median(times[(name, 1)]) * 1e3
-        print(f"{name:<10} {base:<40} {ours_ms:>11.2f} {ref_ms:>9.2f} {ours_ms / ref_ms:>6.2f}")
+        row = f"| `{name}` | {base} | {med[(name, VARIANTS[0])]:.2f} | {med[(name, VARIANTS[1])]:.2f} | "
+        row += f"{med[(name, VARIANTS[0])] / med[(name, VARIANTS[1])]:.2f} |"
+        if args.compile:
+            row += f" {med[(name, VARIANTS[2])]:.2f} | {med[(name, VARIANTS[3])]:.2f} | "
+            row += f"{med[(name, VARIANTS[2])] / med[(name, VARIANTS[3])]:.2f} |"
+        print(row)
 
 
 if __name__ == "__main__":

@@ -286,9 +286,9 @@ def test_matches_timm(name, make_timm, relative, train):
 
 @pytest.mark.parametrize("name", ["se", "eca", "spatial", "cbam", "coord", "gc"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_custom_backward_gradcheck(name, layout):
-    """The hand-written backwards (gating kernel, coordinate gate, context pooling) against finite
-    differences in float64."""
+def test_gradcheck_and_gradgradcheck(name, layout):
+    """First and second derivatives against finite differences in float64 (the blocks are plain autograd;
+    this pins that no op in them lacks a double backward)."""
     torch.manual_seed(0)
     # a wide bottleneck (rd_ratio 1/2) so no ReLU in it silences a path (e.g. CBAM's max-pooled branch)
     opts = {"se": dict(rd_ratio=0.5), "cbam": dict(rd_ratio=0.5), "gc": dict(rd_ratio=0.5)}.get(name, {})
@@ -296,7 +296,9 @@ def test_custom_backward_gradcheck(name, layout):
     x = torch.randn(2, 8, 4, 3, dtype=torch.float64)
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
-    assert torch.autograd.gradcheck(block, (x.requires_grad_(),), eps=1e-6, atol=1e-5, fast_mode=True)
+    x.requires_grad_()
+    assert torch.autograd.gradcheck(block, (x,), eps=1e-6, atol=1e-5, fast_mode=True)
+    assert torch.autograd.gradgradcheck(block, (x,), eps=1e-6, atol=1e-4, fast_mode=True)
 
 
 def test_amax_ties_split_the_gradient_like_autograd():
@@ -327,7 +329,8 @@ def test_se_defaults():
 
 def test_eca_kernel_sizes():
     assert [eca_kernel_size(c) for c in (64, 128, 256, 512)] == [3, 5, 5, 5]
-    for c in (64, 128, 256, 512):
+    assert [eca_kernel_size(c) for c in (1, 2, 4, 7, 8)] == [3] * 5  # at least 3, as timm's EcaModule
+    for c in (1, 2, 3, 5, 7, 64, 128, 256, 512):
         eca = create_attention("eca", c)
         assert eca.conv.kernel_size == (eca_kernel_size(c),) and eca.conv.bias is None
         assert eca.kernel_size == EcaModule(c).conv.kernel_size[0]
@@ -396,3 +399,91 @@ def test_rel_pos_embed_indexes_offsets():
     assert e[..., 0].tolist() == [[3, 4, 5], [2, 3, 4], [1, 2, 3]]
     big = rel_pos_embed(table, 6)  # 11 offsets resampled from 7; still centred
     assert big.shape == (6, 6, 1) and torch.allclose(big[..., 0].diagonal(), torch.full((6,), 3.0))
+
+
+# ---- small widths, errors and edges ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("channels", [1, 2, 3, 5, 7])
+def test_eca_matches_timm_below_8_channels(channels):
+    ref = randomize_(EcaModule(channels), seed=4)
+    ours = create_attention("eca", channels)
+    load_by_order(ours, ref)  # raises if the kernel sizes differ
+    x = torch.randn(2, channels, 5, 4)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["eca", "spatial"])
+def test_any_channel_count(name):
+    """eca and spatial have the same parameters for every width: a block built for 16 channels runs on 3
+    and on 40 (the docstrings say so)."""
+    block = build(name).train()
+    for c in (1, 3, 40):
+        x = torch.randn(2, c, 5, 4, requires_grad=True)
+        y = block(x)
+        y.sum().backward()
+        assert y.shape == x.shape and torch.isfinite(x.grad).all()
+    assert "any channel count" in " ".join(type(block).__doc__.split())
+
+
+@pytest.mark.parametrize("channels", [4, 8, 16, 23, 40])
+def test_gc_context_path_is_alive_for_small_widths(channels):
+    """At ratio 1/16 a width <= 23 rounds to one hidden unit, whose LayerNorm outputs only its bias: the
+    output would not depend on the input through the context. visattn keeps at least 4 hidden units."""
+    block = randomize_(create_attention("gc", channels)).eval()
+    assert block.mlp_add[0].out_features >= 4
+    x = torch.randn(2, channels, 5, 4, requires_grad=True)
+    context_part = block(x) - x  # the broadcast add: a function of the context alone
+    (gx,) = torch.autograd.grad(context_part.square().sum(), x)
+    assert gx.abs().max() > 1e-4
+    block(x).sum().backward()
+    assert block.conv_attn.weight.grad.abs().max() > 1e-6 and block.mlp_add[0].weight.grad.abs().max() > 1e-6
+
+
+def test_gc_keeps_an_explicit_small_width_but_warns():
+    with pytest.warns(UserWarning, match="rd_channels"):
+        block = create_attention("gc", 16, rd_channels=1)
+    assert block.mlp_add[0].out_features == 1
+    assert create_attention("gc", 64).mlp_add[0].out_features == 4  # the default width is unchanged
+
+
+def _one_line_value_error(fn, *needles):
+    with pytest.raises(ValueError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg
+    for needle in needles:
+        assert needle in msg, (needle, msg)
+    return msg
+
+
+@pytest.mark.parametrize("name", [n for n in FEATURE if n != "none"])
+def test_wrong_rank_or_channels_is_one_line_naming_the_block(name):
+    block = build(name).eval()
+    cls = type(block).__name__
+    _one_line_value_error(lambda: block(torch.randn(2, C, 5)), cls, "H, W)", "(2, 16, 5)")
+    _one_line_value_error(lambda: block(torch.randn(2, 1, C, 5, 4)), cls, "(2, 1, 16, 5, 4)")
+    if name in ("eca", "spatial"):  # any channel count
+        assert block(torch.randn(2, C + 3, 5, 4)).shape == (2, C + 3, 5, 4)
+    else:
+        _one_line_value_error(lambda: block(torch.randn(2, C + 3, 5, 4)), cls, f"(B, {C}, H, W)", "(2, 19, 5, 4)")
+
+
+@pytest.mark.parametrize("name", ["spatial", "cbam", "nonlocal", "mhsa2d"])
+def test_batchnorm_blocks_explain_batch_one_1x1_in_training(name):
+    block = build(name).train()
+    msg = _one_line_value_error(lambda: block(torch.randn(1, C, 1, 1)), type(block).__name__, "(1, 16, 1, 1)")
+    assert "eval mode" in msg and "batch" in msg
+    block.eval()
+    assert block(torch.randn(1, C, 1, 1)).shape == (1, C, 1, 1)
+    block.train()  # any other size trains
+    assert block(torch.randn(1, C, 2, 1)).shape == (1, C, 2, 1)
+    assert block(torch.randn(2, C, 1, 1)).shape == (2, C, 1, 1)
+
+
+@pytest.mark.parametrize("name", ["se", "eca", "gc", "coord", "none"])
+def test_other_blocks_train_on_batch_one_1x1(name):
+    block = build(name).train()
+    x = torch.randn(1, C, 1, 1, requires_grad=True)
+    block(x).sum().backward()
+    assert torch.isfinite(x.grad).all()

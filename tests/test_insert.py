@@ -1,4 +1,5 @@
-"""Reuse helpers: ``insert_attention`` into torchvision / timm ResNets and timm's ``attn_layer`` slot."""
+"""Reuse helpers: ``insert_attention`` into torchvision / timm ResNets, RegNets, ConvNeXts, EfficientNets and
+MobileNetV3s, and timm's ``attn_layer`` slot."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +13,8 @@ from torchvision.models import resnet18 as tv_resnet18
 
 from visattn import attn_layer, insert_attention
 from visattn.attention import AttentionTap, list_attention
-from visattn.attention.channel import SqueezeExcite
+from visattn.attention.channel import EfficientChannelAttention, SqueezeExcite
+from visattn.attention.spatial import CBAM
 
 FEATURE = list_attention("feature")
 
@@ -108,8 +110,11 @@ def test_insert_keeps_mode_device_dtype():
 
 
 def test_insert_errors():
-    with pytest.raises(ValueError, match="no residual blocks"):
+    with pytest.raises(ValueError, match="no residual blocks") as e:
         insert_attention(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)), "se")
+    hint = str(e.value)
+    assert "RegNet" in hint and "ConvNeXt" in hint and "create_attention" in hint
+    assert "attn_layer" not in hint  # only timm ResNets take attn_layer at creation: no such hint here
     model = tv_resnet18(weights=None)
     with pytest.raises(ValueError, match="token block"):
         insert_attention(model, "mhsa")
@@ -158,3 +163,116 @@ def test_attn_layer_takes_timm_device_dtype_and_checks_early():
         attn_layer("se", reduction=16)
     with pytest.raises(ValueError, match="token block"):
         attn_layer("mhsa")
+
+
+# ---- RegNet, ConvNeXt, EfficientNet, MobileNetV3 ---------------------------------------------------------
+
+# (library, architecture, extra build options, blocks inserted, whether the model's own SE is replaced)
+FAMILIES = [
+    ("torchvision", "regnet_x_400mf", {}, 22, False),
+    ("torchvision", "regnet_y_400mf", {}, 16, True),
+    ("torchvision", "convnext_tiny", {}, 18, False),
+    ("torchvision", "mobilenet_v3_small", {}, 9, True),
+    ("torchvision", "efficientnet_b0", {}, 16, True),
+    ("timm", "regnetx_002", {}, 13, False),
+    ("timm", "regnety_002", {}, 13, True),
+    ("timm", "convnext_atto", {}, 12, False),  # conv MLP: (B, C, H, W) throughout
+    ("timm", "convnext_atto", {"conv_mlp": False}, 12, False),  # linear MLP on (B, H, W, C)
+    ("timm", "mobilenetv3_small_050", {}, 9, True),
+    ("timm", "efficientnet_b0", {}, 16, True),
+]
+FAMILY_IDS = [f"{lib}-{arch}{'-' + '-'.join(kw) if kw else ''}" for lib, arch, kw, _, _ in FAMILIES]
+
+
+def build_family(lib: str, arch: str, kw: dict) -> nn.Module:
+    torch.manual_seed(0)
+    if lib == "torchvision":
+        import torchvision
+
+        return getattr(torchvision.models, arch)(weights=None, num_classes=10, **kw)
+    return timm.create_model(arch, pretrained=False, num_classes=10, **kw)
+
+
+def foreign_se(model: nn.Module) -> list:
+    from torchvision.ops.misc import SqueezeExcitation
+    from timm.layers import SEModule
+    from timm.models._efficientnet_blocks import SqueezeExcite as TimmEffSE
+
+    return [p for p, m in model.named_modules() if isinstance(m, (SqueezeExcitation, SEModule, TimmEffSE))]
+
+
+@pytest.mark.parametrize("lib,arch,kw,expected,replaces_se", FAMILIES, ids=FAMILY_IDS)
+def test_insert_into_new_families(lib, arch, kw, expected, replaces_se):
+    model = build_family(lib, arch, kw)
+    before = {k: v.shape for k, v in model.state_dict().items()}
+    se_paths = foreign_se(model)
+    assert bool(se_paths) == replaces_se
+    assert insert_attention(model, "cbam") == expected
+    assert foreign_se(model) == []  # every SE of the model's own is gone
+    blocks = [p for p, m in model.named_modules() if isinstance(m, CBAM)]
+    assert len(blocks) == expected
+    if replaces_se:  # in the SEs' places
+        assert sorted(blocks) == sorted(se_paths)
+    else:  # at the residual branch's end, in a slot that keeps the model's own names
+        slot = {"regnet_x_400mf": ".f.c.2", "convnext_tiny": ".block.7", "regnetx_002": ".conv3.aa",
+                "convnext_atto": ".mlp.drop2.attn"}[arch]
+        assert all(p.endswith(slot) for p in blocks), blocks[:2]
+    after = model.state_dict()
+    for key, shape in before.items():  # the model's own parameter names are kept
+        if not any(key.startswith(p + ".") for p in se_paths):
+            assert key in after and after[key].shape == shape, key
+    forward_backward(model, CBAM)
+
+
+@pytest.mark.parametrize("lib,arch,kw,expected,replaces_se", FAMILIES, ids=FAMILY_IDS)
+def test_inserted_block_takes_the_se_place_or_ends_the_branch(lib, arch, kw, expected, replaces_se):
+    """Where the model has SEs, inserting the identity block ("none") equals deleting the SEs. Where it has
+    none, a closed SE gate (bias -1e4) cuts the residual branch exactly: the model then equals one whose
+    branch output is zeroed (last norm or layer scale set to zero)."""
+    model = build_family(lib, arch, kw).eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 32, 32)
+    if replaces_se:
+        insert_attention(model, "none")
+        for path in foreign_se(reference):
+            parent, _, attr = path.rpartition(".")
+            setattr(reference.get_submodule(parent), attr, nn.Identity())
+    else:
+        insert_attention(model, "se")
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, SqueezeExcite):
+                    m.fc2.bias.fill_(-1e4)  # gate = sigmoid(-1e4) = 0
+            for m in reference.modules():
+                name = type(m).__name__
+                if name == "ResBottleneckBlock":  # torchvision RegNet: f.c = conv, BN
+                    m.f.c[1].weight.zero_(), m.f.c[1].bias.zero_()
+                elif name == "Bottleneck":  # timm RegNet
+                    m.conv3.bn.weight.zero_(), m.conv3.bn.bias.zero_()
+                elif name == "CNBlock":
+                    m.layer_scale.zero_()
+                elif name == "ConvNeXtBlock":
+                    m.gamma.zero_()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lib,arch,kw", [("torchvision", "convnext_tiny", {}), ("timm", "regnety_002", {}),
+                                         ("timm", "convnext_atto", {"conv_mlp": False})])
+def test_new_families_refuse_a_second_insertion_and_keep_dtype(lib, arch, kw):
+    model = build_family(lib, arch, kw).double()
+    n = insert_attention(model, "eca")
+    for block in (m for m in model.modules() if isinstance(m, EfficientChannelAttention)):
+        assert all(p.dtype == torch.float64 and p.requires_grad for p in block.parameters())
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="already holds"):
+        insert_attention(model, "se")
+    assert before.keys() == model.state_dict().keys() and n > 0
+    model(torch.randn(2, 3, 32, 32, dtype=torch.float64)).sum().backward()
+
+
+def test_timm_resnet_with_its_own_se_gets_it_replaced():
+    model = timm.create_model("seresnet18", pretrained=False, num_classes=10)
+    assert insert_attention(model, "eca") == 8
+    assert isinstance(model.layer1[0].se, EfficientChannelAttention)
+    forward_backward(model, EfficientChannelAttention)

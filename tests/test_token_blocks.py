@@ -345,3 +345,127 @@ def test_seqpool_is_a_softmax_weighted_sum():
     assert out.shape == (2, D) and (out - ref).abs().max() <= 1e-5
     assert (recs[0].weights - w).abs().max() <= 1e-6
     assert recs[0].grid == (3, 3)
+
+
+# ---- errors and masks -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [2.0, "2", True, 0, 3])
+def test_num_heads_must_be_an_int_dividing_dim(bad):
+    for name in ("mhsa", "lsa"):
+        with pytest.raises(ValueError, match="num_heads"):
+            create_attention(name, D, num_heads=bad)
+
+
+@pytest.mark.parametrize("name", TOKEN_BLOCKS)
+def test_wrong_rank_or_dim_is_one_line_naming_the_block(name):
+    block = create_attention(name, D)
+    cls = type(block).__name__
+    for bad in (torch.randn(2, 5, D + 1), torch.randn(5, D), torch.randn(2, 3, 5, D)):
+        with pytest.raises(ValueError) as e:
+            block(bad)
+        msg = str(e.value)
+        assert "\n" not in msg and cls in msg and f"(B, N, {D})" in msg and str(tuple(bad.shape)) in msg
+
+
+def _masks(n):
+    g = torch.Generator().manual_seed(5)
+    keep = torch.rand(2, 1, n, n, generator=g) > 0.4
+    keep |= torch.eye(n, dtype=torch.bool)  # every row keeps its own token (so no row is empty)
+    keep[..., 1] = True  # and token 1 (lsa masks the diagonal: its rows need another one)
+    additive = torch.randn(1, 4, n, n, generator=g)  # per-head float bias, broadcast over the batch
+    return {"bool": keep, "float": additive}
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "causal"])
+@pytest.mark.parametrize("score", ["scaled_dot", "general"])
+def test_mhsa_attn_mask_equals_written_out_formula(kind, score):
+    block = create_attention("mhsa", D, num_heads=4, score=score).eval()
+    x = torch.randn(2, 7, D)
+    q, k, v = qkv_of(block, x)
+    logits = _score_reference(block, q, k)
+    if kind == "causal":
+        kwargs = {"is_causal": True}
+        logits = logits.masked_fill(~torch.ones(7, 7, dtype=torch.bool).tril(), float("-inf"))
+    else:
+        mask = _masks(7)[kind]
+        kwargs = {"attn_mask": mask}
+        logits = logits.masked_fill(~mask, float("-inf")) if kind == "bool" else logits + mask
+    attn = torch.softmax(logits, dim=-1)
+    ref = finish(block, attn, v)
+    assert (block(x, **kwargs) - ref).abs().max() <= 1e-5  # fused
+    with recording(block) as recs:
+        assert (block(x, **kwargs) - ref).abs().max() <= 1e-5  # explicit path, same mask semantics
+    assert (recs[0].weights - attn).abs().max() <= 1e-6
+    assert (block(x) - ref).abs().max() > 1e-4  # the mask mattered
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_lsa_combines_attn_mask_with_its_diagonal_mask(kind):
+    block = create_attention("lsa", D, num_heads=4)
+    x = torch.randn(2, 7, D)
+    q, k, v = qkv_of(block, x)
+    mask = _masks(7)[kind]
+    logits = q @ k.transpose(-2, -1) / block.temperature.view(1, -1, 1, 1)
+    logits = logits.masked_fill(~mask, float("-inf")) if kind == "bool" else logits + mask
+    logits = logits.masked_fill(torch.eye(7, dtype=torch.bool), float("-inf"))
+    ref = finish(block, torch.softmax(logits, dim=-1), v)
+    assert (block(x, attn_mask=mask) - ref).abs().max() <= 1e-5
+    with recording(block):
+        assert (block(x, attn_mask=mask) - ref).abs().max() <= 1e-5
+    with pytest.raises(ValueError, match="is_causal"):
+        block(x, is_causal=True)
+
+
+def test_mask_and_causal_together_are_refused():
+    block = create_attention("mhsa", D)
+    with pytest.raises(ValueError, match="not both"):
+        block(torch.randn(2, 5, D), attn_mask=torch.ones(5, 5, dtype=torch.bool), is_causal=True)
+
+
+# ---- mhsa as a drop-in for timm's ViT Attention --------------------------------------------------------
+def _timm_vit():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, num_classes=10)
+
+
+def test_mhsa_swaps_into_a_timm_vit_and_loads_its_weights_strictly():
+    from timm.layers import Attention
+
+    model = _timm_vit().eval()
+    with torch.no_grad():  # move the biases away from zero so every parameter matters
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    original = [b.attn for b in model.blocks]
+    assert all(type(a) is Attention for a in original)
+    x = torch.randn(2, 3, 32, 32)
+    keep = torch.rand(2, 1, 65, 65) > 0.3
+    keep |= torch.eye(65, dtype=torch.bool)
+    with torch.no_grad():
+        ref, ref_masked, ref_causal = model(x), model(x, attn_mask=keep), model(x, is_causal=True)
+
+    for block, attn in zip(model.blocks, original):
+        block.attn = create_attention("mhsa", attn.qkv.in_features, num_heads=attn.num_heads,
+                                      qkv_bias=attn.qkv.bias is not None, proj_bias=attn.proj.bias is not None)
+    for key in (k for k in state if k.startswith("blocks.0.attn.")):
+        assert key in model.state_dict()  # the same names
+    model.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x, attn_mask=keep), ref_masked, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(x, is_causal=True), ref_causal, rtol=1e-5, atol=1e-5)
+    assert (ref_masked - ref).abs().max() > 1e-4  # the mask reached the attention
+    # and back: visattn's weights load strictly into timm's module
+    original[0].load_state_dict(model.blocks[0].attn.state_dict(), strict=True)
+
+
+def test_mhsa_without_projection_bias_matches_timm():
+    from timm.layers import Attention
+
+    torch.manual_seed(0)
+    ref = Attention(D, num_heads=4, qkv_bias=False, proj_bias=False).eval()
+    ours = create_attention("mhsa", D, num_heads=4, qkv_bias=False, proj_bias=False).eval()
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(2, 9, D)
+    mask = torch.randn(2, 4, 9, 9)
+    torch.testing.assert_close(ours(x, mask), ref(x, mask), rtol=1e-5, atol=1e-6)

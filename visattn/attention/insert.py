@@ -1,25 +1,49 @@
-"""Reuse visattn's feature-map blocks in other people's ResNets.
+"""Reuse visattn's feature-map blocks in other people's CNNs.
 
-* :func:`attn_layer` gives a callable for timm's ``attn_layer`` slot:
+* :func:`attn_layer` gives a callable for timm ResNet's ``attn_layer`` slot:
   ``timm.create_model("resnet18", block_args=dict(attn_layer=attn_layer("cbam")))``. timm calls it as
   ``attn_layer(channels, device=..., dtype=...)`` (``timm/layers/create_attn.py`` passes any non-string
-  callable through) and applies the block after the residual branch's last BN, before the add.
-* :func:`insert_attention` adds a block to every residual block (``BasicBlock`` / ``Bottleneck``) of an
-  already built torchvision or timm ResNet, at the same place: after the last BN of the residual branch,
-  before the residual add.
+  callable through) and applies the block after the residual branch's last BN, before the add. Only timm's
+  ResNet family (``timm.models.resnet``) has that argument.
+* :func:`insert_attention` puts a block into an already built torchvision or timm model of the families
+  below: it replaces the model's own squeeze-and-excitation modules where the model has them, and otherwise
+  adds one block per residual block after the residual branch's last norm (before the residual add).
+
+Where each block goes (the model's own parameter names are kept everywhere except torchvision ResNets):
+
+=============================  ============================================================================
+torchvision ResNet             last BN of the branch becomes ``bnX = Sequential(norm=<BN>, attn=<block>)``
+timm ResNet                    the block's ``se`` slot (timm's own ``attn_layer`` place, after the last BN)
+torchvision RegNet-X           appended to ``f.c`` (the branch's last conv-BN): ``f.c.2``
+timm RegNet-X                  ``conv3.aa``, the empty slot ``ConvNormAct`` applies right after its norm
+RegNet-Y (both)                replaces the SE (torchvision ``f.se``, timm ``se``), at the bottleneck width
+torchvision ConvNeXt           appended to ``block`` after its last permute (``block.7``): the branch end
+timm ConvNeXt                  after ``mlp`` (in ``mlp.drop2``): the branch end, before the layer scale
+EfficientNet, MobileNetV3      replaces every SE (torchvision ``SqueezeExcitation``, timm ``SqueezeExcite``)
+=============================  ============================================================================
+
+ConvNeXt's only norm sits before its MLP, in channels-last layout, so "after the last norm" is read there
+as the end of the residual branch (after the MLP, before the layer scale and the add), where the block
+sees the branch output as in a ResNet. A replaced SE's block is built with visattn's defaults for the SE's
+input width (pass options such as ``rd_ratio=0.25`` to mirror the original).
 """
 from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .registry import _ATTENTION, attention_info, attention_options, create_attention, list_attention
 
-__all__ = ["attn_layer", "insert_attention", "AttnLayer"]
+__all__ = ["attn_layer", "insert_attention", "AttnLayer", "SUPPORTED_FAMILIES"]
+
+SUPPORTED_FAMILIES = (
+    "torchvision and timm ResNet (BasicBlock / Bottleneck), RegNet (X and Y), ConvNeXt, EfficientNet and "
+    "MobileNetV3"
+)
 
 
 def _check_feature_block(name: str, kwargs: Dict[str, Any]) -> None:
@@ -27,7 +51,7 @@ def _check_feature_block(name: str, kwargs: Dict[str, Any]) -> None:
         raise ValueError(f"unknown attention block {name!r}; valid: {', '.join(list_attention('feature'))}")
     if attention_info(name).get("layout") != "feature":
         raise ValueError(
-            f"{name!r} is a token block; a ResNet needs a feature-map block: {', '.join(list_attention('feature'))}"
+            f"{name!r} is a token block; a CNN needs a feature-map block: {', '.join(list_attention('feature'))}"
         )
     builder = _ATTENTION.get(name)
     target = builder.__init__ if inspect.isclass(builder) else builder
@@ -67,54 +91,181 @@ class AttnLayer:
 
 
 def attn_layer(name: str, **kwargs: Any) -> AttnLayer:
-    """A callable ``(channels, **kw) -> block`` for timm's ``attn_layer`` (checked now, built per block)."""
+    """A callable ``(channels, **kw) -> block`` for timm ResNet's ``attn_layer`` (checked now, built per block)."""
     return AttnLayer(name, **kwargs)
 
 
-def _residual_block_types() -> List[Tuple[type, str]]:
-    """(class, attribute of the residual branch's last BN) for the ResNet blocks this module knows."""
-    import torchvision.models.resnet as tv
-    import timm.models.resnet as tm
+class AttnAfter(nn.Module):
+    """``attn(inner(x))``; with ``channels_last=True`` the tensor is ``(B, H, W, C)`` (timm ConvNeXt's MLP
+    layout) and the block sees it permuted to ``(B, C, H, W)``. Fills a parameter-free slot (``inner``, a
+    dropout or identity), so the host model's parameter names stay the same."""
 
-    return [(tv.BasicBlock, "bn2"), (tv.Bottleneck, "bn3"), (tm.BasicBlock, "bn2"), (tm.Bottleneck, "bn3")]
+    def __init__(self, inner: nn.Module, attn: nn.Module, channels_last: bool = False):
+        super().__init__()
+        self.inner = inner
+        self.attn = attn
+        self.channels_last = channels_last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inner(x)
+        if self.channels_last:
+            return self.attn(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+        return self.attn(x)
+
+    def extra_repr(self) -> str:
+        return f"channels_last={self.channels_last}"
+
+
+# ---- where blocks go ----------------------------------------------------------------------------------------
+
+# A site: (module path for messages, channels, a tensor whose device/dtype the block takes, the host's
+# train/eval mode, a function that installs the built block, or None if the site is already taken).
+Site = Tuple[str, int, Optional[torch.Tensor], bool, Optional[Callable[[nn.Module], None]]]
+
+
+def _first_param(module: nn.Module) -> Optional[torch.Tensor]:
+    return next(iter(module.parameters()), None)
+
+
+def _se_channels(module: nn.Module) -> Optional[int]:
+    """Input width of a torchvision / timm squeeze-and-excitation module, ``None`` for anything else."""
+    import timm.layers.squeeze_excite as timm_se
+    import timm.models._efficientnet_blocks as timm_eff
+    from torchvision.ops.misc import SqueezeExcitation
+
+    if isinstance(module, (SqueezeExcitation, timm_se.SEModule)):
+        return module.fc1.in_channels
+    if isinstance(module, timm_se.EffectiveSEModule):
+        return module.fc.in_channels
+    if isinstance(module, timm_eff.SqueezeExcite):
+        return module.conv_reduce.in_channels
+    return None
+
+
+def _se_sites(model: nn.Module) -> List[Site]:
+    sites: List[Site] = []
+    parents = dict(model.named_modules())
+    for path, module in model.named_modules():
+        channels = _se_channels(module)
+        if channels is None:
+            continue
+        parent_path, _, attr = path.rpartition(".")
+        parent = parents[parent_path]
+
+        def install(block: nn.Module, parent: nn.Module = parent, attr: str = attr) -> None:
+            setattr(parent, attr, block)  # same name, same place (also inside a Sequential)
+
+        sites.append((path, channels, _first_param(module), parent.training, install))
+    return sites
+
+
+def _is_norm(m: nn.Module) -> bool:
+    return isinstance(m, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm))
+
+
+def _residual_sites(model: nn.Module) -> List[Site]:
+    """One site per residual block of the families that have no SE of their own."""
+    import timm.models.convnext as tm_convnext
+    import timm.models.regnet as tm_regnet
+    import timm.models.resnet as tm_resnet
+    import torchvision.models.convnext as tv_convnext
+    import torchvision.models.regnet as tv_regnet
+    import torchvision.models.resnet as tv_resnet
+    from torchvision.ops.misc import Permute
+
+    sites: List[Site] = []
+    for path, block in model.named_modules():
+        kind = type(block)
+        if kind in (tv_resnet.BasicBlock, tv_resnet.Bottleneck):
+            attr = "bn2" if kind is tv_resnet.BasicBlock else "bn3"
+            norm = getattr(block, attr)
+            free = isinstance(norm, nn.modules.batchnorm._NormBase)
+
+            def install(a, block=block, attr=attr, norm=norm):
+                setattr(block, attr, nn.Sequential(OrderedDict(norm=norm, attn=a)))
+
+            sites.append((f"{path}.{attr}", norm.num_features if free else 0, norm.weight if free else None,
+                          block.training, install if free else None))
+        elif kind in (tm_resnet.BasicBlock, tm_resnet.Bottleneck):
+            norm = block.bn2 if kind is tm_resnet.BasicBlock else block.bn3
+
+            def install(a, block=block):
+                block.se = a
+
+            sites.append((f"{path}.se", norm.num_features, norm.weight, block.training,
+                          install if block.se is None else None))
+        elif kind is tv_regnet.ResBottleneckBlock:
+            last = block.f.c  # Conv2dNormActivation(conv, BN): the branch's last conv-BN
+            free = len(last) == 2 and _is_norm(last[-1])
+            sites.append((f"{path}.f.c", last[0].out_channels, last[0].weight, block.training,
+                          (lambda a, last=last: last.append(a)) if free else None))
+        elif kind is tm_regnet.Bottleneck:
+            conv3 = block.conv3  # ConvNormAct: conv, norm, then its optional `aa` slot (empty here)
+
+            def install(a, conv3=conv3):
+                conv3.aa = a
+
+            sites.append((f"{path}.conv3.aa", conv3.conv.out_channels, conv3.conv.weight, block.training,
+                          install if getattr(conv3, "aa", None) is None else None))
+        elif kind is tv_convnext.CNBlock:
+            seq = block.block  # dwconv, permute, LN, linear, GELU, linear, permute back to (B, C, H, W)
+            free = isinstance(seq[-1], Permute)
+            sites.append((f"{path}.block", seq[0].out_channels, seq[0].weight, block.training,
+                          (lambda a, seq=seq: seq.append(a)) if free else None))
+        elif kind is tm_convnext.ConvNeXtBlock:
+            mlp = block.mlp
+            tail = getattr(mlp, "drop2", None)  # the MLP's last, parameter-free layer
+            free = isinstance(tail, (nn.Dropout, nn.Identity))
+
+            def install(a, mlp=mlp, tail=tail, cl=not block.use_conv_mlp):
+                mlp.drop2 = AttnAfter(tail, a, channels_last=cl)
+
+            sites.append((f"{path}.mlp.drop2", block.conv_dw.out_channels, block.conv_dw.weight, block.training,
+                          install if free else None))
+    return sites
+
+
+def _visattn_classes() -> tuple:
+    return tuple(c for c in (_ATTENTION.get(n) for n in list_attention()) if inspect.isclass(c))
 
 
 def insert_attention(model: nn.Module, name: str, **kwargs: Any) -> int:
-    """Add block ``name`` (built with ``kwargs``) inside every residual block of a torchvision or timm ResNet,
-    after the last BN of the residual branch and before the residual add. Returns how many were inserted.
+    """Put block ``name`` (built with ``kwargs``) into a torchvision or timm CNN; returns how many were put.
 
-    timm blocks get it in their ``se`` slot (the place and state-dict names timm's own ``attn_layer`` uses);
-    torchvision blocks get their last BN replaced by ``Sequential(norm=<that BN>, attn=<block>)``, so
-    load pretrained weights before inserting. New blocks are trainable, on the BN's device and dtype, in the
-    model's train/eval mode. Raises ``ValueError`` if the model has no such residual blocks, or if a block
-    already holds an attention block.
+    Supported: torchvision and timm ResNet, RegNet (X and Y), ConvNeXt, EfficientNet and MobileNetV3. If the
+    model has squeeze-and-excitation modules of its own (RegNet-Y, EfficientNet, MobileNetV3, timm SE-ResNets),
+    each is replaced by the block, built for the SE's input width, in the same place. Otherwise one block
+    goes into every residual block, after the residual branch's last norm and before the residual add (see
+    the module docstring for the exact slot per family; the model's parameter names are kept except in
+    torchvision ResNets, whose last BN becomes ``bnX.norm``, so load pretrained weights before inserting).
+
+    New blocks are trainable, on the device and dtype of the layer they follow or replace, in the host
+    block's train/eval mode. Raises ``ValueError`` (and leaves the model unchanged) if the model holds none
+    of these blocks, or already holds a visattn block or another attention block in the slot.
     """
     _check_feature_block(name, kwargs)
-    known = _residual_block_types()
-    targets = []
-    for path, module in model.named_modules():
-        for cls, norm_attr in known:
-            if type(module) is cls:
-                targets.append((path, module, norm_attr))
-                break
-    if not targets:
+    held = [p for p, m in model.named_modules() if isinstance(m, _visattn_classes()) and p]
+    if held:
         raise ValueError(
-            f"insert_attention found no residual blocks in {type(model).__name__}: it supports torchvision and "
-            "timm ResNets (BasicBlock / Bottleneck); for timm models you can also pass attn_layer(...) at creation"
+            f"{type(model).__name__} already holds a visattn attention block at {held[0]!r}"
+            f"{f' (and {len(held) - 1} more)' if len(held) > 1 else ''}; insert into a fresh model"
+        )
+    sites = _se_sites(model) or _residual_sites(model)
+    if not sites:
+        raise ValueError(
+            f"insert_attention found no residual blocks or SE modules it knows in {type(model).__name__}: it "
+            f"supports {SUPPORTED_FAMILIES} "
+            "from torchvision and timm; for another model build the block with visattn.create_attention(name, "
+            "channels) and call it in the model's forward after a residual branch's last norm"
         )
     # check everything before changing anything, so a refusal leaves the model as it was
-    for path, block, norm_attr in targets:
-        norm = getattr(block, norm_attr)
-        if getattr(block, "se", None) is not None or not isinstance(norm, nn.modules.batchnorm._NormBase):
-            raise ValueError(f"residual block {path!r} already holds an attention block")
-    for path, block, norm_attr in targets:
-        norm = getattr(block, norm_attr)
-        attn = create_attention(name, norm.num_features, **kwargs)
-        if norm.weight is not None:
-            attn = attn.to(device=norm.weight.device, dtype=norm.weight.dtype)
-        attn.train(block.training)
-        if hasattr(block, "se"):  # timm: the block's own attention slot, applied right after the last BN
-            block.se = attn
-        else:  # torchvision: no slot, so the last BN becomes BN -> attention
-            setattr(block, norm_attr, nn.Sequential(OrderedDict(norm=norm, attn=attn)))
-    return len(targets)
+    taken = [path for path, _, _, _, install in sites if install is None]
+    if taken:
+        raise ValueError(f"residual block slot {taken[0]!r} already holds an attention block")
+    for path, channels, like, training, install in sites:
+        block = create_attention(name, channels, **kwargs)
+        if like is not None:
+            block = block.to(device=like.device, dtype=like.dtype)
+        block.train(training)
+        install(block)
+    return len(sites)

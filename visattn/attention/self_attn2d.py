@@ -9,6 +9,9 @@ Both are residual blocks whose output path ends in a BatchNorm with zero-initial
 as the identity and can be dropped into a trained network. Both attend over all ``N = H * W`` positions:
 time and (on the explicit paths) memory grow as ``N**2``, so they suit the later, smaller stages.
 
+Composability: plain PyTorch (compile with ``fullgraph=True``, ``torch.export``, ONNX, ``torch.jit.trace``,
+``torch.func``); double backward under ``sdpa_kernel(SDPBackend.MATH)`` (the fused kernels have none).
+
 Observation: the tap (kind ``"token"``) carries ``(B, heads, N, N)`` row-stochastic weights with
 ``grid=(H, W)`` and no prefix tokens. The training path is fused ``F.scaled_dot_product_attention``; on
 recording passes (``tap.active``) the softmax is computed explicitly in fp32, passed through the tap, and
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .channel import check_channels, reduced_channels
+from .channel import check_channels, check_feature_map, check_norm_batch, reduced_channels
 from .functional import sdpa
 from .registry import register_attention
 from .tap import AttentionTap
@@ -37,22 +40,28 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
 
 def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``(B, heads, N, d)`` attention output -> ``(B, heads * d, H, W)`` in the memory format of ``like``
-    (mixing formats would send the BN that follows down a slow path)."""
+    (mixing formats would send the BN that follows down a slow path).
+
+    One explicit copy into the target layout, then a view: a bare ``reshape`` of SDPA's output is recorded
+    by ``torch.export`` as a view chosen for the fused kernel's strides, which ONNX export's decomposed
+    attention does not reproduce ("Cannot view a tensor ...")."""
     B, n, N, d = y.shape
     H, W = like.shape[-2:]
-    y = y.permute(0, 2, 1, 3).reshape(B, H, W, n * d).permute(0, 3, 1, 2)  # channels-last strided
-    cl = like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous()
-    return y.contiguous(memory_format=torch.channels_last if cl else torch.contiguous_format)
+    if like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous():
+        y = y.transpose(1, 2).clone(memory_format=torch.contiguous_format)  # (B, N, heads, d)
+        return y.view(B, H, W, n * d).permute(0, 3, 1, 2)  # channels-last strided
+    return y.transpose(2, 3).clone(memory_format=torch.contiguous_format).view(B, n * d, H, W)
 
 
 def _attend(block: nn.Module, q, k, v, H: int, W: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Softmax attention ``(B, n, N, d)`` -> ``(B, n, N, d)``, scores ``q k^T * block.scale (+ bias)``."""
     if block.tap.active:
-        logits = (q.float() * block.scale) @ k.float().transpose(-2, -1)  # (B, n, N, N) fp32
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 input
+        logits = (q.to(acc) * block.scale) @ k.to(acc).transpose(-2, -1)  # (B, n, N, N)
         if bias is not None:
-            logits = logits + bias.float()
+            logits = logits + bias.to(acc)
         attn = block.tap(logits.softmax(dim=-1), grid=(H, W), num_prefix_tokens=0)
-        return (attn @ v.float()).to(v.dtype)
+        return (attn @ v.to(acc)).to(v.dtype)
     mask = None if bias is None else bias.to(q.dtype)
     return sdpa(q, k, v, attn_mask=mask, scale=block.scale)
 
@@ -66,6 +75,11 @@ class NonLocal2d(nn.Module):
     ``softmax(theta^T phi)`` over all positions weights ``g``; a 1x1 conv ``W_z`` back to ``C`` and
     BatchNorm whose scale is zero-initialised, added to the input: ``z = BN(W_z y) + x`` starts as the
     identity. ``use_scale`` divides the logits by ``sqrt(C * rd_ratio)`` as the paper's code does.
+    Input ``(B, channels, H, W)``; training mode needs more than one value for the BN (not batch 1 with a
+    1x1 map).
+
+    Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
+    ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
     """
 
     def __init__(
@@ -79,6 +93,7 @@ class NonLocal2d(nn.Module):
         super().__init__()
         check_channels(channels)
         inter = reduced_channels(channels, rd_ratio, rd_channels, 1)
+        self.channels = channels
         self.inter_channels = inter
         self.scale = inter**-0.5 if use_scale else 1.0
         self.qkv = nn.Linear(channels, 3 * inter)  # theta, phi, g stacked, applied per position
@@ -96,7 +111,9 @@ class NonLocal2d(nn.Module):
             nn.init.zeros_(self.norm.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_feature_map(self, x, self.channels)
         B, C, H, W = x.shape
+        check_norm_batch(self, self.norm, B * H * W, x)
         d = self.inter_channels
         qkv = self.qkv(_tokens(x))  # (B, N, 3d)
         q, k, v = qkv.view(B, 1, H * W, 3 * d).split(d, dim=-1)  # (B, 1, N, d) each
@@ -131,7 +148,12 @@ class MHSA2d(nn.Module):
     arXiv 1904.09925): the 2D relative logits go into the fused attention as a float ``attn_mask``. The
     tables cover offsets up to ``max_size - 1``; larger maps use a linearly resampled table, so any H, W
     works. BoTNet puts this layer in place of a 3x3 conv; as a drop-in block it is wrapped like the
-    non-local block, ``x + BN(proj(y))`` with the BN scale zero-initialised.
+    non-local block, ``x + BN(proj(y))`` with the BN scale zero-initialised. Input ``(B, channels, H, W)``;
+    training mode needs more than one value for the BN (not batch 1 with a 1x1 map).
+
+    Double backward (gradient penalties): run under ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
+    The fused SDPA kernels have no double backward (on CPU the float ``attn_mask`` that carries the
+    relative logits already selects the math kernel, on GPUs it need not).
     """
 
     def __init__(
@@ -148,6 +170,7 @@ class MHSA2d(nn.Module):
             raise ValueError(f"num_heads must be a positive int dividing channels={channels}, got {num_heads!r}")
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_size must be a positive int, got {max_size!r}")
+        self.channels = channels
         self.num_heads = num_heads
         self.head_dim = channels // num_heads
         self.scale = self.head_dim**-0.5
@@ -172,12 +195,15 @@ class MHSA2d(nn.Module):
         qg = q.reshape(B, n, H, W, d)
         e_h = rel_pos_embed(self.rel_h, H).to(q.dtype)  # (H, H, d)
         e_w = rel_pos_embed(self.rel_w, W).to(q.dtype)  # (W, W, d)
-        lh = torch.einsum("bnhwd,hkd->bnhwk", qg, e_h)  # (B, n, H, W, H): key row k
-        lw = torch.einsum("bnhwd,wkd->bnhwk", qg, e_w)  # (B, n, H, W, W): key column k
+        # batched matmuls broadcast over (B, n) (an einsum here lowers to a view ONNX export cannot take)
+        lh = qg @ e_h.transpose(1, 2)  # (B, n, H, W, d) @ (H, d, H) -> (B, n, H, W, H): key row k
+        lw = (qg.transpose(2, 3) @ e_w.transpose(1, 2)).transpose(2, 3)  # (B, n, H, W, W): key column k
         return (lh[..., :, None] + lw[..., None, :]).reshape(B, n, N, N)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_feature_map(self, x, self.channels)
         B, C, H, W = x.shape
+        check_norm_batch(self, self.norm, B * H * W, x)
         n, d = self.num_heads, self.head_dim
         qkv = self.qkv(_tokens(x))  # (B, N, 3C)
         q, k, v = qkv.view(B, H * W, 3, n, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, n, N, d) each

@@ -7,11 +7,11 @@
 * ``coord``: coordinate attention (Hou, Zhou, Feng, 2021, "Coordinate Attention for Efficient Mobile
   Network Design", arXiv 2103.02907).
 
-The CBAM gates run through :func:`~visattn.attention.channel.gate_features` (a hand-written backward
-with two full-size buffers instead of autograd's dozen temporaries). Compared with the straightforward
-version (timm's ``CbamModule``) it also runs the shared MLP once on the stacked avg/max vectors (and
-``fc2`` once, on the sum of the two hidden vectors: ``fc2`` is linear) and feeds the 2-channel 7x7 conv a
-channels-last map.
+Plain differentiable PyTorch, like :mod:`~visattn.attention.channel` (compile, export, ONNX, trace, double
+backward and ``torch.func`` all work). Compared with the straightforward version (timm's ``CbamModule``)
+CBAM runs the shared MLP once on the stacked avg/max vectors (and ``fc2`` once, on the sum of the two hidden
+vectors: ``fc2`` is linear) and feeds the 2-channel 7x7 conv a channels-last map, the layout in which
+oneDNN runs that conv (forward and backward) far faster on CPU.
 """
 from __future__ import annotations
 
@@ -19,9 +19,15 @@ from typing import Optional, Type
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from .channel import check_channels, gate_features, reduced_channels
+from .channel import (
+    autocast_off,
+    check_channels,
+    check_feature_map,
+    check_norm_batch,
+    compute_dtype,
+    reduced_channels,
+)
 from .registry import register_attention
 from .tap import AttentionTap
 
@@ -31,9 +37,7 @@ __all__ = ["ChannelGate", "SpatialGate", "CBAM", "CoordAttention", "coord_mip"]
 class ChannelGate(nn.Module):
     """CBAM's channel gate: ``sigmoid(MLP(avgpool(x)) + MLP(maxpool(x)))`` with one shared bottleneck MLP
     (1x1 convs, ReLU, no bias as in the paper's equation; names match timm's ``ChannelAttn``).
-    Tap: the ``(B, C)`` gate."""
-
-    pool_max = True
+    Input ``(B, channels, H, W)``. Tap: the ``(B, C)`` gate."""
 
     def __init__(
         self,
@@ -46,7 +50,7 @@ class ChannelGate(nn.Module):
         mlp_bias: bool = False,
     ):
         super().__init__()
-        check_channels(channels)
+        self.channels = check_channels(channels)
         rd = reduced_channels(channels, rd_ratio, rd_channels, rd_divisor)
         self.fc1 = nn.Conv2d(channels, rd, kernel_size=1, bias=mlp_bias)
         self.act = act_layer()
@@ -54,25 +58,33 @@ class ChannelGate(nn.Module):
         self.gate = gate_layer()
         self.tap = AttentionTap("channel")
 
-    def channel_weights(self, pooled: torch.Tensor) -> torch.Tensor:
-        P, B, C = pooled.shape  # P = 2: average and max
-        s = pooled.to(self.fc1.weight.dtype).reshape(P * B, C, 1, 1)
-        h = self.act(self.fc1(s)).view(P, B, -1, 1, 1).sum(0)  # shared MLP run once on both vectors
+    def channel_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """The ``(B, C)`` gate of ``x`` (in the parameters' dtype; call with autocast off)."""
+        B, C = x.shape[:2]
+        acc = compute_dtype(x)
+        pooled = torch.stack([x.mean((2, 3), dtype=acc), x.amax((2, 3)).to(acc)])  # (2, B, C): avg, max
+        s = pooled.to(self.fc1.weight.dtype).reshape(2 * B, C, 1, 1)
+        h = self.act(self.fc1(s)).view(2, B, -1, 1, 1).sum(0)  # shared MLP run once on both vectors
         logits = self.fc2(h)  # fc2(h_avg) + fc2(h_max) == fc2(h_avg + h_max) ...
         if self.fc2.bias is not None:
-            logits = logits + (P - 1) * self.fc2.bias[:, None, None]  # ... plus the bias once per extra pool
+            logits = logits + self.fc2.bias[:, None, None]  # ... plus the bias once more
         return self.tap(self.gate(logits.flatten(1)))  # (B, C)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gate_features(x, self, None)
+        check_feature_map(self, x, self.channels)
+        with autocast_off(x):
+            w = self.channel_weights(x)
+        return x * w.to(x.dtype)[:, :, None, None]
 
 
 @register_attention("spatial", layout="feature", kind="spatial")
 class SpatialGate(nn.Module):
     """CBAM's spatial gate (Woo et al., 2018, arXiv 1807.06521).
 
-    ``sigmoid(BN(conv7x7([mean_c(x); max_c(x)])))`` multiplies every position. ``channels`` is only
-    checked (the gate has the same parameters for any width). Tap: the ``(B, 1, H, W)`` gate.
+    ``sigmoid(BN(conv7x7([mean_c(x); max_c(x)])))`` multiplies every position. Works for any channel count:
+    the gate pools over the channels, so its parameters are the same for every width and ``channels`` is
+    only checked to be a positive int. Training mode needs more than one value for the BN (not batch 1
+    with a 1x1 map). Tap: the ``(B, 1, H, W)`` gate.
     """
 
     def __init__(
@@ -92,12 +104,21 @@ class SpatialGate(nn.Module):
         self.gate = gate_layer()
         self.tap = AttentionTap("spatial")
 
-    def spatial_weights(self, maps: torch.Tensor) -> torch.Tensor:
+    def spatial_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """The ``(B, 1, H, W)`` gate of ``x`` (in the parameters' dtype; call with autocast off)."""
+        acc = compute_dtype(x)
+        # channel mean and max stacked last, (B, H, W, 2), seen as (B, 2, H, W): channels-last is the layout
+        # in which oneDNN runs the 2-channel 7x7 conv (forward + backward) an order of magnitude faster on CPU
+        maps = torch.stack([x.mean(1, dtype=acc), x.amax(1).to(acc)], dim=-1).permute(0, 3, 1, 2)
         z = self.bn(self.conv(maps.to(self.conv.weight.dtype)))  # (B, 1, H, W)
         return self.tap(self.gate(z))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gate_features(x, None, self)
+        check_feature_map(self, x)  # any channel count
+        check_norm_batch(self, self.bn, x.shape[0] * x.shape[2] * x.shape[3], x)
+        with autocast_off(x):
+            w = self.spatial_weights(x)
+        return x * w.to(x.dtype)
 
 
 @register_attention("cbam", layout="feature", kind="channel")
@@ -106,9 +127,10 @@ class CBAM(nn.Module):
 
     :class:`ChannelGate` (reduction 16) then :class:`SpatialGate` (7x7), applied in sequence. Numerically
     equal to timm's ``CbamModule`` with the same weights (parameters in the same order; the spatial
-    gate's conv is ``spatial.conv`` here, ``spatial.conv.conv`` there). Two taps: ``channel.tap`` with the
-    ``(B, C)`` gate and ``spatial.tap`` with the ``(B, 1, H, W)`` gate. Forward hooks on the sub-gates do not
-    fire (the block runs both gates in one fused kernel); their taps do.
+    gate's conv is ``spatial.conv`` here, ``spatial.conv.conv`` there). Input ``(B, channels, H, W)``;
+    training mode needs more than one value for the spatial gate's BN (not batch 1 with a 1x1 map). Two
+    taps: ``channel.tap`` with the ``(B, C)`` gate and ``spatial.tap`` with the ``(B, 1, H, W)`` gate.
+    Forward hooks on the sub-gates do not fire (the block calls their gate functions directly); their taps do.
     """
 
     def __init__(
@@ -127,47 +149,14 @@ class CBAM(nn.Module):
         self.spatial = SpatialGate(channels, spatial_kernel_size, gate_layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gate_features(x, self.channel, self.spatial)
-
-
-class _CoordGate(torch.autograd.Function):
-    """``x * a_h[..., None] * a_w[..., None, :]`` with one full-size allocation each way (autograd would
-    keep ``x * a_h`` and materialise ``grad * x`` twice)."""
-
-    @staticmethod
-    def forward(ctx, x, a_h, a_w):  # x (B, C, H, W), a_h (B, C, H), a_w (B, C, W)
-        ctx.save_for_backward(x, a_h, a_w)
-        out = x * a_h.to(x.dtype)[..., None]
-        return out.mul_(a_w.to(x.dtype)[..., None, :])
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        x, a_h, a_w = ctx.saved_tensors
-        dt = x.dtype
-        ah = a_h.to(dt)[..., None]  # (B, C, H, 1)
-        aw = a_w.to(dt)[..., None, :]  # (B, C, 1, W)
-        buf = torch.empty_like(x)  # scratch for G * x, then grad_x
-        gx = torch.mul(grad, x, out=buf)
-        d_h = torch.matmul(gx, aw.transpose(-2, -1))[..., 0]  # sum_w(G x a_w): (B, C, H)
-        d_w = torch.matmul(ah.transpose(-2, -1), gx)[..., 0, :]  # sum_h(G x a_h): (B, C, W)
-        grad_x = torch.mul(grad, ah, out=buf).mul_(aw) if ctx.needs_input_grad[0] else None
-        return grad_x, d_h.to(a_h.dtype), d_w.to(a_w.dtype)
-
-
-class _StripMean(torch.autograd.Function):
-    """``x.mean(dim)`` whose backward returns the broadcast grad as a stride-0 view: autograd's own mean
-    backward divides a materialised full-size copy; this one is added in place into the grad that
-    :class:`_CoordGate` already wrote for ``x``."""
-
-    @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim, ctx.shape = dim, x.shape
-        return x.mean(dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad / ctx.shape[ctx.dim]).unsqueeze(ctx.dim).expand(ctx.shape), None
+        check_feature_map(self, x, self.channel.channels)
+        check_norm_batch(self, self.spatial.bn, x.shape[0] * x.shape[2] * x.shape[3], x)
+        with autocast_off(x):
+            cg = self.channel.channel_weights(x)  # (B, C)
+        xc = x * cg.to(x.dtype)[:, :, None, None]
+        with autocast_off(x):
+            sg = self.spatial.spatial_weights(xc)  # (B, 1, H, W) gate of the channel-gated map
+        return xc * sg.to(x.dtype)
 
 
 def coord_mip(channels: int, reduction: int = 32) -> int:
@@ -182,8 +171,8 @@ class CoordAttention(nn.Module):
     Pools along each axis separately (``(B, C, H)`` over the width, ``(B, C, W)`` over the height), encodes
     both strips with one shared 1x1 conv ``C -> mip`` + BN + h-swish (``mip = max(8, C // 32)``), then splits
     them into two sigmoid gates ``a_h (B, C, H, 1)`` and ``a_w (B, C, 1, W)``; ``out = x * a_h * a_w``.
-    Tap (kind ``"spatial"``): the channel mean of ``a_h * a_w`` as a ``(B, 1, H, W)`` map, computed only on
-    recording passes.
+    Input ``(B, channels, H, W)``. Tap (kind ``"spatial"``): the channel mean of ``a_h * a_w`` as a
+    ``(B, 1, H, W)`` map, computed only on recording passes.
     """
 
     def __init__(
@@ -196,7 +185,7 @@ class CoordAttention(nn.Module):
         gate_layer: Type[nn.Module] = nn.Sigmoid,
     ):
         super().__init__()
-        check_channels(channels)
+        self.channels = check_channels(channels)
         if isinstance(reduction, bool) or not isinstance(reduction, int) or reduction < 1:
             raise ValueError(f"reduction must be a positive int, got {reduction!r}")
         if mip is None:
@@ -213,15 +202,15 @@ class CoordAttention(nn.Module):
         self.tap = AttentionTap("spatial")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_feature_map(self, x, self.channels)
         B, C, H, W = x.shape
         # both strips side by side as one (B, C, H + W, 1) map, so conv1 and BN see them together
-        strips = torch.cat([_StripMean.apply(x, 3), _StripMean.apply(x, 2)], dim=2)[..., None]
+        strips = torch.cat([x.mean(3), x.mean(2)], dim=2)[..., None]
         y = self.act(self.bn1(self.conv1(strips)))  # (B, mip, H + W, 1)
         y_h, y_w = y.split([H, W], dim=2)
-        a_h = self.gate(self.conv_h(y_h))[..., 0]  # (B, C, H)
-        a_w = self.gate(self.conv_w(y_w))[..., 0]  # (B, C, W)
+        a_h = self.gate(self.conv_h(y_h))  # (B, C, H, 1)
+        a_w = self.gate(self.conv_w(y_w)).transpose(2, 3)  # (B, C, 1, W)
         if self.tap.active:
-            # mean over channels of the outer product a_h * a_w: (B, H, W)
-            amap = torch.einsum("bch,bcw->bhw", a_h.float(), a_w.float()) / C
-            self.tap(amap[:, None])
-        return _CoordGate.apply(x, a_h, a_w)
+            # mean over channels of the outer product a_h * a_w: (B, 1, H, W)
+            self.tap((a_h.float() * a_w.float()).mean(1, keepdim=True))
+        return x * a_h * a_w

@@ -16,6 +16,10 @@ carry ``tap_grid`` (``(H, W)`` of the grid the last ``H*W`` tokens lie on, or ``
 ``forward(x)`` alone always works. The default path is fused ``F.scaled_dot_product_attention``; when
 ``tap.active`` the weights are computed explicitly in fp32, passed through the tap and the *same* tensor
 multiplies ``V``, so what is recorded is exactly what was applied (before attention dropout).
+
+Composability: the blocks are plain PyTorch (``torch.compile(fullgraph=True)``, ``torch.export``, ONNX,
+``torch.jit.trace``, ``torch.func``). The fused SDPA kernels have no double backward, so second-order uses
+(gradient penalties) of ``mhsa`` and ``lsa`` run under ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
 """
 from __future__ import annotations
 
@@ -66,6 +70,25 @@ def _check_tokens(block: nn.Module, n: int) -> None:
             )
 
 
+def _check_mask_args(attn_mask: Optional[torch.Tensor], is_causal: bool) -> None:
+    if attn_mask is not None and is_causal:
+        raise ValueError("pass attn_mask or is_causal=True, not both (as F.scaled_dot_product_attention)")
+
+
+def mask_logits(logits: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool) -> torch.Tensor:
+    """SDPA's mask semantics on explicit ``(..., N, M)`` logits: a bool mask keeps ``True`` entries (the
+    others get ``-inf``), a float mask is added, ``is_causal`` keeps the lower triangle."""
+    if is_causal:
+        n, m = logits.shape[-2:]
+        keep = torch.ones(n, m, dtype=torch.bool, device=logits.device).tril()
+        return logits.masked_fill(~keep, float("-inf"))
+    if attn_mask is None:
+        return logits
+    if attn_mask.dtype == torch.bool:
+        return logits.masked_fill(~attn_mask, float("-inf"))
+    return logits + attn_mask.to(logits.dtype)
+
+
 def top_k_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Softmax over each row's ``k`` largest logits, zero elsewhere (``k=1`` is one-hot argmax).
 
@@ -99,6 +122,17 @@ class MultiHeadSelfAttention(nn.Module):
 
     Explicit paths (tap active, hard, additive) compute the logits and softmax in fp32 with autocast off,
     so fp16 inputs whose ``q k^T`` overflows fp16 still give finite weights.
+
+    Drop-in for timm's ViT ``Attention`` (``timm.layers.Attention``): the same call,
+    ``forward(x, attn_mask=None, is_causal=False)`` with SDPA's mask semantics (a bool mask keeps ``True``
+    entries, a float mask is added to the logits; broadcastable to ``(B, heads, N, N)``), and the same
+    parameter names (``qkv``, ``proj``), so ``Attention(dim, num_heads, qkv_bias=True)``'s state dict loads
+    strictly into ``create_attention("mhsa", dim, num_heads=num_heads)`` (set ``qkv_bias`` and
+    ``proj_bias`` as the timm module has them; timm's ``qk_norm``, ``scale_norm`` and ``gated`` options
+    have no counterpart here).
+
+    Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
+    ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
     """
 
     def __init__(
@@ -112,10 +146,13 @@ class MultiHeadSelfAttention(nn.Module):
         hard: Hard = None,
         grid: Grid = None,
         num_prefix_tokens: int = 0,
+        proj_bias: bool = True,
     ):
         super().__init__()
-        if num_heads < 1 or dim % num_heads != 0:
-            raise ValueError(f"dim ({dim}) must be divisible by num_heads ({num_heads})")
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 or dim % num_heads != 0:
+            raise ValueError(f"num_heads must be a positive int and dim ({dim}) divisible by it, got {num_heads!r}")
         if score not in SCORES:
             raise ValueError(f"unknown score {score!r}; valid: {', '.join(SCORES)}")
         if num_prefix_tokens < 0:
@@ -130,7 +167,7 @@ class MultiHeadSelfAttention(nn.Module):
 
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.attn_drop = nn.Dropout(attn_drop)
-        self.proj = nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
         if score == "general":
             eye = torch.eye(self.head_dim).expand(num_heads, -1, -1) / math.sqrt(self.head_dim)
@@ -147,18 +184,19 @@ class MultiHeadSelfAttention(nn.Module):
         if self.score == "dot":
             return q @ k.transpose(-2, -1)
         if self.score == "general":
-            return (q @ self.general_weight.float()) @ k.transpose(-2, -1)  # (B,h,N,d)@(h,d,d) broadcasts
+            return (q @ self.general_weight.to(q.dtype)) @ k.transpose(-2, -1)  # (B,h,N,d)@(h,d,d) broadcasts
         # additive: tanh(q_i + k_j) is (B, h, N, N, d); contract d with the per-head v.
-        return torch.einsum("bhije,he->bhij", torch.tanh(q.unsqueeze(3) + k.unsqueeze(2)), self.additive_v.float())
+        return torch.einsum("bhije,he->bhij", torch.tanh(q.unsqueeze(3) + k.unsqueeze(2)), self.additive_v.to(q.dtype))
 
-    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+               is_causal: bool = False) -> torch.Tensor:
         """``(B, heads, N, d)`` output of fused SDPA; only called for scores that have a fused form."""
         p = self.attn_drop.p if self.training else 0.0
-        if self.score == "scaled_dot":
-            return sdpa(q, k, v, dropout_p=p)  # default scale is 1/sqrt(d)
+        if self.score == "scaled_dot":  # default scale is 1/sqrt(d)
+            return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal)
         if self.score == "general":
             q = q @ self.general_weight.to(q.dtype)
-        return sdpa(q, k, v, dropout_p=p, scale=1.0)
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=p, scale=1.0, is_causal=is_causal)
 
     def _has_fused(self) -> bool:
         return self.score != "additive"
@@ -175,28 +213,34 @@ class MultiHeadSelfAttention(nn.Module):
     def _use_hard(self) -> bool:
         return self.hard is not None and not self.training
 
-    def attention_weights(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Explicit fp32 weights ``(B, heads, N, N)``, rows summing to 1 (hard top-k applied in eval)."""
+    def attention_weights(self, q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                          is_causal: bool = False) -> torch.Tensor:
+        """Explicit fp32 (fp64 for fp64 input) weights ``(B, heads, N, N)``, rows summing to 1 (hard top-k
+        applied in eval)."""
         with torch.autocast(device_type=q.device.type, enabled=False):
-            logits = self._logits(q.float(), k.float())
+            acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 input
+            logits = mask_logits(self._logits(q.to(acc), k.to(acc)), attn_mask, is_causal)
             if self._use_hard():
                 return top_k_softmax(logits, 1 if self.hard == "argmax" else int(self.hard))
             return logits.softmax(dim=-1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
+        """``x``: ``(B, N, dim)``; ``attn_mask``: bool (``True`` = may attend) or float (added to the logits),
+        broadcastable to ``(B, heads, N, N)``; ``is_causal``: each token attends to itself and earlier ones."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
             raise ValueError(f"{type(self).__name__} expects (B, N, {self.dim}) tokens, got {tuple(x.shape)}")
+        _check_mask_args(attn_mask, is_causal)
         B, N, D = x.shape
         # (B, N, 3*D) -> (3, B, heads, N, d)
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         if self.tap.active or self._use_hard() or not self._has_fused():
             if self.tap.active:
                 _check_tokens(self, N)
-            attn = self.attention_weights(q, k)  # fp32 (B, heads, N, N)
+            attn = self.attention_weights(q, k, attn_mask, is_causal)  # fp32 (B, heads, N, N)
             attn = self.tap(attn, grid=self.tap_grid, num_prefix_tokens=self.num_prefix_tokens)
             out = self.attn_drop(attn).to(v.dtype) @ v  # (B, heads, N, d)
         else:
-            out = self._fused(q, k, v)
+            out = self._fused(q, k, v, attn_mask, is_causal)
         out = out.transpose(1, 2).reshape(B, N, D)
         return self.proj_drop(self.proj(out))
 
@@ -220,7 +264,9 @@ class LocalitySelfAttention(MultiHeadSelfAttention):
 
     The training path stays fused: ``q`` is multiplied by ``1/T`` and SDPA runs with ``scale=1`` and a
     boolean mask that is False on the diagonal. ``hard`` works as for ``mhsa`` (masked entries keep weight 0).
-    Needs at least 2 tokens (a lone token would have nothing to attend to).
+    Needs at least 2 tokens (a lone token would have nothing to attend to). An ``attn_mask`` passed to
+    ``forward`` is combined with the diagonal mask; ``is_causal`` is refused (the first token would have
+    nothing left to attend to). Double backward: as for ``mhsa``, under ``sdpa_kernel(SDPBackend.MATH)``.
     """
 
     def __init__(
@@ -233,6 +279,7 @@ class LocalitySelfAttention(MultiHeadSelfAttention):
         hard: Hard = None,
         grid: Grid = None,
         num_prefix_tokens: int = 0,
+        proj_bias: bool = True,
     ):
         super().__init__(
             dim,
@@ -243,6 +290,7 @@ class LocalitySelfAttention(MultiHeadSelfAttention):
             hard=hard,
             grid=grid,
             num_prefix_tokens=num_prefix_tokens,
+            proj_bias=proj_bias,
         )
         self.score = "lsa"
         self.temperature = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))  # (heads,)
@@ -250,22 +298,33 @@ class LocalitySelfAttention(MultiHeadSelfAttention):
     def _inv_temperature(self, dtype: torch.dtype) -> torch.Tensor:
         return (1.0 / self.temperature).to(dtype).view(1, -1, 1, 1)  # (1, heads, 1, 1)
 
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
+        if is_causal:
+            raise ValueError("lsa does not take is_causal: with its diagonal masked, the first token could attend to nothing")
+        if x.dim() == 3 and x.shape[1] < 2:
+            raise ValueError(f"lsa needs at least 2 tokens (the diagonal is masked), got {x.shape[1]}")
+        return super().forward(x, attn_mask=attn_mask)
+
     def _logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         n = q.shape[-2]
-        if n < 2:
-            raise ValueError(f"lsa needs at least 2 tokens (the diagonal is masked), got {n}")
         logits = (q * self._inv_temperature(q.dtype)) @ k.transpose(-2, -1)
         eye = torch.eye(n, dtype=torch.bool, device=q.device)
         return logits.masked_fill(eye, float("-inf"))
 
-    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+               is_causal: bool = False) -> torch.Tensor:
         n = q.shape[-2]
-        if n < 2:
-            raise ValueError(f"lsa needs at least 2 tokens (the diagonal is masked), got {n}")
         keep = ~torch.eye(n, dtype=torch.bool, device=q.device)  # (N, N), True = may attend
+        if attn_mask is None:
+            mask = keep
+        elif attn_mask.dtype == torch.bool:
+            mask = keep & attn_mask
+        else:  # a float mask: the diagonal's -inf added to it
+            mask = torch.zeros(n, n, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
+            mask = mask + attn_mask.to(q.dtype)
         p = self.attn_drop.p if self.training else 0.0
         q = q * self._inv_temperature(q.dtype)
-        return sdpa(q, k, v, attn_mask=keep, dropout_p=p, scale=1.0)
+        return sdpa(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
 
     def _has_fused(self) -> bool:
         return True
@@ -299,8 +358,9 @@ class SequencePooling(nn.Module):
         # large tokens could overflow to inf.
         with torch.autocast(device_type=x.device.type, enabled=False):
             lin = self.attention_pool
-            bias = None if lin.bias is None else lin.bias.float()
-            w = F.linear(x.float(), lin.weight.float(), bias).squeeze(-1).softmax(dim=-1)  # (B, N)
+            acc = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 input
+            bias = None if lin.bias is None else lin.bias.to(acc)
+            w = F.linear(x.to(acc), lin.weight.to(acc), bias).squeeze(-1).softmax(dim=-1)  # (B, N)
         w = self.tap(w, grid=self.tap_grid, num_prefix_tokens=self.num_prefix_tokens)
         return (w.to(x.dtype).unsqueeze(1) @ x).squeeze(1)  # (B, 1, N) @ (B, N, D) -> (B, D)
 
