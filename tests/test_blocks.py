@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
-from torch import nn
-
-from timm.layers import EcaModule, GlobalContext as TimmGlobalContext, SEModule
+from timm.layers import EcaModule, SEModule
+from timm.layers import GlobalContext as TimmGlobalContext
 from timm.layers.cbam import CbamModule, SpatialAttn
 from timm.layers.coord_attn import CoordAttn
+from torch import nn
 
 from visattn.attention import (
     AttentionTap,

@@ -194,9 +194,9 @@ def build_family(lib: str, arch: str, kw: dict) -> nn.Module:
 
 
 def foreign_se(model: nn.Module) -> list:
-    from torchvision.ops.misc import SqueezeExcitation
     from timm.layers import SEModule
     from timm.models._efficientnet_blocks import SqueezeExcite as TimmEffSE
+    from torchvision.ops.misc import SqueezeExcitation
 
     return [p for p, m in model.named_modules() if isinstance(m, (SqueezeExcitation, SEModule, TimmEffSE))]
 

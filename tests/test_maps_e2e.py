@@ -30,7 +30,8 @@ from visattn.maps import find_taps  # noqa: E402
 from visattn.maps.overlay import images_to_float, to_uint8  # noqa: E402
 from visattn.models import create_model  # noqa: E402
 from visattn.trainer import run  # noqa: E402
-from visattn.visualize import _pick, load_image, main as visualize_main  # noqa: E402
+from visattn.visualize import _pick, load_image  # noqa: E402
+from visattn.visualize import main as visualize_main
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE, SCALE = 4, 4

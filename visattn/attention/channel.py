@@ -27,7 +27,8 @@ import torch
 from timm.layers import make_divisible
 from torch import nn
 
-from .registry import register_attention
+from ..registry import register_attention
+from .functional import positive_int
 from .tap import AttentionTap
 
 __all__ = [
@@ -42,9 +43,7 @@ __all__ = [
 
 
 def check_channels(channels: int) -> int:
-    if isinstance(channels, bool) or not isinstance(channels, int) or channels < 1:
-        raise ValueError(f"channels must be a positive int, got {channels!r}")
-    return channels
+    return positive_int("channels", channels)
 
 
 def check_feature_map(block: nn.Module, x: torch.Tensor, channels: Optional[int] = None) -> None:
@@ -67,13 +66,11 @@ def check_norm_batch(block: nn.Module, norm: nn.Module, values_per_channel: int,
 def reduced_channels(channels: int, rd_ratio: float, rd_channels: Optional[int], rd_divisor: int) -> int:
     """Bottleneck width: ``rd_channels`` if given, else ``channels * rd_ratio`` rounded to ``rd_divisor``."""
     if rd_channels is not None:
-        if isinstance(rd_channels, bool) or not isinstance(rd_channels, int) or rd_channels < 1:
-            raise ValueError(f"rd_channels must be a positive int or None, got {rd_channels!r}")
+        positive_int("rd_channels", rd_channels)
         return rd_channels
     if not rd_ratio > 0:
         raise ValueError(f"rd_ratio must be > 0, got {rd_ratio!r}")
-    if isinstance(rd_divisor, bool) or not isinstance(rd_divisor, int) or rd_divisor < 1:
-        raise ValueError(f"rd_divisor must be a positive int, got {rd_divisor!r}")
+    positive_int("rd_divisor", rd_divisor)
     # round to the nearest multiple of rd_divisor, at least rd_divisor (timm's rule with round_limit=0)
     return make_divisible(channels * rd_ratio, rd_divisor, round_limit=0.0)
 
@@ -162,8 +159,7 @@ class EfficientChannelAttention(nn.Module):
         self.channels = check_channels(channels)
         if kernel_size is None:
             kernel_size = eca_kernel_size(channels, gamma, b)
-        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size!r}")
+        positive_int("kernel_size", kernel_size, odd=True)
         self.kernel_size = kernel_size
         self.conv = nn.Conv1d(1, 1, kernel_size=kernel_size, padding=(kernel_size - 1) // 2, bias=False)
         self.gate = gate_layer()

@@ -7,6 +7,17 @@ import torch
 import torch.nn.functional as F
 
 
+def positive_int(name: str, value: object, *, odd: bool = False, divides: Optional[int] = None) -> int:
+    """``value`` if it is a positive int (a bool is not), odd and dividing ``divides`` where asked; else a
+    one-line ValueError naming the option."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    ok = ok and not (odd and value % 2 == 0) and not (divides is not None and divides % value)
+    if not ok:
+        what = "a positive " + ("odd " if odd else "") + "int" + (f" ({divides} must be divisible by it)" if divides is not None else "")
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
          dropout_p: float = 0.0, scale: Optional[float] = None, is_causal: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention``; on CPU, half-precision inputs run in fp32 and come back cast.

@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from .registry import _ATTENTION, attention_info, attention_options, create_attention, list_attention
+from ..registry import ATTENTION, attention_info, attention_options, create_attention, list_attention
 
 __all__ = ["attn_layer", "insert_attention", "AttnLayer", "SUPPORTED_FAMILIES"]
 
@@ -53,7 +53,7 @@ def _check_feature_block(name: str, kwargs: Dict[str, Any]) -> None:
         raise ValueError(
             f"{name!r} is a token block; a CNN needs a feature-map block: {', '.join(list_attention('feature'))}"
         )
-    builder = _ATTENTION.get(name)
+    builder = ATTENTION.get(name)
     target = builder.__init__ if inspect.isclass(builder) else builder
     if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(target).parameters.values()):
         return  # the block takes any keyword (the "none" identity)
@@ -226,7 +226,7 @@ def _residual_sites(model: nn.Module) -> List[Site]:
 
 
 def _visattn_classes() -> tuple:
-    return tuple(c for c in (_ATTENTION.get(n) for n in list_attention()) if inspect.isclass(c))
+    return tuple(c for c in (ATTENTION.get(n) for n in list_attention()) if inspect.isclass(c))
 
 
 def insert_attention(model: nn.Module, name: str, **kwargs: Any) -> int:

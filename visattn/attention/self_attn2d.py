@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..registry import register_attention
 from .channel import check_channels, check_feature_map, check_norm_batch, reduced_channels
-from .functional import sdpa
-from .registry import register_attention
+from .functional import positive_int, sdpa
 from .tap import AttentionTap
 
 __all__ = ["NonLocal2d", "MHSA2d", "rel_pos_embed"]
@@ -166,10 +166,8 @@ class MHSA2d(nn.Module):
     ):
         super().__init__()
         check_channels(channels)
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 or channels % num_heads:
-            raise ValueError(f"num_heads must be a positive int dividing channels={channels}, got {num_heads!r}")
-        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
-            raise ValueError(f"max_size must be a positive int, got {max_size!r}")
+        positive_int("num_heads", num_heads, divides=channels)
+        positive_int("max_size", max_size)
         self.channels = channels
         self.num_heads = num_heads
         self.head_dim = channels // num_heads

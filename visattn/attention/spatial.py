@@ -20,6 +20,7 @@ from typing import Optional, Type
 import torch
 from torch import nn
 
+from ..registry import register_attention
 from .channel import (
     autocast_off,
     check_channels,
@@ -28,7 +29,7 @@ from .channel import (
     compute_dtype,
     reduced_channels,
 )
-from .registry import register_attention
+from .functional import positive_int
 from .tap import AttentionTap
 
 __all__ = ["ChannelGate", "SpatialGate", "CBAM", "CoordAttention", "coord_mip"]
@@ -96,8 +97,7 @@ class SpatialGate(nn.Module):
     ):
         super().__init__()
         check_channels(channels)
-        if isinstance(kernel_size, bool) or not isinstance(kernel_size, int) or kernel_size < 1 or kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be a positive odd int, got {kernel_size!r}")
+        positive_int("kernel_size", kernel_size, odd=True)
         self.kernel_size = kernel_size
         self.conv = nn.Conv2d(2, 1, kernel_size, padding=kernel_size // 2, bias=False)
         self.bn = norm_layer(1) if norm_layer is not None else nn.Identity()
@@ -186,12 +186,10 @@ class CoordAttention(nn.Module):
     ):
         super().__init__()
         self.channels = check_channels(channels)
-        if isinstance(reduction, bool) or not isinstance(reduction, int) or reduction < 1:
-            raise ValueError(f"reduction must be a positive int, got {reduction!r}")
+        positive_int("reduction", reduction)
         if mip is None:
             mip = coord_mip(channels, reduction)
-        if isinstance(mip, bool) or not isinstance(mip, int) or mip < 1:
-            raise ValueError(f"mip must be a positive int or None, got {mip!r}")
+        positive_int("mip", mip)
         self.mip = mip
         self.conv1 = nn.Conv2d(channels, mip, kernel_size=1)
         self.bn1 = norm_layer(mip) if norm_layer is not None else nn.Identity()

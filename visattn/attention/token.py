@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import sdpa
-from .registry import register_attention
+from ..registry import register_attention
+from .functional import positive_int, sdpa
 from .tap import AttentionTap
 
 __all__ = ["MultiHeadSelfAttention", "LocalitySelfAttention", "SequencePooling", "SCORES"]
@@ -149,10 +149,8 @@ class MultiHeadSelfAttention(nn.Module):
         proj_bias: bool = True,
     ):
         super().__init__()
-        if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"dim must be a positive int, got {dim!r}")
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1 or dim % num_heads != 0:
-            raise ValueError(f"num_heads must be a positive int and dim ({dim}) divisible by it, got {num_heads!r}")
+        positive_int("dim", dim)
+        positive_int("num_heads", num_heads, divides=dim)
         if score not in SCORES:
             raise ValueError(f"unknown score {score!r}; valid: {', '.join(SCORES)}")
         if num_prefix_tokens < 0:

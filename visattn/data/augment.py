@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Sequence
 import torch
 import torch.nn.functional as F
 
+
 def normalize(x_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
     """uint8 (or 0-255 float) ``(B, 3, H, W)`` -> float32 normalised."""
     m = torch.tensor(mean, device=x_uint8.device).view(1, -1, 1, 1)
