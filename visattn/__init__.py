@@ -12,3 +12,14 @@ from .attention import (  # noqa: F401
 from .attention.insert import *  # noqa: F401,F403
 from .models import create_model, list_models, register_model  # noqa: F401
 from .maps import *  # noqa: F401,F403
+from .maps import (  # noqa: F401  (issue 11: explicit exports)
+    ConvGeometry,
+    FaithfulnessReport,
+    GridGeometry,
+    LayerMap,
+    add_taps,
+    faithfulness,
+    read_maps,
+    remove_taps,
+    trace_geometry,
+)

@@ -151,7 +151,9 @@ class LogConfig(_Section):
     progress: bool = True
     maps_every: int = Field(1, ge=0)  # log attention-map overlays every N epochs (0: never)
     probe_size: int = Field(8, ge=1, le=64)  # validation images in the fixed probe batch
-    map_scale: int = Field(4, ge=1, le=16)  # upscale factor of the overlay pictures
+    map_scale: int = Field(2, ge=1, le=16)  # upscale factor of the overlay pictures (2: two probe images a row)
+    map_norm: Literal["fixed", "per_image"] = "fixed"  # colour scale: each map kind's fixed scale, or per-image stretch
+    faithfulness: bool = True  # also log the probe's deletion/insertion faithfulness scores (faithfulness/ scalars)
     # class-token layers that also get one maps/<layer>/cls_head<i> image per head: each is a PNG encode, and
     # "all" on a 9-layer, 12-head ViT adds 108 of them (~40 s) to every logging epoch on a CPU
     head_maps: Literal["all", "last", "none"] = "last"
