@@ -20,6 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
     SCALARS,
     EventAccumulator,
 )
+from test_maps_tensorboard import has_colour_bar  # noqa: E402
 
 from visattn.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from visattn.config import build_config, read_yaml  # noqa: E402
@@ -27,10 +28,12 @@ from visattn.data import load_splits, normalize  # noqa: E402
 from visattn.errors import ConfigError  # noqa: E402
 from visattn.evaluate import load_model_from_checkpoint  # noqa: E402
 from visattn.maps import find_taps  # noqa: E402
+from visattn.maps.draw import LINE_H  # noqa: E402
 from visattn.maps.overlay import images_to_float, to_uint8  # noqa: E402
 from visattn.models import create_model  # noqa: E402
 from visattn.trainer import run  # noqa: E402
-from visattn.visualize import _pick, load_image, main as visualize_main  # noqa: E402
+from visattn.visualize import _pick, load_image  # noqa: E402
+from visattn.visualize import main as visualize_main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE, SCALE = 4, 4
@@ -221,11 +224,14 @@ def test_visualize_cli_writes_maps_and_predictions(cnn_run, user_images, tmp_pat
             png = Image.open(out / fname)
             assert png.format == "PNG" and png.mode == "RGB"
             pic = np.asarray(png)
-            # caption, then the picture at its own aspect (longer side 128) beside its overlay
+            # caption (prediction, layer, the map's range), then the picture at its own aspect (longer side 128)
+            # beside its overlay, then the colour bar
             assert pic.shape[1] == 2 * TILE + 2
-            assert 0 < pic.shape[0] - display_hw[0] <= 60
-            left = pic[-display_hw[0] :, : display_hw[1]].astype(int)
-            right = pic[-display_hw[0] :, TILE + 2 : TILE + 2 + display_hw[1]].astype(int)
+            top = 3 * LINE_H + 2
+            assert 0 < pic.shape[0] - top - display_hw[0] <= 60
+            assert has_colour_bar(pic[top + display_hw[0] :])
+            left = pic[top : top + display_hw[0], : display_hw[1]].astype(int)
+            right = pic[top : top + display_hw[0], TILE + 2 : TILE + 2 + display_hw[1]].astype(int)
             assert np.abs(left - right).mean() > 5  # the overlay is coloured
             if entry["mode"] == "L":
                 assert (left[..., 0] == left[..., 1]).all() and (left[..., 1] == left[..., 2]).all()

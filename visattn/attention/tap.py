@@ -26,9 +26,9 @@ one, e.g. the CPU). Blocks whose training path uses fused attention (``F.scaled_
 returns no weights) check ``tap.active`` and compute the weights explicitly, in fp32, only on a recording
 pass. With no recorder attached the cost is one attribute check per block.
 
-Under ``torch.compile`` the check reads a plain bool (``recording``), so a compiled model has one graph
-without recording and one with it; the append itself runs outside the graph (``torch.compiler.disable``),
-so a new recorder never invalidates a compiled graph.
+The check reads a plain bool (``recording``) and the append runs outside any compiled graph
+(``torch.compiler.disable``), so a graph compiled with taps in it never guards on a recorder's list;
+``visattn.record_attention`` runs compiled code eagerly while it records, so recording does not recompile.
 """
 from __future__ import annotations
 

@@ -5,7 +5,15 @@ from .faithful import FaithfulnessReport, faithfulness
 from .geometry import ConvGeometry, GridGeometry, trace_geometry
 from .overlay import COLORMAPS, colorize, images_to_float, normalize_maps, overlay
 from .readout import LayerMap, read_maps
-from .record import AttentionRecorder, find_taps, infer_grid, probe_mode, record_attention, spatial_heatmap, unwrap_model
+from .record import (
+    AttentionRecorder,
+    find_taps,
+    infer_grid,
+    probe_mode,
+    record_attention,
+    spatial_heatmap,
+    unwrap_model,
+)
 from .rollout import attention_rollout
 from .tensorboard import log_attention_maps
 

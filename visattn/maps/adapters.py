@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -225,4 +225,3 @@ def remove_taps(model: nn.Module) -> int:
 
 
 __all__ = ["SEARCHED", "add_taps", "adapter_taps", "foreign_modules", "remove_taps"]
-_ = Dict  # typing re-export guard

@@ -98,7 +98,7 @@ def cells_picture(cells: Sequence[Tuple[List[Line], List[np.ndarray]]],
     rows = [cells[i : i + cols] for i in range(0, len(cells), cols)]
     heights = [max(LINE_H * len(lines) + 2 + tiles[0].shape[0] for lines, tiles in row) for row in rows]
     width = cols * cell_w + COL_GAP * (cols - 1)
-    bar = footer(min(max(width, 160), max(max_width, width))) if footer is not None else None
+    bar = footer(min(max(width, 200), max(max_width, width))) if footer is not None else None
     if bar is not None:
         width = max(width, bar.shape[1])
     height = sum(heights) + COL_GAP * (len(rows) - 1) + (bar.shape[0] + COL_GAP if bar is not None else 0)

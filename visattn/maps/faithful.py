@@ -266,11 +266,14 @@ def _gradcam(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> Op
     finally:
         for h in handles:
             h.remove()
-    if not seen:
-        return None
-    act = seen[-1]  # the last convolution with a spatial output
     out = out[0] if isinstance(out, (tuple, list)) else out
-    (g,) = torch.autograd.grad(out.float().gather(1, labels[:, None]).sum(), [act])
+    grads = torch.autograd.grad(out.float().gather(1, labels[:, None]).sum(), seen, allow_unused=True) if seen else []
+    # the last convolution with a spatial output that the logit depends on (a gate's own small convolution
+    # may run on a detached side path)
+    found = [(a, g) for a, g in zip(seen, grads) if g is not None]
+    if not found:
+        return None
+    act, g = found[-1]
     cam = F.relu((g.float().mean((2, 3), keepdim=True) * act.detach().float()).sum(1))  # (B, h, w)
     geo = trace_geometry(model, images.shape).lookup(cam.shape[-2:])
     return LayerMap("gradcam", "gradient", cam, "gate", 0, geo,

@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -336,9 +336,4 @@ def place(values: torch.Tensor, geometry: GridGeometry, out_hw: Sequence[int],
     return out[:, 0], inside[0][:, None] & inside[1][None, :]
 
 
-def with_size(geometry: GridGeometry, size: Pair) -> GridGeometry:
-    return replace(geometry, size=(int(size[0]), int(size[1])))
-
-
 __all__ = ["ConvGeometry", "GridGeometry", "GeometryTrace", "declared_geometry", "place", "trace_geometry"]
-_unused: List[Any] = []  # keeps linters quiet about typing-only imports in older Pythons

@@ -166,8 +166,13 @@ class _Reader:
         how = {"cls": "the class token", "mean": "the mean over tokens"}.get(readout if isinstance(readout, str) else "",
                                                                              "the sequence-pooling weights")
         geo = self.geometry(heat.shape[-2:], layers[0].name, 0)
-        return LayerMap("rollout", "rollout", heat, "relative", n, geo,
-                        _describe("rollout", "", "relative", geo, f" through {len(layers)} layer(s), read out by {how}"))
+        # the share of the flow that comes from the grid tokens (prefix tokens' own share left out), so a
+        # model that attends uniformly gives exactly x1 everywhere
+        heat = heat / heat.flatten(1).sum(1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
+        cells = int(heat.shape[-1] * heat.shape[-2])
+        return LayerMap("rollout", "rollout", heat, "relative", cells, geo,
+                        _describe("rollout", "", "relative", geo, f" through {len(layers)} layer(s), read out by {how}; "
+                                  "the grid's share of the flow"))
 
 
 def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = None,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -50,7 +50,8 @@ class AttentionRecorder:
         self.pass_index = 0  # the pass records are stamped with now
         self.calls = 0  # calls of the recorded model seen
         self.dropped_passes = 0
-        self.bytes_per_pass = 0  # the largest pass kept so far, in bytes
+        self.bytes_per_pass = 0  # the largest pass recorded so far, in bytes
+        self._bytes_pass, self._bytes = -1, 0
 
     def __len__(self) -> int:
         return len(self.records)
@@ -61,8 +62,10 @@ class AttentionRecorder:
     # -- sink protocol (called by the taps) ---------------------------------------------------------------
     def append(self, record: AttentionRecord) -> None:
         self.records.append(record)
-        nbytes = sum(r.weights.untyped_storage().nbytes() for r in self.records if r.pass_index == record.pass_index)
-        self.bytes_per_pass = max(self.bytes_per_pass, nbytes)
+        if record.pass_index != self._bytes_pass:
+            self._bytes_pass, self._bytes = record.pass_index, 0
+        self._bytes += record.weights.untyped_storage().nbytes()
+        self.bytes_per_pass = max(self.bytes_per_pass, self._bytes)
 
     def start_pass(self) -> None:
         """Called before each call of the recorded model: later records belong to a new pass."""
@@ -176,6 +179,11 @@ def record_attention(model: nn.Module, max_passes: Optional[int] = DEFAULT_MAX_P
 
     ``max_passes``: passes kept (None: all); ``device``: where records are copied to (None: where they were
     made). ``warn``: a model with nothing recordable gets a warning naming what was searched.
+
+    Inside the block ``torch.compile``'d code runs eagerly (``torch.compiler.set_stance("force_eager")``), so
+    recording a compiled model (``torch.compile(model)`` or ``model.compile()``) neither compiles a recording
+    version nor recompiles: its compiled graph is reused as soon as the block ends. A pass is one call of
+    ``model`` as given (pass the compiled wrapper when that is what you call).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"record_attention expects an nn.Module, got {type(model).__name__}")
@@ -189,10 +197,16 @@ def record_attention(model: nn.Module, max_passes: Optional[int] = DEFAULT_MAX_P
     recorder = AttentionRecorder({name: tap.kind for name, tap in taps}, max_passes, device)
     handle = model.register_forward_pre_hook(lambda m, args: recorder.start_pass())
     try:
-        with tap_sinks(model, recorder, taps):
+        with tap_sinks(model, recorder, taps), _eager():
             yield recorder
     finally:
         handle.remove()
+
+
+def _eager():
+    """Compiled code runs eagerly while recording: a recording never compiles, nor invalidates compiled graphs."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else nullcontext()
 
 
 @contextmanager

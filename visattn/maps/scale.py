@@ -104,7 +104,7 @@ def map_stats(heat: torch.Tensor, scale: str, keys: int = 0) -> List[Stats]:
             total = float(r.clamp_min(0).sum())
             p = r.clamp_min(0) / total if total > 0 else torch.full_like(r, 1.0 / r.numel())
             ent = float(-(p * torch.log(p.clamp_min(1e-30))).sum()) / math.log(r.numel()) if r.numel() > 1 else 1.0
-            out.append(Stats(lo, hi, hi, ent, finite))
+            out.append(Stats(lo, hi, hi, min(max(ent, 0.0), 1.0) + 0.0, finite))  # + 0.0: no "-0.00"
         else:
             out.append(Stats(lo, hi, hi / mean if mean > 0 else float("inf"), float("nan"), finite))
     return out
@@ -125,9 +125,9 @@ def caption(stats: Stats, scale: str, norm: str = "fixed") -> str:
     """One short line: the range and the peakedness, e.g. ``"0.48-0.53 max/mean 1.04"`` or
     ``"x0.61-3.2 H 0.93"`` (relative: x uniform, H = entropy / uniform's)."""
     if scale == "relative":
-        text = f"x{_num(stats.lo)}-{_num(stats.hi)} H {stats.entropy:.2f}"
+        text = f"x{_num(stats.lo)}-{_num(stats.hi)}  H {stats.entropy:.2f}"
     else:
-        text = f"{_num(stats.lo)}-{_num(stats.hi)} max/mean {_num(stats.peak)}"
+        text = f"{_num(stats.lo)}-{_num(stats.hi)}  max/mean {_num(stats.peak)}"
     return text + (" (str.)" if norm == "per_image" else "")
 
 

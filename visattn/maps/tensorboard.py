@@ -148,6 +148,11 @@ def log_attention_maps(
     for k, r in _matrix_records(rec.records):
         _matrix(writer, r, k, step, captions[0] + [(f"attention of {k}", DIM)], norm, colormap, summary, about)
     for k, r in channel_records(rec.records):
+        if not torch.isfinite(r.weights).all():
+            warnings.warn(f"log_attention_maps: channel/{k} has NaN or inf gates at step {step}; histogram skipped",
+                          RuntimeWarning)
+            summary["skipped"].append(f"channel/{k}")
+            continue
         writer.add_histogram(f"channel/{k}", r.weights.cpu(), step)
         summary["histograms"].append(f"channel/{k}")
         about[f"channel/{k}"] = f"histogram of the channel gate values of {k} over the probe images (sigmoid, 0-1)"
