@@ -4,9 +4,10 @@ attention maps on your own pictures.
 Every image (any size; RGB, RGBA, greyscale, palette) is resized to the model's input size
 (``data.image_size`` of the checkpoint's run), all of them go through one eval forward pass under
 :func:`visattn.maps.record_attention`, and for each image the tool writes one PNG per attention layer that
-has a spatial map (spatial gates, token attention, pooling weights; plus ``rollout`` when the model's token
-layers lie on one grid): the picture beside its overlay, at its own aspect ratio, upscaled by ``--scale``,
-with the predicted class and its confidence written above. ``predictions.json`` lists every image's
+has a spatial map (spatial gates, token attention, pooling weights; plus ``rollout`` for the last run of
+token layers on one grid): the picture beside its overlay, at its own aspect ratio, upscaled by ``--scale``,
+with the predicted class and its confidence, the layer and the map's range and peakedness written above and
+the colour bar below. ``predictions.json`` lists every image's
 prediction and the files made from it. Channel attention (SE, ECA, CBAM's channel gate) has no spatial
 layout and draws nothing.
 
@@ -17,9 +18,10 @@ layout and draws nothing.
 ``data.root``, or ``--data``; one per class in turn, the trainer's probe batch, or the first N with
 ``--pick first``) exactly as TensorBoard shows them: one grid per ``maps/`` or
 ``matrix/`` tag, written by the same code as the training logger (``log_attention_maps``), with the true
-and predicted class above each row. The README's pictures are made this way.
+and predicted class above each image, and the tags' one-line descriptions (TensorBoard's text tab) in
+``descriptions.md``. The README's pictures are made this way.
 
-    DIR/maps__<layer>.png, DIR/maps__rollout.png, DIR/matrix__<layer>.png
+    DIR/maps__<layer>.png, DIR/maps__rollout.png, DIR/matrix__<layer>.png, DIR/descriptions.md
 
 ``--faithfulness N`` prints the faithfulness table (:func:`visattn.faithfulness`) of N held-out images:
 per map, the deletion and insertion areas and scores against random orders with bootstrap intervals, the
@@ -279,14 +281,22 @@ def validation_grids(checkpoint: str, count: int, out_dir: str, data: Optional[s
 
 
 def faithfulness_table(checkpoint: str, count: int, data: Optional[str] = None, device: str = "auto",
-                       pick: str = "spread", out_dir: Optional[str] = None, **options: Any) -> Any:
-    """:func:`visattn.faithfulness` on ``count`` held-out images with their true labels; ``options`` go to it
-    (``steps``, ``regions``, ``fill``, ``draws``, ``batch_size``, ``seed``). Writes ``faithfulness.json`` into
-    ``out_dir`` when given. Returns the report."""
+                       pick: str = "spread", out_dir: Optional[str] = None, precision: Optional[str] = None,
+                       **options: Any) -> Any:
+    """:func:`visattn.faithfulness` on ``count`` held-out images with their true labels, under the run's
+    precision (or ``precision``); ``options`` go to it (``steps``, ``regions``, ``fill``, ``draws``,
+    ``batch_size``, ``seed``, ``names``). Writes ``faithfulness.json`` into ``out_dir`` when given. Returns
+    the report."""
+    from . import engine
     from .maps.faithful import faithfulness
 
     model, cfg, classes, x, y = heldout_batch(checkpoint, count, data, device, pick)
-    report = faithfulness(model, x, y, **options)
+    precision = engine.resolve_precision(precision or cfg.precision, x.device)
+    try:
+        with engine.autocast(x.device, precision):  # as the run evaluated: bf16 and channels-last are 2-3x faster
+            report = faithfulness(model, x, y, **options)
+    except ValueError as e:  # an unknown map name
+        raise ConfigError(f"--maps: {e}") from None
     if not report.rows:
         raise VisattnError(f"model {cfg.model.name!r} has no map to score")
     if out_dir is not None:
@@ -371,14 +381,18 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--fill", choices=["mean", "blur"], default="mean", help="what replaces a deleted square")
     f.add_argument("--draws", type=int, default=3, help="random orders per image")
     f.add_argument("--batch-size", type=int, default=256)
+    f.add_argument("--maps", nargs="+", default=None, metavar="NAME",
+                   help="score only these maps (e.g. rollout layers.2.units.0.attn.spatial); default: all")
+    f.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default=None,
+                   help="default: the run's precision")
     return p
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.faithfulness is not None:
         report = faithfulness_table(args.checkpoint, args.faithfulness, args.data, args.device, args.pick, args.out,
-                                    steps=args.steps, regions=args.regions, fill=args.fill, draws=args.draws,
-                                    batch_size=args.batch_size)
+                                    args.precision, steps=args.steps, regions=args.regions, fill=args.fill,
+                                    draws=args.draws, batch_size=args.batch_size, names=args.maps)
         print(f"{args.checkpoint}:\n{report.table()}")
         return 0
     if args.out is None:

@@ -85,7 +85,17 @@ class FaithfulnessReport:
         return next(r for r in self.rows if r.name == name)
 
     def as_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        """Plain data (JSON-ready: an undefined rho is None, not NaN)."""
+        def clean(v: Any) -> Any:
+            if isinstance(v, float) and math.isnan(v):
+                return None
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [clean(x) for x in v]
+            return v
+
+        return clean(asdict(self))
 
     def table(self) -> str:
         pct = f"{self.confidence:.0%}"
@@ -315,7 +325,8 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
                  maps: Optional[Sequence[LayerMap]] = None, extra_maps: Optional[Dict[str, Any]] = None,
                  steps: int = 16, regions: int = 8, fill: str = "mean", draws: int = 3,
                  baselines: Sequence[str] = BASELINES, sanity: bool = True, bootstrap_draws: int = 1000,
-                 confidence: float = 0.95, batch_size: int = 256, seed: int = 0) -> FaithfulnessReport:
+                 confidence: float = 0.95, batch_size: int = 256, seed: int = 0,
+                 names: Optional[Sequence[str]] = None) -> FaithfulnessReport:
     """Deletion/insertion faithfulness of every attention map of ``model`` on ``images`` (normalised model
     input ``(B, C, H, W)``) for ``labels`` (``(B,)``; default: the model's own predictions).
 
@@ -323,7 +334,8 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
     ``extra_maps``: more, by name (``(B, h, w)`` tensors stretched over the image, or ``LayerMap``s);
     ``baselines``: gradient baselines to add (:data:`BASELINES`); ``sanity``: run the model-randomisation
     check. ``steps`` deletion steps over ``regions x regions`` squares; ``draws`` random orders per image;
-    ``fill``: ``"mean"`` (the images' mean colour) or ``"blur"``. The model is run in eval mode; its
+    ``fill``: ``"mean"`` (the images' mean colour) or ``"blur"``; ``names``: score only the maps with these
+    names (baselines aside). The model is run in eval mode (under the caller's autocast, if any); its
     train/eval flags, weights and gradients are left as they were.
     """
     if fill not in FILLS:
@@ -339,6 +351,11 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
     labels = labels.to(x.device).long()
     image_hw = tuple(x.shape[-2:])
     maps = list(attention_maps(model, x) if maps is None else maps) + _as_maps(extra_maps, image_hw)
+    if names is not None:
+        unknown = set(names) - {m.name for m in maps}
+        if unknown:
+            raise ValueError(f"no map named {', '.join(sorted(unknown))}; maps: {', '.join(m.name for m in maps)}")
+        maps = [m for m in maps if m.name in set(names)]
     maps += [g for g in (gradient_map(model, x, labels, b) for b in baselines) if g is not None]
     scorer = _Scorer(model, x, labels, fill, regions, steps, batch_size)
     gen = torch.Generator().manual_seed(seed)
