@@ -206,7 +206,8 @@ def _write_predictions(out: Path, checkpoint: str, cfg: Any, model: torch.nn.Mod
     if not maps:
         taps = find_taps(model)
         kinds = sorted({t.kind for _, t in taps})
-        why = "has no attention layers" if not taps else f"has only {'/'.join(kinds)} attention, which has no spatial map"
+        why = ("has no attention layers" if not taps
+               else f"has only {'/'.join(kinds)} attention, which has no spatial map")
         raise VisattnError(f"model {cfg.model.name!r} {why}: wrote {out / 'predictions.json'} and no maps")
     return result
 
@@ -362,7 +363,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--images", nargs="+", help="image files (any size; RGB, RGBA, greyscale)")
     src.add_argument("--validation", type=int, metavar="N", help="N images of the run's held-out split")
     src.add_argument("--faithfulness", type=int, metavar="N", help="print the faithfulness table of N held-out images")
-    p.add_argument("--out", default=None, help="folder for the PNGs (and JSON); created (required but for --faithfulness)")
+    p.add_argument("--out", default=None,
+                   help="folder for the PNGs (and JSON); created (required but for --faithfulness)")
     p.add_argument("--data", default=None, help="--validation/--faithfulness: dataset path or 'synthetic' "
                                                 "(default: the run's data.root)")
     p.add_argument("--pick", choices=["first", "spread"], default="spread",
@@ -370,7 +372,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--head-maps", choices=["all", "last", "none"], default="last",
                    help="--validation: class-token layers that also get a picture per head")
     p.add_argument("--map-norm", choices=list(NORMS), default="fixed",
-                   help="fixed: each map kind on its declared scale (default); per_image: stretched to each map's range")
+                   help="fixed: each map kind on its declared scale (default); "
+                        "per_image: stretched to each map's range")
     p.add_argument("--alpha", type=float, default=0.5, help="weight of the colour map in the overlay, 0 to 1")
     p.add_argument("--scale", type=int, default=4, help="upscaling of the model's input size for display (32 px * 4)")
     p.add_argument("--colormap", default="jet", help=f"one of {', '.join(COLORMAPS)}")

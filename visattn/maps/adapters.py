@@ -146,7 +146,10 @@ def _mha_inputs(m: nn.MultiheadAttention, args: tuple, kwargs: dict):
 def _mha_weights(m: nn.MultiheadAttention, args: tuple, kwargs: dict) -> torch.Tensor:
     q_in, k_in, key_padding, mask = _mha_inputs(m, args, kwargs)
     e, h = m.embed_dim, m.num_heads
-    w_q, w_k = (m.in_proj_weight[:e], m.in_proj_weight[e : 2 * e]) if m._qkv_same_embed_dim else (m.q_proj_weight, m.k_proj_weight)
+    if m._qkv_same_embed_dim:
+        w_q, w_k = m.in_proj_weight[:e], m.in_proj_weight[e : 2 * e]
+    else:
+        w_q, w_k = m.q_proj_weight, m.k_proj_weight
     b_q, b_k = (m.in_proj_bias[:e], m.in_proj_bias[e : 2 * e]) if m.in_proj_bias is not None else (None, None)
     with torch.autocast(q_in.device.type, enabled=False):
         q = F.linear(q_in.float(), w_q.float(), None if b_q is None else b_q.float())  # (L, B, E)
@@ -198,7 +201,7 @@ def add_taps(model: nn.Module) -> List[Tuple[str, AttentionTap]]:
             ad = _Adapter(AttentionTap("token"), prefix, grid)
             if isinstance(m, nn.MultiheadAttention):
                 _mha_hooks(m, ad)
-            elif isinstance(getattr(m, "q_norm", None), nn.Module) and isinstance(getattr(m, "k_norm", None), nn.Module):
+            elif all(isinstance(getattr(m, n, None), nn.Module) for n in ("q_norm", "k_norm")):
                 _timm_hooks(m, ad)
             else:
                 continue

@@ -77,7 +77,8 @@ def colour_bar(width: int, scale: str, norm: str = "fixed", colormap: str = "jet
     h = LINE_H + bar_h + 4 + LINE_H
     canvas = _canvas(h, width)
     pos = torch.linspace(0, 1, bar_w)
-    canvas[LINE_H : LINE_H + bar_h, pad : pad + bar_w] = (colorize(pos, colormap).numpy() * 255).round().astype(np.uint8)[None]
+    rgb = (colorize(pos, colormap).numpy() * 255).round().astype(np.uint8)  # (bar_w, 3)
+    canvas[LINE_H : LINE_H + bar_h, pad : pad + bar_w] = rgb[None]
     texts = [(pad, 0, fit_text("colour: " + scale_title(scale, norm), bar_w), DIM, FONT_SIZE - 1)]
     for t, label in ticks(scale, norm):
         x = pad + int(round(t * (bar_w - 1)))
@@ -184,5 +185,6 @@ def map_picture(base: torch.Tensor, layer_map, image_hw: Sequence[int], labels: 
     return cells_picture(cells, lambda w: colour_bar(w, layer_map.scale, norm, colormap), max_width)
 
 
-__all__ = ["hwc", "map_picture", "BG", "COL_GAP", "DIM", "GAP", "LINE_H", "MAX_WIDTH", "RIGHT", "TEXT", "WRONG", "cells_picture",
+__all__ = ["hwc", "map_picture", "BG", "COL_GAP", "DIM", "GAP", "LINE_H", "MAX_WIDTH", "RIGHT", "TEXT", "WRONG",
+           "cells_picture",
            "colour_bar", "fit_text", "font", "label_lines", "matrix_picture", "text_width"]

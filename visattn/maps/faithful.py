@@ -101,8 +101,10 @@ class FaithfulnessReport:
         pct = f"{self.confidence:.0%}"
         lines = [f"faithfulness on {self.images} images: {self.regions}x{self.regions} regions in {self.steps} steps, "
                  f"fill {self.fill}, {self.draws} random orders per image; scores with {pct} bootstrap intervals",
-                 f"random order: deletion area {self.random_deletion_auc:.3f}, insertion area {self.random_insertion_auc:.3f}",
-                 f"{'map':<34}{'del. area':>10}{'deletion score':>26}{'ins. area':>10}{'insertion score':>26}{'sanity rho':>11}"]
+                 f"random order: deletion area {self.random_deletion_auc:.3f}, "
+                 f"insertion area {self.random_insertion_auc:.3f}",
+                 f"{'map':<34}{'del. area':>10}{'deletion score':>26}{'ins. area':>10}{'insertion score':>26}"
+                 f"{'sanity rho':>11}"]
         for r in self.rows:
             rho = "-" if r.sanity_rho is None or math.isnan(r.sanity_rho) else f"{r.sanity_rho:.2f}"
             lines.append(f"{r.name[-34:]:<34}{r.deletion_auc:>10.3f}{str(r.deletion_score):>26}{r.insertion_auc:>10.3f}"
@@ -131,7 +133,8 @@ def _region_scores(pixel_map: torch.Tensor, regions: int) -> torch.Tensor:
 
 def _ranks(scores: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """Rank of each region (0 = first removed), highest score first; ties broken at random."""
-    jitter = torch.rand(scores.shape, generator=gen).to(scores.device) * 1e-6 * (scores.abs().amax(1, keepdim=True) + 1e-12)
+    size = scores.abs().amax(1, keepdim=True) + 1e-12
+    jitter = torch.rand(scores.shape, generator=gen).to(scores.device) * 1e-6 * size
     order = (scores.float() + jitter).argsort(dim=1, descending=True)
     return order.argsort(dim=1)
 
@@ -378,7 +381,8 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
                               float(auc(rnd_ins).mean()), rnd_del.mean(0).tolist(), rnd_ins.mean(0).tolist())
 
 
-def _sanity(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, maps: Sequence[LayerMap], seed: int) -> Dict[str, float]:
+def _sanity(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, maps: Sequence[LayerMap],
+            seed: int) -> Dict[str, float]:
     """Spearman rho between each map and the same map of a re-initialised copy of the model."""
     twin = _reinitialised(model, seed + 1)
     theirs = {m.name: m for m in attention_maps(twin, x)}

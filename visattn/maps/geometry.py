@@ -161,7 +161,8 @@ def _op_of(name: str, args: tuple, kwargs: dict) -> Optional[Tuple[ConvGeometry,
         k = tuple(w.shape[-2:])
         if isinstance(pad, str):  # "valid" or "same" (stride 1; the extra pixel of an even span goes after)
             total = [0, 0] if pad == "valid" else [dil[a] * (k[a] - 1) for a in range(2)]
-            return ConvGeometry(k, 1, (total[0] // 2, total[1] // 2), dil), (total[0] - total[0] // 2, total[1] - total[1] // 2), False
+            before = (total[0] // 2, total[1] // 2)
+            return ConvGeometry(k, 1, before, dil), (total[0] - before[0], total[1] - before[1]), False
         return ConvGeometry(k, _arg(args, kwargs, 3, "stride", 1), pad, dil), None, False
     if name in ("max_pool2d", "max_pool2d_with_indices", "avg_pool2d"):
         k = _arg(args, kwargs, 1, "kernel_size", 1)
@@ -313,7 +314,8 @@ def place(values: torch.Tensor, geometry: GridGeometry, out_hw: Sequence[int],
 
     Output pixel ``(Y, X)`` shows input position ``((Y + 0.5) * H / H' - 0.5, ...)``; its value is the
     bilinear interpolation between the cell centres around it (mirrored past the outer centres, so a hot
-    edge cell peaks at its centre). ``covered`` is False where no cell's tile (``stride`` wide around its centre) reaches.
+    edge cell peaks at its centre). ``covered`` is False where no cell's tile (``stride`` wide around its
+    centre) reaches.
     ``image_hw``: the input's size (default: the geometry's own image, i.e. ``out_hw``).
     """
     b, h, w = values.shape

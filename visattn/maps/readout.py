@@ -97,7 +97,8 @@ def _owner(model: Optional[nn.Module], name: str) -> str:
 
 def _describe(kind: str, owner: str, scale: str, geometry: GridGeometry, extra: str = "") -> str:
     what = {
-        "spatial": f"spatial map of {owner}" + (" (softmax over positions)" if scale == "relative" else " (sigmoid gate per position)"),
+        "spatial": f"spatial map of {owner}"
+        + (" (softmax over positions)" if scale == "relative" else " (sigmoid gate per position)"),
         "token": f"attention of {owner}{extra}",
         "pool": f"attention-pooling weights of {owner} over the tokens",
         "head": f"class-token attention of one head of {owner}",
@@ -163,16 +164,16 @@ class _Reader:
             heat = attention_rollout(layers, num_prefix_tokens=p, readout=readout, grid=grid)
         except ValueError:
             return None
-        how = {"cls": "the class token", "mean": "the mean over tokens"}.get(readout if isinstance(readout, str) else "",
-                                                                             "the sequence-pooling weights")
+        how = {"cls": "the class token", "mean": "the mean over tokens"}.get(
+            readout if isinstance(readout, str) else "", "the sequence-pooling weights")
         geo = self.geometry(heat.shape[-2:], layers[0].name, 0)
         # the share of the flow that comes from the grid tokens (prefix tokens' own share left out), so a
         # model that attends uniformly gives exactly x1 everywhere
         heat = heat / heat.flatten(1).sum(1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
         cells = int(heat.shape[-1] * heat.shape[-2])
         return LayerMap("rollout", "rollout", heat, "relative", cells, geo,
-                        _describe("rollout", "", "relative", geo, f" through {len(layers)} layer(s), read out by {how}; "
-                                  "the grid's share of the flow"))
+                        _describe("rollout", "", "relative", geo,
+                                  f" through {len(layers)} layer(s), read out by {how}; the grid's share of the flow"))
 
 
 def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = None,

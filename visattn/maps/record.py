@@ -134,8 +134,10 @@ def _record_name(path: str) -> str:
 
 def _declare_scales(model: nn.Module) -> None:
     """Spatial maps that are a softmax over positions are read relative to uniform (GC's context pooling)."""
-    from ..attention.channel import GlobalContext
-
+    try:
+        from ..attention.channel import GlobalContext
+    except ImportError:  # the block moved: it then declares its scale itself
+        return
     for m in model.modules():
         if isinstance(m, GlobalContext) and isinstance(getattr(m, "tap", None), AttentionTap) and m.tap.scale is None:
             m.tap.scale = "relative"

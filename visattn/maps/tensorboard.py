@@ -57,7 +57,8 @@ def _matrix(writer: Any, r: AttentionRecord, name: str, step: int, caption: List
     w = r.weights[0].mean(0)  # (Nq, Nk), first probe image, mean over heads
     tag = f"matrix/{name}"
     if not torch.isfinite(w).all():
-        warnings.warn(f"log_attention_maps: {tag} has NaN or inf weights at step {step}; picture skipped", RuntimeWarning)
+        warnings.warn(f"log_attention_maps: {tag} has NaN or inf weights at step {step}; picture skipped",
+                      RuntimeWarning)
         summary["skipped"].append(tag)
         return
     unit = to_unit(w[None], "relative", int(w.shape[-1]), norm)[0]
@@ -143,7 +144,8 @@ def log_attention_maps(
                           RuntimeWarning)
             summary["skipped"].append(lm.name)
             continue
-        writer.add_image(lm.tag, map_picture(base, lm, (h, w), captions, norm, colormap, alpha), step, dataformats="HWC")
+        picture = map_picture(base, lm, (h, w), captions, norm, colormap, alpha)
+        writer.add_image(lm.tag, picture, step, dataformats="HWC")
         summary["images"].append(lm.tag)
         about[lm.tag] = lm.description
     for k, r in _matrix_records(rec.records):
