@@ -197,3 +197,21 @@ def test_place_covers_only_what_cells_see():
     out, covered = place(values, geo, (32, 32))
     assert covered[:25, :25].all() and not covered[25:, :].any() and not covered[:, 25:].any()
     assert divmod(int(out[0].argmax()), 32) == (20, 12)
+
+
+class UnfoldTokens(nn.Module):
+    """Patches cut with F.unfold (followed), after a Tensor.unfold that is not a patching at all (ignored)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = visattn.create_attention("mhsa", 48, num_heads=2, grid=(7, 7))
+
+    def forward(self, x):  # (B, 3, 32, 32)
+        _ = x.unfold(2, 3, 1)  # a sliding window along rows: (B, 3, 30, 32, 3), no grid of its own
+        tokens = nn.functional.unfold(x, kernel_size=8, stride=4, padding=0).transpose(1, 2)  # (B, 49, 192)
+        return self.attn(tokens[..., :48]).mean(1)
+
+
+def test_functional_unfold_patches_are_followed():
+    geo = trace_geometry(UnfoldTokens(), (3, 32, 32)).lookup((7, 7), "attn", 0)
+    assert geo.exact and geo.stride == (4, 4) and geo.offset == (3.5, 3.5) and geo.field == (8, 8)

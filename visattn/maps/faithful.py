@@ -182,6 +182,7 @@ class _Scorer:
         """Deletion and insertion curves ``(B, steps + 1)`` for region ranks ``(B, regions**2)``."""
         dels, ins = [], []
         b = self.x.shape[0]
+        ranks = ranks.to(self.x.device)  # maps are read out on the CPU (records are copied there)
         for t in range(self.steps + 1):
             k = round(t * self.n_regions / self.steps)
             gone = (ranks < k).float()  # (B, R*R): regions removed by step t
@@ -368,14 +369,14 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
     rnd_ins = torch.stack([r[1] for r in rnd]).mean(0)
     rhos = _sanity(model, x, labels, maps, seed) if sanity else {}
     rows = []
-    for i, lm in enumerate(maps):
+    for lm in maps:
         if not lm.finite():
             continue
         d, ins = scorer.curves(_ranks(_region_scores(_placed(lm, image_hw), regions), gen))
         rows.append(FaithfulnessRow(
             lm.name, lm.kind, float(auc(d).mean()), float(auc(ins).mean()),
-            bootstrap(auc(rnd_del) - auc(d), bootstrap_draws, confidence, seed + i),
-            bootstrap(auc(ins) - auc(rnd_ins), bootstrap_draws, confidence, seed + i),
+            bootstrap(auc(rnd_del) - auc(d), bootstrap_draws, confidence, seed),  # the same resamples for every map
+            bootstrap(auc(ins) - auc(rnd_ins), bootstrap_draws, confidence, seed),
             rhos.get(lm.name) if sanity else None, d.mean(0).tolist(), ins.mean(0).tolist()))
     return FaithfulnessReport(rows, x.shape[0], steps, regions, fill, draws, confidence, float(auc(rnd_del).mean()),
                               float(auc(rnd_ins).mean()), rnd_del.mean(0).tolist(), rnd_ins.mean(0).tolist())

@@ -197,8 +197,11 @@ class _Tracer(TorchFunctionMode):
         if self.quiet:
             return out
         x = args[0] if args else kwargs.get("input")
+        name = getattr(func, "__name__", "")
+        if name == "unfold" and func is not torch.nn.functional.unfold:
+            return out  # Tensor.unfold (a sliding window along one dim) is not F.unfold (im2col)
         if isinstance(x, torch.Tensor) and x.dim() == 4:
-            found = _op_of(getattr(func, "__name__", ""), args, kwargs)
+            found = _op_of(name, args, kwargs)
             if found is not None:
                 self.step(tuple(x.shape[-2:]), *found)
         return out
@@ -288,9 +291,11 @@ def trace_geometry(model: nn.Module, input_shape: Sequence[int]) -> GeometryTrac
 
     The result is cached per model and input shape.
     """
+    from .adapters import add_taps
     from .record import probe_mode, tap_sinks, unwrap_model
 
     base = unwrap_model(model)
+    add_taps(base)
     shape = tuple(int(s) for s in input_shape[-3:])
     cached = _CACHE.setdefault(base, {})
     if shape in cached:
