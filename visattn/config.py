@@ -153,8 +153,8 @@ class LogConfig(_Section):
     probe_size: int = Field(8, ge=1, le=64)  # validation images in the fixed probe batch
     map_scale: int = Field(2, ge=1, le=16)  # upscale factor of the overlay pictures (2: two probe images a row)
     map_norm: Literal["fixed", "per_image"] = "fixed"  # colour scale: each map kind's fixed scale, or per-image stretch
-    # also log the probe's deletion/insertion scores (faithfulness/ scalars); extra forward passes: a few
-    # seconds per logging epoch on a CPU for the CNN recipes, ~10 s for vit_tiny
+    # also log the probe's deletion/insertion scores (faithfulness/ scalars); extra forward passes, in
+    # seconds per logging epoch on 2 CPU threads: ~5-9 s for the CNN recipes, ~25 s for vit_tiny
     faithfulness: bool = False
     # class-token layers that also get one maps/<layer>/cls_head<i> image per head: each is a PNG encode, and
     # "all" on a 9-layer, 12-head ViT adds 108 of them (~40 s) to every logging epoch on a CPU
