@@ -37,7 +37,7 @@ from visattn import engine
 from visattn.config import Config, load_config
 from visattn.data import ImageSet, Placement, TensorLoader, load_splits, normalize
 from visattn.errors import DataError
-from visattn.maps import record_attention
+from visattn.maps import read_maps, record_attention
 from visattn.models import create_model
 from visattn.trainer import log_maps
 
@@ -72,7 +72,7 @@ def build(cfg: Config, train_images: ImageSet) -> torch.nn.Module:
 def has_class_token_layers(model: torch.nn.Module, probe: torch.Tensor) -> bool:
     with torch.no_grad(), record_attention(model) as rec:
         model.eval()(probe[:1])
-    return any(r.kind == "token" and r.num_prefix_tokens > 0 for r in rec.records)
+    return any(m.kind == "head" for m in read_maps(rec.records, model, probe[:1].shape, head_maps="last"))
 
 
 def epoch_overhead(cfg: Config, steps: int, repeats: int) -> Tuple[List[Dict[str, Any]], str]:

@@ -18,8 +18,10 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
     HISTOGRAMS,
     IMAGES,
     SCALARS,
+    TENSORS,
     EventAccumulator,
 )
+from test_maps_tensorboard import has_colour_bar  # noqa: E402
 
 from visattn.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from visattn.config import build_config, read_yaml  # noqa: E402
@@ -27,6 +29,7 @@ from visattn.data import load_splits, normalize  # noqa: E402
 from visattn.errors import ConfigError  # noqa: E402
 from visattn.evaluate import load_model_from_checkpoint  # noqa: E402
 from visattn.maps import find_taps  # noqa: E402
+from visattn.maps.draw import LINE_H  # noqa: E402
 from visattn.maps.overlay import images_to_float, to_uint8  # noqa: E402
 from visattn.models import create_model  # noqa: E402
 from visattn.trainer import run  # noqa: E402
@@ -62,7 +65,7 @@ def train(run_dir: Path, model: dict, epochs: int = 2, **log):
 
 
 def read_events(run_dir: Path) -> EventAccumulator:
-    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={IMAGES: 0, HISTOGRAMS: 0, SCALARS: 0})
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={IMAGES: 0, HISTOGRAMS: 0, SCALARS: 0, TENSORS: 0})
     acc.Reload()
     return acc
 
@@ -119,6 +122,11 @@ def test_trainer_logs_every_layer_each_epoch(cnn_run):
     for tag in ("train/loss", "train/acc", "val/loss", "val/acc", "train/images_per_s"):
         assert [e.step for e in acc.Scalars(tag)] == [1, 2], tag
     assert "train/lr_epoch" in tags["scalars"] and len(acc.Scalars("train/lr_epoch")) == 2
+    assert not any(t.startswith("faithfulness/") for t in tags["scalars"])  # log.faithfulness is off by default
+    about = acc.Tensors("maps/descriptions/text_summary")
+    assert [e.step for e in about] == [1, 2]
+    text = about[-1].tensor_proto.string_val[0].decode()
+    assert all(f"`{t}`" in text for t in expected_images | expected_hists)  # a line for every tag
     assert all(np.isfinite(e.value) for t in tags["scalars"] for e in acc.Scalars(t))
 
 
@@ -152,8 +160,13 @@ def test_probe_is_the_same_validation_images_every_epoch(cnn_run):
 
 def test_vit_run_logs_class_token_maps_and_rollout(tmp_path):
     run_dir = tmp_path / "run"
-    train(run_dir, VIT)  # log.head_maps defaults to "last"
+    train(run_dir, VIT, faithfulness=True)  # log.head_maps defaults to "last"
     acc = read_events(run_dir)
+    scored = {"blocks.0.attn", "blocks.1.attn", "rollout"}  # maps, not single heads
+    faithful = {f"faithfulness/{m}/{w}" for m in scored for w in ("deletion", "insertion")}
+    assert faithful <= set(acc.Tags()["scalars"])
+    assert all([e.step for e in acc.Scalars(t)] == [1, 2] for t in faithful)
+    assert "maps/descriptions/text_summary" in acc.Tags()["tensors"]
     images = set(acc.Tags()["images"])
     blocks = sorted(tap_kinds(VIT))
     assert blocks == ["blocks.0.attn", "blocks.1.attn"]
@@ -222,11 +235,14 @@ def test_visualize_cli_writes_maps_and_predictions(cnn_run, user_images, tmp_pat
             png = Image.open(out / fname)
             assert png.format == "PNG" and png.mode == "RGB"
             pic = np.asarray(png)
-            # caption, then the picture at its own aspect (longer side 128) beside its overlay
+            # caption (prediction, layer, the map's range), then the picture at its own aspect (longer side 128)
+            # beside its overlay, then the colour bar
             assert pic.shape[1] == 2 * TILE + 2
-            assert 0 < pic.shape[0] - display_hw[0] <= 60
-            left = pic[-display_hw[0] :, : display_hw[1]].astype(int)
-            right = pic[-display_hw[0] :, TILE + 2 : TILE + 2 + display_hw[1]].astype(int)
+            top = 3 * LINE_H + 2
+            assert 0 < pic.shape[0] - top - display_hw[0] <= 60
+            assert has_colour_bar(pic[top + display_hw[0] :])
+            left = pic[top : top + display_hw[0], : display_hw[1]].astype(int)
+            right = pic[top : top + display_hw[0], TILE + 2 : TILE + 2 + display_hw[1]].astype(int)
             assert np.abs(left - right).mean() > 5  # the overlay is coloured
             if entry["mode"] == "L":
                 assert (left[..., 0] == left[..., 1]).all() and (left[..., 1] == left[..., 2]).all()
@@ -300,3 +316,21 @@ def test_visualize_model_without_attention_writes_predictions_only(cnn_run, user
     assert len(result["images"]) == 2 and all(e["maps"] == {} for e in result["images"])
     assert all(e["pred"] in result["classes"] for e in result["images"])
     assert not list(out.glob("*.png"))
+
+
+def test_faithfulness_command_prints_the_table(cnn_run, tmp_path, capsys):
+    _, run_dir = cnn_run
+    args = ["--checkpoint", str(run_dir / "best.pt"), "--faithfulness", "4", "--data", "synthetic", "--device", "cpu",
+            "--steps", "2", "--regions", "2", "--draws", "1", "--batch-size", "64"]
+    assert visualize_main(args + ["--out", str(tmp_path / "f")]) == 0
+    out = capsys.readouterr().out
+    maps = [n for n, k in tap_kinds(CNN).items() if k != "channel"] + ["rollout", "input_x_gradient", "gradcam"]
+    rows = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in maps]
+    assert rows == maps  # one row per map, the baselines last
+    doc = json.loads((tmp_path / "f" / "faithfulness.json").read_text())
+    assert doc["images"] == 4 and [r["name"] for r in doc["rows"]] == maps
+    assert all(len(r["deletion_curve"]) == 3 and "sanity_rho" in r for r in doc["rows"])
+    assert "NaN" not in (tmp_path / "f" / "faithfulness.json").read_text()  # strict JSON
+    assert visualize_main(args + ["--maps", "rollout", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --maps: no map named nope")

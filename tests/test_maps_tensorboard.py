@@ -1,4 +1,5 @@
-"""log_attention_maps: the tags it writes, read back with TensorBoard's own reader, and a probe that
+"""log_attention_maps: the tags it writes, read back with TensorBoard's own reader, pictures that fit the
+default card and carry their colour bar, descriptions in the text tab, NaN maps skipped, and a probe that
 leaves the model as it found it. Tiny models with their own taps, independent of the real blocks."""
 import copy
 import io
@@ -15,12 +16,15 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
     HISTOGRAMS,
     IMAGES,
+    SCALARS,
+    TENSORS,
     EventAccumulator,
 )
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 from visattn.attention.tap import AttentionTap  # noqa: E402
-from visattn.maps import log_attention_maps  # noqa: E402
+from visattn.maps import colorize, log_attention_maps  # noqa: E402
+from visattn.maps.draw import LINE_H, MAX_WIDTH  # noqa: E402
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 CLASSES = ["plane", "car", "bird"]
@@ -106,9 +110,25 @@ class TinyHybrid(nn.Module):
 
 
 def read_events(logdir):
-    acc = EventAccumulator(str(logdir), size_guidance={IMAGES: 0, HISTOGRAMS: 0})
+    acc = EventAccumulator(str(logdir), size_guidance={IMAGES: 0, HISTOGRAMS: 0, SCALARS: 0, TENSORS: 0})
     acc.Reload()
     return acc
+
+
+def has_colour_bar(picture: np.ndarray, colormap: str = "jet") -> bool:
+    """Some row holds the whole colour map, cold to hot, over at least 150 pixels."""
+    lut = colorize(torch.linspace(0, 1, 256), colormap) * 255
+    for row in picture[::-1]:  # the bar sits at the bottom
+        d = torch.cdist(torch.tensor(row, dtype=torch.float32), lut)
+        dist, idx = d.min(1)
+        run = idx[dist < 2]
+        if len(run) >= 150 and run[0] <= 2 and run[-1] >= 253 and bool((run.diff() >= 0).all()):
+            return True
+    return False
+
+
+def descriptions(acc) -> str:
+    return acc.Tensors("maps/descriptions/text_summary")[-1].tensor_proto.string_val[0].decode()
 
 
 def decode(event):
@@ -143,23 +163,74 @@ def test_logs_expected_tags_legibly(tmp_path):
     assert set(summary["images"]) == expected and summary["histograms"] == ["channel/channel"]
     assert acc.Histograms("channel/channel")[0].step == 7
 
-    # 16x32 images at scale 4: rows of original + overlay, 64x128 each, side by side.
-    for tag in expected - {"matrix/blocks.0", "matrix/blocks.1"}:
+    # 16x32 images at scale 2 (32x64 tiles): cells of original + overlay, 130 px, two to a row: 266 px wide
+    for tag in expected:
         ev = acc.Images(tag)[0]
         assert ev.step == 7
-        assert ev.width == 2 * 128 + 2
-        assert 3 * 64 < ev.height < 3 * 64 + 3 * 40
-    matrix = acc.Images("matrix/blocks.0")[0]
-    assert matrix.width >= 256  # 33 tokens upscaled to at least 256 px
+        assert ev.width <= MAX_WIDTH  # fits TensorBoard's default card without a scroll bar
+        picture = decode(ev)
+        assert has_colour_bar(picture), tag
+        if tag.startswith("maps/"):
+            assert ev.width == 2 * 130 + 6
+            assert 2 * 32 < ev.height < 2 * 32 + 2 * 60 + 60
+    about = descriptions(acc)
+    for tag in expected | {"channel/channel"}:
+        assert f"| `{tag}` |" in about, tag  # one line per tag in the text tab
+    assert "fixed 0-1" in about and "x uniform" in about
 
     grid = decode(acc.Images("maps/spatial")[0])
-    row_h = (grid.shape[0] + 6) // 3  # caption + tile + gap per probe image
     green = (grid[:, :, 1] > 180) & (grid[:, :, 0] < 160)
     red = (grid[:, :, 0] > 200) & (grid[:, :, 1] < 160) & (grid[:, :, 2] < 160)
-    # Captions sit above each row's tiles: image 0's in green (right), image 1's in red (wrong).
-    cap = row_h - 64 - 6
-    assert green[:cap].any() and not red[:cap].any()
-    assert red[row_h : row_h + cap].any()
+    # Captions sit above each cell's tiles: image 0's (left) in green (right), image 1's (right) in red (wrong).
+    cap = slice(0, LINE_H)
+    assert green[cap, :130].any() and not red[cap, :130].any()
+    assert red[cap, 136:].any()
+
+
+def test_matrix_has_axes_and_marks_the_class_token(tmp_path):
+    torch.manual_seed(0)
+    writer = SummaryWriter(str(tmp_path))
+    log_attention_maps(writer, TinyHybrid("cls"), probe_batch(b=1), None, 0)
+    writer.close()
+    pic = decode(read_events(tmp_path).Images("matrix/blocks.0")[0])
+    white = (pic == 255).all(-1)
+    rows = np.nonzero(white.sum(1) > 200)[0]
+    cols = np.nonzero(white.sum(0) > 100)[0]
+    assert len(rows) == 1 and len(cols) == 1  # the line after the class token's row and column
+    assert (pic[:, :14] != pic[0, 0]).any()  # the sideways "query token" label left of the matrix
+    assert has_colour_bar(pic)
+
+
+def test_nan_map_is_skipped_with_a_warning(tmp_path):
+    torch.manual_seed(0)
+    model = TinyHybrid("cls")
+    model.spatial.conv.bias.data.fill_(float("nan"))  # the spatial gate is NaN, and so is all that follows
+    writer = SummaryWriter(str(tmp_path))
+    with pytest.warns(RuntimeWarning) as caught:
+        summary = log_attention_maps(writer, model, probe_batch(b=2), None, 0, faithfulness=True)
+    writer.close()
+    messages = " ".join(str(w.message) for w in caught)
+    for name in ("maps/spatial", "maps/rollout", "matrix/blocks.0", "channel/channel"):
+        assert f"{name} has NaN or inf" in messages
+    assert summary["images"] == [] and summary["histograms"] == [] and summary["scalars"] == []
+    assert {"spatial", "rollout", "matrix/blocks.1", "channel/channel"} <= set(summary["skipped"])
+
+
+def test_per_image_norm_and_faithfulness_scalars(tmp_path):
+    torch.manual_seed(0)
+    model = TinyHybrid("seq")
+    writer = SummaryWriter(str(tmp_path))
+    summary = log_attention_maps(writer, model, probe_batch(b=2), torch.tensor([0, 2]), 3, norm="per_image",
+                                 faithfulness=True)
+    writer.close()
+    acc = read_events(tmp_path)
+    assert set(acc.Tags()["scalars"]) == set(summary["scalars"])
+    assert {"faithfulness/seq_pool/deletion", "faithfulness/rollout/insertion"} <= set(summary["scalars"])
+    assert all(np.isfinite(acc.Scalars(t)[0].value) and acc.Scalars(t)[0].step == 3 for t in summary["scalars"])
+    assert has_colour_bar(decode(acc.Images("maps/seq_pool")[0]))
+    assert "stretched per image" in descriptions(acc) or "per image" in str(summary)
+    with pytest.raises(ValueError, match="norm"):
+        log_attention_maps(writer, model, probe_batch(b=1), None, 0, norm="minmax")
 
 
 def test_probe_leaves_model_untouched(tmp_path):
@@ -202,6 +273,7 @@ def test_head_maps_option(tmp_path):
     model = TinyHybrid("cls")
     writer = SummaryWriter(str(tmp_path))
     last = log_attention_maps(writer, model, probe_batch(b=1), None, 0, scale=1, head_maps="last")
+    assert all(has_colour_bar(decode(e)) for t in ["maps/rollout"] for e in read_events(tmp_path).Images(t))
     none = log_attention_maps(writer, model, probe_batch(b=1), None, 0, scale=1, head_maps="none")
     writer.close()
     assert sorted(t for t in last["images"] if "cls_head" in t) == ["maps/blocks.1/cls_head0", "maps/blocks.1/cls_head1"]

@@ -70,6 +70,26 @@ def wait_for_tags(proc: subprocess.Popen, port: int, run_name: str, log_path: Pa
     pytest.fail(f"tensorboard served no image tags for run {run_name!r} within {DEADLINE_S:.0f} s ({last})")
 
 
+def text_of(proc: subprocess.Popen, port: int, run_name: str, prefix: str) -> str:
+    """The latest text summary whose tag starts with ``prefix`` (SummaryWriter appends "/text_summary"), as the
+    text plugin serves it; polled like the images, since plugins load independently."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        _, _, body = get(port, "/data/plugin/text/tags")
+        tags = [t for t in json.loads(body).get(run_name, []) if t.startswith(prefix)]
+        if tags:
+            _, _, body = get(port, "/data/plugin/text/text", run=run_name, tag=tags[0])
+            entries = json.loads(body)
+            if entries:
+                return entries[-1]["text"]
+        try:  # the pause between polls; returns at once if the server has died
+            proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            continue
+        pytest.fail(f"tensorboard exited with {proc.returncode}")
+    pytest.fail(f"tensorboard served no text for {prefix!r} within {DEADLINE_S:.0f} s")
+
+
 def test_tensorboard_serves_overlay_png(tmp_path):
     run_dir = tmp_path / "run"
     tree = read_yaml(ROOT / "configs" / "smoke.yaml")
@@ -99,9 +119,15 @@ def test_tensorboard_serves_overlay_png(tmp_path):
         assert status == 200 and ctype.startswith("image/png")
         assert png[:8] == PNG_SIGNATURE
         image = Image.open(io.BytesIO(png))
-        # two probe images: rows of the 32x32 original and its overlay, each drawn at 128x128
+        # two probe images: rows of the 32x32 original and its overlay, each drawn at 128x128, then the colour bar
         assert image.width == 2 * 128 + 2
-        assert 2 * 128 < image.height < 2 * 128 + 2 * 60
+        assert 2 * 128 < image.height < 2 * 128 + 2 * 60 + 60
+
+        # the text tab: one line per tag, saying what the map is and its scale
+        text = text_of(proc, port, "tb", "maps/descriptions")
+        for tag in overlays:
+            assert tag in text
+        assert "gate value, fixed 0-1" in text
     finally:
         proc.terminate()
         try:

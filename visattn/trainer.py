@@ -462,4 +462,5 @@ def log_maps(writer: Any, model: nn.Module, probe: Any, step: int, cfg: Config, 
     from .maps.tensorboard import log_attention_maps
 
     log_attention_maps(writer, model, probe[0], probe[1], step, cfg.data.mean, cfg.data.std, list(classes),
-                       scale=cfg.log.map_scale, head_maps=cfg.log.head_maps)
+                       scale=cfg.log.map_scale, head_maps=cfg.log.head_maps, norm=cfg.log.map_norm,
+                       faithfulness=cfg.log.faithfulness)

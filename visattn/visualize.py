@@ -4,9 +4,10 @@ attention maps on your own pictures.
 Every image (any size; RGB, RGBA, greyscale, palette) is resized to the model's input size
 (``data.image_size`` of the checkpoint's run), all of them go through one eval forward pass under
 :func:`visattn.maps.record_attention`, and for each image the tool writes one PNG per attention layer that
-has a spatial map (spatial gates, token attention, pooling weights; plus ``rollout`` when the model's token
-layers lie on one grid): the picture beside its overlay, at its own aspect ratio, upscaled by ``--scale``,
-with the predicted class and its confidence written above. ``predictions.json`` lists every image's
+has a spatial map (spatial gates, token attention, pooling weights; plus ``rollout`` for the last run of
+token layers on one grid): the picture beside its overlay, at its own aspect ratio, upscaled by ``--scale``,
+with the predicted class and its confidence, the layer and the map's range and peakedness written above and
+the colour bar below. ``predictions.json`` lists every image's
 prediction and the files made from it. Channel attention (SE, ECA, CBAM's channel gate) has no spatial
 layout and draws nothing.
 
@@ -17,9 +18,19 @@ layout and draws nothing.
 ``data.root``, or ``--data``; one per class in turn, the trainer's probe batch, or the first N with
 ``--pick first``) exactly as TensorBoard shows them: one grid per ``maps/`` or
 ``matrix/`` tag, written by the same code as the training logger (``log_attention_maps``), with the true
-and predicted class above each row. The README's pictures are made this way.
+and predicted class above each image, and the tags' one-line descriptions (TensorBoard's text tab) in
+``descriptions.md``. The README's pictures are made this way.
 
-    DIR/maps__<layer>.png, DIR/maps__rollout.png, DIR/matrix__<layer>.png
+    DIR/maps__<layer>.png, DIR/maps__rollout.png, DIR/matrix__<layer>.png, DIR/descriptions.md
+
+``--faithfulness N`` prints the faithfulness table (:func:`visattn.faithfulness`) of N held-out images:
+per map, the deletion and insertion areas and scores against random orders with bootstrap intervals, the
+gradient baselines and the model-randomisation check; with ``--out`` also ``faithfulness.json``.
+
+    python -m visattn.visualize --checkpoint RUN/best.pt --faithfulness 500 --data ../shared/data/...
+
+Maps are drawn on their kind's fixed colour scale with a colour bar (``--map-norm per_image`` stretches
+each map to its own range instead), each cell over the input pixels it sees.
 
 Problems are one ``error: ...`` line and a non-zero exit status: 2 for a missing or unreadable image, a bad
 checkpoint or a bad option; 1 for a model without spatial attention (its ``predictions.json`` is still
@@ -39,13 +50,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .attention.tap import AttentionRecord
 from .data import spread_indices
 from .errors import CheckpointError, ConfigError, DataError, VisattnError
-from .maps.overlay import COLORMAPS, overlay, to_uint8
-from .maps.record import _unwrap, find_taps, record_attention, spatial_heatmap
-from .maps.rollout import attention_rollout
-from .maps.tensorboard import _GAP, _TEXT, _compose, _font, _pool_mode, _rollout_layers
+from .maps.draw import DIM, GAP, TEXT, cells_picture, colour_bar, fit_text
+from .maps.overlay import COLORMAPS, blend, to_uint8
+from .maps.readout import LayerMap, read_maps
+from .maps.record import find_taps, probe_mode, record_attention
+from .maps.scale import NORMS, caption
 
 TOP_K = 3  # classes listed per image in predictions.json
 
@@ -97,46 +108,6 @@ def _chw(im: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(im, dtype=np.uint8)).permute(2, 0, 1).contiguous()  # (3, H, W) uint8
 
 
-def layer_maps(records: Sequence[AttentionRecord], model: torch.nn.Module,
-               image_hw: Tuple[int, int]) -> List[Tuple[str, str, torch.Tensor]]:
-    """``(name, kind, heat (B, h, w))`` for every record with a spatial map, in call order, then the rollout.
-
-    Names follow the TensorBoard logger's ``maps/`` tags: a block called twice gets ``@1`` on its second
-    record. The rollout (``"rollout"``, kind ``"rollout"``) is added when all token records lie on one
-    grid (same token count, grid and prefix), read out the way the model pools (class token, mean, or its
-    sequence-pooling weights).
-    """
-    out: List[Tuple[str, str, torch.Tensor]] = []
-    seen: Dict[str, int] = {}
-    for r in records:
-        k = seen.get(r.name, 0)
-        seen[r.name] = k + 1
-        if r.kind == "channel":
-            continue  # (B, C) gates: no spatial layout
-        try:
-            heat = spatial_heatmap(r, image_hw=image_hw)
-        except ValueError:
-            continue
-        out.append(((r.name or "model") + (f"@{k}" if k else ""), r.kind, heat))
-
-    tokens = [r for r in records if r.kind == "token"]
-    layers = _rollout_layers(tokens)
-    if tokens and len(layers) == len(tokens):
-        p = layers[0].num_prefix_tokens
-        n = layers[0].weights.shape[-1]
-        pools = [r for r in records if r.kind == "pool" and r.weights.shape[-1] == n]
-        mode = _pool_mode(_unwrap(model)) or ("cls" if p > 0 else ("seq" if pools else "mean"))
-        if mode == "cls" and p == 0:
-            mode = "mean"
-        readout: Any = pools[-1] if mode == "seq" and pools else ("mean" if mode == "seq" else mode)
-        try:
-            grid = layers[0].grid or tuple(spatial_heatmap(layers[0], image_hw=image_hw).shape[-2:])
-            out.append(("rollout", "rollout", attention_rollout(layers, num_prefix_tokens=p, readout=readout, grid=grid)))
-        except ValueError:
-            pass
-    return out
-
-
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "image"
 
@@ -145,16 +116,6 @@ def _display_hw(size_wh: Tuple[int, int], longer: int) -> Tuple[int, int]:
     w, h = size_wh
     s = longer / max(w, h)
     return max(1, round(h * s)), max(1, round(w * s))
-
-
-def _fit(text: str, width: int) -> str:
-    """Shorten ``text`` from the left ("...s.0.attn") until it fits ``width`` pixels in the caption font."""
-    font = _font()
-    if font.getlength(text) <= width:
-        return text
-    while len(text) > 4 and font.getlength("..." + text) > width:
-        text = text[1:]
-    return "..." + text
 
 
 def _stem_names(paths: Sequence[str]) -> List[str]:
@@ -169,16 +130,26 @@ def _stem_names(paths: Sequence[str]) -> List[str]:
     return out
 
 
+def _map_file(original: np.ndarray, base: torch.Tensor, lm: LayerMap, i: int, size: int, header: str,
+              norm: str, colormap: str, alpha: float) -> np.ndarray:
+    """One image's picture of one map: caption, the picture beside its overlay, colour bar."""
+    over = blend(base, lm.unit(norm)[i : i + 1].cpu(), lm.geometry, (size, size), alpha, colormap)
+    tile_w = 2 * original.shape[1] + GAP
+    lines = [(header, TEXT), (fit_text(lm.name, tile_w - 4), TEXT), (caption(lm.stats()[i], lm.scale, norm), DIM)]
+    cell = (lines, [original, over[0].permute(1, 2, 0).numpy()])
+    return cells_picture([cell], lambda w: colour_bar(w, lm.scale, norm, colormap))
+
+
 @torch.no_grad()
 def visualize(checkpoint: str, images: Sequence[str], out_dir: str, alpha: float = 0.5, scale: int = 4,
-              colormap: str = "jet", device: str = "auto") -> Dict[str, Any]:
+              colormap: str = "jet", device: str = "auto", norm: str = "fixed") -> Dict[str, Any]:
     """Write the maps and ``predictions.json`` for ``images`` into ``out_dir``; returns the JSON's content.
 
     Raises :class:`VisattnError` (after writing ``predictions.json``) when the model has no spatial maps.
     """
     from .data import normalize
 
-    _check_options(alpha, scale, colormap)
+    _check_options(alpha, scale, colormap, norm)
     if not images:
         raise DataError("no images given")
     for path in images:  # a typo fails here, before the model is loaded
@@ -190,61 +161,60 @@ def visualize(checkpoint: str, images: Sequence[str], out_dir: str, alpha: float
     size = cfg.data.image_size
     mean, std = tuple(cfg.data.mean), tuple(cfg.data.std)
     loaded = [load_image(p, size, fill=mean) for p in images]
-
-    batch = torch.stack([im.model_input for im in loaded]).to(dev)  # (B, 3, S, S) uint8
-    x = normalize(batch, mean, std)
-    model.eval()
-    with record_attention(model) as rec:
+    x = normalize(torch.stack([im.model_input for im in loaded]).to(dev), mean, std)  # (B, 3, S, S)
+    with probe_mode(model), record_attention(model, warn=False) as rec:
         logits = model(x)
     probs = torch.softmax(logits.float(), dim=-1).cpu()  # (B, classes)
-    maps = layer_maps(rec.records, model, (size, size))
-
+    maps = read_maps(rec.records, model, x.shape)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    longer = size * scale
-    tile_w = 2 * longer + _GAP
-    names = _stem_names(images)
 
     def label(c: int) -> str:
         return classes[c] if 0 <= c < len(classes) else str(c)
 
     entries = []
-    for i, (im, stem) in enumerate(zip(loaded, names)):
+    for i, (im, stem) in enumerate(zip(loaded, _stem_names(images))):
         conf, idx = probs[i].topk(min(TOP_K, probs.shape[1]))
         pred = label(int(idx[0]))
-        # (1, 3, h, w) in [0, 1] at the file's aspect; antialiased, so a large photo shrinks without aliasing
-        base = F.interpolate(im.display[None].float() / 255.0, size=_display_hw(im.size, longer), mode="bilinear",
+        # (1, 3, h, w) in [0, 1] at the file's aspect; antialiased, so a large photo shrinks without aliasing.
+        # The maps cover the square model input; placed proportionally they lie on what they saw.
+        base = F.interpolate(im.display[None].float() / 255.0, size=_display_hw(im.size, size * scale), mode="bilinear",
                              align_corners=False, antialias=True).clamp(0, 1)
         original = to_uint8(base)[0].permute(1, 2, 0).numpy()
         files: Dict[str, str] = {}
-        for name, kind, heat in maps:
-            # The map covers the square model input; stretched back to the file's aspect it lies on what it saw.
-            over = overlay(base, heat[i : i + 1].cpu(), alpha=alpha, colormap=colormap)[0].permute(1, 2, 0).numpy()
-            caption = f"pred: {pred} ({float(conf[0]):.1%})\n{_fit(name, tile_w - 4)}"
-            fname = f"{stem}__{_safe(name)}.png"
-            _save_png(_compose([[original, over]], [(caption, _TEXT)]), out / fname)
-            files[name] = fname
+        for lm in maps:
+            fname = f"{stem}__{_safe(lm.name)}.png"
+            header = f"pred: {pred} ({float(conf[0]):.1%})"
+            _save_png(_map_file(original, base, lm, i, size, header, norm, colormap, alpha), out / fname)
+            files[lm.name] = fname
         entries.append({
             "image": im.path, "mode": im.mode, "size": list(im.size), "pred": pred, "class_index": int(idx[0]),
             "confidence": float(conf[0]), "top": [{"class": label(int(c)), "p": float(q)} for q, c in zip(conf, idx)],
             "maps": files,
         })
+    return _write_predictions(out, checkpoint, cfg, model, classes, maps, entries)
 
-    taps = find_taps(model)
+
+def _write_predictions(out: Path, checkpoint: str, cfg: Any, model: torch.nn.Module, classes: List[str],
+                       maps: List[LayerMap], entries: List[Dict[str, Any]]) -> Dict[str, Any]:
     result = {
-        "checkpoint": str(checkpoint), "model": cfg.model.name, "image_size": size, "classes": classes,
-        "layers": [{"name": n, "kind": k} for n, k, _ in maps], "images": entries,
+        "checkpoint": str(checkpoint), "model": cfg.model.name, "image_size": cfg.data.image_size, "classes": classes,
+        "layers": [{"name": m.name, "kind": m.kind, "scale": m.scale, "geometry": m.geometry.describe()} for m in maps],
+        "images": entries,
     }
     (out / "predictions.json").write_text(json.dumps(result, indent=2) + "\n")
     if not maps:
+        taps = find_taps(model)
         kinds = sorted({t.kind for _, t in taps})
-        why = "has no attention layers" if not taps else f"has only {'/'.join(kinds)} attention, which has no spatial map"
+        why = ("has no attention layers" if not taps
+               else f"has only {'/'.join(kinds)} attention, which has no spatial map")
         raise VisattnError(f"model {cfg.model.name!r} {why}: wrote {out / 'predictions.json'} and no maps")
     return result
 
 
 class _PngWriter:
-    """Stands in for a ``SummaryWriter``: keeps ``log_attention_maps``' images as PNG files in ``out``."""
+    """Stands in for a ``SummaryWriter``: keeps ``log_attention_maps``' images as PNG files in ``out`` and its
+    descriptions as ``descriptions.md``."""
 
     def __init__(self, out: Path):
         self.out = out
@@ -257,27 +227,26 @@ class _PngWriter:
         _save_png(np.ascontiguousarray(img), self.out / fname)
         self.files[tag] = fname
 
+    def add_text(self, tag: str, text: str, step: int) -> None:
+        (self.out / "descriptions.md").write_text(text + "\n")
+
     def add_histogram(self, tag: str, values: Any, step: int) -> None:
         pass  # channel gates: nothing to draw
 
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        pass
 
-@torch.no_grad()
-def validation_grids(checkpoint: str, count: int, out_dir: str, data: Optional[str] = None, alpha: float = 0.5,
-                     scale: int = 4, colormap: str = "jet", device: str = "auto",
-                     head_maps: str = "last", pick: str = "spread") -> Dict[str, str]:
-    """TensorBoard's ``maps/`` and ``matrix/`` pictures of ``count`` held-out images, as PNG files.
 
-    The held-out split is the one the run was scored on: the checkpoint's ``data`` settings (``data.root``
-    replaced by ``data`` when given). ``pick="spread"`` (default): one image per class in turn, the trainer's probe batch; ``"first"``: the first ``count``;
-    ``"spread"``: the first image of each class in turn, then the second, ... (a held-out split may be
-    ordered by class). Returns ``{tag: file name}``.
-    """
+def heldout_batch(checkpoint: str, count: int, data: Optional[str] = None, device: str = "auto",
+                  pick: str = "spread") -> Tuple[torch.nn.Module, Any, List[str], torch.Tensor, torch.Tensor]:
+    """``(model, config, classes, images, labels)``: ``count`` images of the checkpoint's held-out split
+    (the split the run was scored on; ``data.root`` replaced by ``data`` when given), normalised as the
+    model takes them. ``pick="spread"``: one image per class in turn (the trainer's probe batch);
+    ``"first"``: the first ``count`` (a held-out split may be ordered by class)."""
     from .data import load_splits, normalize
-    from .maps.tensorboard import log_attention_maps
 
-    _check_options(alpha, scale, colormap)
     if count < 1:
-        raise ConfigError(f"--validation must be >= 1, got {count}")
+        raise ConfigError(f"the number of held-out images must be >= 1, got {count}")
     dev = _device(device)
     model, cfg, state = _load(checkpoint, dev)
     if cfg.channels_last:  # as the run evaluated it (and drew its TensorBoard maps)
@@ -289,16 +258,53 @@ def validation_grids(checkpoint: str, count: int, out_dir: str, data: Optional[s
     classes = [str(c) for c in (state.get("classes") or splits.eval.classes)]
     idx = _pick(splits.eval.y, count, pick)
     x = normalize(torch.from_numpy(splits.eval.x[idx]).permute(0, 3, 1, 2), cfg.data.mean, cfg.data.std)
-    y = torch.from_numpy(splits.eval.y[idx])
+    return model, cfg, classes, x.to(dev), torch.from_numpy(splits.eval.y[idx]).long().to(dev)
+
+
+def validation_grids(checkpoint: str, count: int, out_dir: str, data: Optional[str] = None, alpha: float = 0.5,
+                     scale: int = 4, colormap: str = "jet", device: str = "auto",
+                     head_maps: str = "last", pick: str = "spread", norm: str = "fixed") -> Dict[str, str]:
+    """TensorBoard's ``maps/`` and ``matrix/`` pictures of ``count`` held-out images (:func:`heldout_batch`),
+    as PNG files, drawn by the training logger's own code; returns ``{tag: file name}``."""
+    from .maps.tensorboard import log_attention_maps
+
+    _check_options(alpha, scale, colormap, norm)
+    model, cfg, classes, x, y = heldout_batch(checkpoint, count, data, device, pick)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     writer = _PngWriter(out)
-    log_attention_maps(writer, model, x.to(dev), y, 0, cfg.data.mean, cfg.data.std, classes, scale=scale,
-                       colormap=colormap, alpha=alpha, head_maps=head_maps)
+    log_attention_maps(writer, model, x, y, 0, cfg.data.mean, cfg.data.std, classes, scale=scale,
+                       colormap=colormap, alpha=alpha, head_maps=head_maps, norm=norm)
     if not writer.files:
         why = "has no attention layers" if not find_taps(model) else "has no attention layer with a spatial map"
         raise VisattnError(f"model {cfg.model.name!r} {why}: no pictures written")
     return writer.files
+
+
+def faithfulness_table(checkpoint: str, count: int, data: Optional[str] = None, device: str = "auto",
+                       pick: str = "spread", out_dir: Optional[str] = None, precision: Optional[str] = None,
+                       **options: Any) -> Any:
+    """:func:`visattn.faithfulness` on ``count`` held-out images with their true labels, under the run's
+    precision (or ``precision``); ``options`` go to it (``steps``, ``regions``, ``fill``, ``draws``,
+    ``batch_size``, ``seed``, ``names``). Writes ``faithfulness.json`` into ``out_dir`` when given. Returns
+    the report."""
+    from . import engine
+    from .maps.faithful import faithfulness
+
+    model, cfg, classes, x, y = heldout_batch(checkpoint, count, data, device, pick)
+    precision = engine.resolve_precision(precision or cfg.precision, x.device)
+    try:
+        with engine.autocast(x.device, precision):  # as the run evaluated: bf16 and channels-last are 2-3x faster
+            report = faithfulness(model, x, y, **options)
+    except ValueError as e:  # an unknown map name
+        raise ConfigError(f"--maps: {e}") from None
+    if not report.rows:
+        raise VisattnError(f"model {cfg.model.name!r} has no map to score")
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        doc = {"checkpoint": str(checkpoint), "model": cfg.model.name, **report.as_dict()}
+        (Path(out_dir) / "faithfulness.json").write_text(json.dumps(doc, indent=2) + "\n")
+    return report
 
 
 def _pick(labels: np.ndarray, count: int, pick: str) -> np.ndarray:
@@ -309,7 +315,9 @@ def _pick(labels: np.ndarray, count: int, pick: str) -> np.ndarray:
     return spread_indices(labels, count)
 
 
-def _check_options(alpha: float, scale: int, colormap: str) -> None:
+def _check_options(alpha: float, scale: int, colormap: str, norm: str = "fixed") -> None:
+    if norm not in NORMS:
+        raise ConfigError(f"--map-norm {norm!r} is unknown; valid: {', '.join(NORMS)}")
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(f"--alpha must be in [0, 1], got {alpha}")
     if scale < 1:
@@ -345,43 +353,77 @@ def _save_png(hwc: np.ndarray, path: Path) -> None:
     Image.fromarray(hwc).save(path, optimize=True)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m visattn.visualize", description=__doc__.splitlines()[0].strip("`: "),
                                 epilog="--images: one PNG per image and attention layer, plus predictions.json, in --out. "
-                                       "--validation N: TensorBoard's grids of N held-out images, one PNG per tag.")
+                                       "--validation N: TensorBoard's grids of N held-out images, one PNG per tag. "
+                                       "--faithfulness N: the faithfulness table of N held-out images.")
     p.add_argument("--checkpoint", required=True, help="a visattn checkpoint (RUN/best.pt or RUN/last.pt)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--images", nargs="+", help="image files (any size; RGB, RGBA, greyscale)")
-    src.add_argument("--validation", type=int, metavar="N", help="the first N images of the run's held-out split")
-    p.add_argument("--out", required=True, help="folder for the PNGs (and predictions.json); created")
-    p.add_argument("--data", default=None, help="--validation: dataset path or 'synthetic' (default: the run's data.root)")
+    src.add_argument("--validation", type=int, metavar="N", help="N images of the run's held-out split")
+    src.add_argument("--faithfulness", type=int, metavar="N", help="print the faithfulness table of N held-out images")
+    p.add_argument("--out", default=None,
+                   help="folder for the PNGs (and JSON); created (required but for --faithfulness)")
+    p.add_argument("--data", default=None, help="--validation/--faithfulness: dataset path or 'synthetic' "
+                                                "(default: the run's data.root)")
     p.add_argument("--pick", choices=["first", "spread"], default="spread",
-                   help="--validation: the first N images (the trainer's probe), or one per class in turn")
+                   help="held-out images: the first N, or one per class in turn (the trainer's probe)")
     p.add_argument("--head-maps", choices=["all", "last", "none"], default="last",
                    help="--validation: class-token layers that also get a picture per head")
+    p.add_argument("--map-norm", choices=list(NORMS), default="fixed",
+                   help="fixed: each map kind on its declared scale (default); "
+                        "per_image: stretched to each map's range")
     p.add_argument("--alpha", type=float, default=0.5, help="weight of the colour map in the overlay, 0 to 1")
     p.add_argument("--scale", type=int, default=4, help="upscaling of the model's input size for display (32 px * 4)")
     p.add_argument("--colormap", default="jet", help=f"one of {', '.join(COLORMAPS)}")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    args = p.parse_args(argv)
+    f = p.add_argument_group("--faithfulness")
+    f.add_argument("--steps", type=int, default=16, help="deletion/insertion steps")
+    f.add_argument("--regions", type=int, default=8, help="the image is cut into regions x regions squares")
+    f.add_argument("--fill", choices=["mean", "blur"], default="mean", help="what replaces a deleted square")
+    f.add_argument("--draws", type=int, default=3, help="random orders per image")
+    f.add_argument("--batch-size", type=int, default=256)
+    f.add_argument("--maps", nargs="+", default=None, metavar="NAME",
+                   help="score only these maps (e.g. rollout layers.2.units.0.attn.spatial); default: all")
+    f.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default=None,
+                   help="default: the run's precision")
+    return p
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.faithfulness is not None:
+        report = faithfulness_table(args.checkpoint, args.faithfulness, args.data, args.device, args.pick, args.out,
+                                    args.precision, steps=args.steps, regions=args.regions, fill=args.fill,
+                                    draws=args.draws, batch_size=args.batch_size, names=args.maps)
+        print(f"{args.checkpoint}:\n{report.table()}")
+        return 0
+    if args.out is None:
+        raise ConfigError("--out is required with --images and --validation")
+    if args.validation is not None:
+        files = validation_grids(args.checkpoint, args.validation, args.out, args.data, args.alpha, args.scale,
+                                 args.colormap, args.device, args.head_maps, args.pick, args.map_norm)
+        print(f"wrote {len(files)} picture(s) to {args.out}: {', '.join(sorted(files.values()))}")
+        return 0
+    result = visualize(args.checkpoint, args.images, args.out, args.alpha, args.scale, args.colormap, args.device,
+                       args.map_norm)
+    n_maps = sum(len(e["maps"]) for e in result["images"])
+    for e in result["images"]:
+        print(f"{e['image']}: {e['pred']} ({e['confidence']:.1%})")
+    print(f"wrote {n_maps} map(s) for {len(result['layers'])} layer(s) and predictions.json to {args.out}")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
     try:
-        if args.validation is not None:
-            files = validation_grids(args.checkpoint, args.validation, args.out, args.data, args.alpha, args.scale,
-                                     args.colormap, args.device, args.head_maps, args.pick)
-            print(f"wrote {len(files)} picture(s) to {args.out}: {', '.join(sorted(files.values()))}")
-            return 0
-        result = visualize(args.checkpoint, args.images, args.out, args.alpha, args.scale, args.colormap, args.device)
+        return _run(args)
     except VisattnError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # the system's refusal (an --out that is a file, disk full): one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
-    n_maps = sum(len(e["maps"]) for e in result["images"])
-    for e in result["images"]:
-        print(f"{e['image']}: {e['pred']} ({e['confidence']:.1%})")
-    print(f"wrote {n_maps} map(s) for {len(result['layers'])} layer(s) and predictions.json to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,20 +1,44 @@
-"""Attention maps: record any block, roll out token attention, overlay heatmaps on images."""
+"""Attention maps: record any model's attention, read it out into maps with an honest scale and true
+placement, overlay them on images, log them to TensorBoard and measure how faithful they are."""
+from .adapters import add_taps, remove_taps
+from .faithful import FaithfulnessReport, faithfulness
+from .geometry import ConvGeometry, GridGeometry, trace_geometry
 from .overlay import COLORMAPS, colorize, images_to_float, normalize_maps, overlay
-from .record import AttentionRecorder, find_taps, infer_grid, record_attention, spatial_heatmap
+from .readout import LayerMap, read_maps
+from .record import (
+    AttentionRecorder,
+    find_taps,
+    infer_grid,
+    probe_mode,
+    record_attention,
+    spatial_heatmap,
+    unwrap_model,
+)
 from .rollout import attention_rollout
 from .tensorboard import log_attention_maps
 
 __all__ = [
     "AttentionRecorder",
     "COLORMAPS",
+    "ConvGeometry",
+    "FaithfulnessReport",
+    "GridGeometry",
+    "LayerMap",
+    "add_taps",
     "attention_rollout",
     "colorize",
+    "faithfulness",
     "find_taps",
     "images_to_float",
     "infer_grid",
     "log_attention_maps",
     "normalize_maps",
     "overlay",
+    "probe_mode",
+    "read_maps",
     "record_attention",
+    "remove_taps",
     "spatial_heatmap",
+    "trace_geometry",
+    "unwrap_model",
 ]

@@ -8,10 +8,13 @@ from 17 evenly spaced samples, linearly interpolated (within 8/255 of the full t
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
+
+from .geometry import GridGeometry, place
+from .scale import to_unit
 
 # (x, value) anchors per channel; jet is piecewise linear by definition.
 _JET = (
@@ -67,14 +70,11 @@ def colorize(values: torch.Tensor, colormap: str = "jet") -> torch.Tensor:
 
 
 def normalize_maps(heatmaps: torch.Tensor) -> torch.Tensor:
-    """Scale each map of ``(B, h, w)`` to [0, 1] on its own (fp32); a constant map becomes all zeros."""
-    m = torch.nan_to_num(heatmaps.float(), nan=0.0, posinf=0.0, neginf=0.0)
-    flat = m.reshape(m.shape[0], -1)
-    lo = flat.amin(1, keepdim=True)
-    span = flat.amax(1, keepdim=True) - lo
-    # A constant map has no hot spot: it stays at the colormap's cold end rather than dividing by zero.
-    flat = torch.where(span > 0, (flat - lo) / span.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    return flat.reshape(m.shape)
+    """Scale each map of ``(B, h, w)`` to [0, 1] on its own (fp32); a constant map becomes all zeros.
+
+    The explicit per-image stretch (``norm="per_image"``); the default drawing uses a fixed scale
+    (:mod:`visattn.maps.scale`)."""
+    return to_unit(heatmaps, "gate", 0, "per_image")
 
 
 def _size(size: Union[None, int, Sequence[int]], hw: Tuple[int, int]) -> Tuple[int, int]:
@@ -137,31 +137,54 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
 
 def overlay(
     images: torch.Tensor,
-    heatmaps: torch.Tensor,
+    heatmaps: Any,
     mean: Optional[Sequence[float]] = None,
     std: Optional[Sequence[float]] = None,
     alpha: float = 0.5,
     colormap: str = "jet",
     size: Union[None, int, Sequence[int]] = None,
+    norm: Optional[str] = None,
+    scale: Optional[str] = None,
+    keys: int = 0,
+    geometry: Optional[GridGeometry] = None,
 ) -> torch.Tensor:
     """Colour ``heatmaps`` and blend them onto ``images``; returns uint8 ``(B, 3, H', W')`` on the images' device.
 
     ``images``: ``(B, 3, H, W)`` uint8, or normalised floats of any dtype (undone with ``mean``/``std``).
-    ``heatmaps``: ``(B, h, w)`` or ``(B, 1, h, w)``, any float dtype and device; each map is scaled to
-    [0, 1] on its own (a constant map is drawn cold, never NaN), then resized bilinearly to the output size.
-    ``alpha``: weight of the colour (0 gives the image back, 1 the coloured map alone).
-    ``size``: upscale the result to ``(H', W')`` (or an int for the longer side), for legibility.
+    ``heatmaps``: a :class:`~visattn.maps.readout.LayerMap` (drawn on its declared scale, ``norm="fixed"``,
+    at its cells' true place), or a ``(B, h, w)`` / ``(B, 1, h, w)`` tensor of any float dtype and device.
+    A bare tensor has no declared scale: give ``scale`` (``"gate"``, or ``"relative"`` with ``keys``) for the
+    fixed scale, otherwise each map is stretched to its own range (``norm="per_image"``; a constant map is
+    drawn cold, never NaN). ``geometry``: where the cells lie on the image (default: stretched over it).
+    ``alpha``: weight of the colour (0 gives the image back, 1 the coloured map alone); pixels no cell
+    covers keep the image. ``size``: upscale the result to ``(H', W')`` (or an int for the longer side).
     """
     if not 0.0 <= float(alpha) <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if hasattr(heatmaps, "heat") and hasattr(heatmaps, "geometry"):  # a LayerMap
+        scale, keys, geometry = heatmaps.scale, heatmaps.keys, heatmaps.geometry
+        heatmaps = heatmaps.heat
+        norm = norm or "fixed"
     if heatmaps.dim() == 4 and heatmaps.shape[1] == 1:
         heatmaps = heatmaps[:, 0]
     if heatmaps.dim() != 3:
         raise ValueError(f"heatmaps must be (B, h, w) or (B, 1, h, w), got {tuple(heatmaps.shape)}")
     if heatmaps.shape[0] != images.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {heatmaps.shape[0]} heatmaps")
+    norm = norm or ("fixed" if scale is not None else "per_image")
+    unit = to_unit(heatmaps, scale or "gate", keys, norm)
     base = images_to_float(images, mean, std, size)  # (B, 3, H', W')
-    heat = normalize_maps(heatmaps.to(base.device))[:, None]  # (B, 1, h, w)
-    heat = F.interpolate(heat, size=base.shape[-2:], mode="bilinear", align_corners=False)[:, 0]
-    color = colorize(heat, colormap).permute(0, 3, 1, 2)  # (B, 3, H', W')
-    return to_uint8((1.0 - alpha) * base + alpha * color)
+    image_hw = tuple(images.shape[-2:])
+    if geometry is None:
+        geometry = GridGeometry.stretched(tuple(unit.shape[-2:]), image_hw)
+    return blend(base, unit, geometry, image_hw, alpha, colormap)
+
+
+def blend(base: torch.Tensor, unit: torch.Tensor, geometry: GridGeometry, image_hw: Sequence[int],
+          alpha: float = 0.5, colormap: str = "jet") -> torch.Tensor:
+    """Blend colour-map positions ``unit`` ``(B, h, w)`` in [0, 1], placed by ``geometry``, onto ``base``
+    (float RGB in [0, 1], ``(B, 3, H', W')``, a picture of an ``image_hw`` input); uint8 out."""
+    vals, covered = place(unit.to(base.device), geometry, tuple(base.shape[-2:]), image_hw)
+    color = colorize(vals, colormap).permute(0, 3, 1, 2)  # (B, 3, H', W')
+    mixed = (1.0 - alpha) * base + alpha * color
+    return to_uint8(torch.where(covered.to(base.device), mixed, base))

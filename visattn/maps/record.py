@@ -1,38 +1,98 @@
 """Record the attention weights of every block in a model, and turn a record into a 2-D map.
 
-``record_attention(model)`` attaches one shared list to every :class:`~visattn.attention.tap.AttentionTap`
-in the model for the duration of a ``with`` block; each tap then appends an :class:`AttentionRecord` per
-call. Outside the block the taps hold ``sink=None`` again, so recording costs nothing when it is off.
+``record_attention(model)`` attaches a recorder to every :class:`~visattn.attention.tap.AttentionTap` in the
+model (and, through :func:`~visattn.maps.adapters.add_taps`, to every timm ``Attention`` and
+``nn.MultiheadAttention``) for the duration of a ``with`` block; each tap then appends an
+:class:`AttentionRecord` per call. Outside the block the taps hold ``sink=None`` again, so recording costs
+nothing when it is off.
 
     with record_attention(model) as rec:
         model(images)
     for r in rec.records:          # call order
         heat = spatial_heatmap(r)  # (B, h, w), or ValueError for a channel record
+
+**Memory bound.** Records are copied off the accelerator (``device="cpu"`` by default) as they are made,
+and the recorder keeps the last ``max_passes`` forward passes of the model (default 64; a pass is one
+call of the model given to ``record_attention``), dropping older ones with one warning. Its memory is at
+most ``max_passes`` times one pass's weights (fp32): ``bytes_per_pass`` and ``nbytes`` report both.
 """
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+import warnings
+from contextlib import contextmanager, nullcontext
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..attention.tap import KINDS, AttentionRecord, AttentionTap
+from .adapters import SEARCHED, adapter_taps, add_taps
+
+DEFAULT_MAX_PASSES = 64
 
 
 class AttentionRecorder:
-    """What ``record_attention`` yields: the records of one recording, in call order."""
+    """What ``record_attention`` yields: the records of one recording, in call order.
 
-    def __init__(self, taps: Dict[str, str]):
+    It is also the taps' sink: ``append`` stamps each record with the current pass and drops the oldest
+    passes beyond ``max_passes``.
+    """
+
+    def __init__(self, taps: Dict[str, str], max_passes: Optional[int] = DEFAULT_MAX_PASSES,
+                 device: Optional[torch.device] = torch.device("cpu")):
+        if max_passes is not None and max_passes < 1:
+            raise ValueError(f"max_passes must be >= 1 or None, got {max_passes}")
         self.records: List[AttentionRecord] = []
         self.taps = taps  # record name -> kind, for every tap found (called or not)
+        self.max_passes = max_passes
+        self.device = None if device is None else torch.device(device)
+        self.pass_index = 0  # the pass records are stamped with now
+        self.calls = 0  # calls of the recorded model seen
+        self.dropped_passes = 0
+        self.bytes_per_pass = 0  # the largest pass recorded so far, in bytes
+        self._bytes_pass, self._bytes = -1, 0
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __iter__(self) -> Iterator[AttentionRecord]:
         return iter(self.records)
+
+    # -- sink protocol (called by the taps) ---------------------------------------------------------------
+    def append(self, record: AttentionRecord) -> None:
+        self.records.append(record)
+        if record.pass_index != self._bytes_pass:
+            self._bytes_pass, self._bytes = record.pass_index, 0
+        self._bytes += record.weights.untyped_storage().nbytes()
+        self.bytes_per_pass = max(self.bytes_per_pass, self._bytes)
+
+    def start_pass(self) -> None:
+        """Called before each call of the recorded model: later records belong to a new pass."""
+        self.calls += 1
+        self.pass_index = self.calls - 1
+        if self.max_passes is None:
+            return
+        cutoff = self.pass_index - self.max_passes  # passes <= cutoff are dropped
+        first = next((i for i, r in enumerate(self.records) if r.pass_index > cutoff), len(self.records))
+        if first:
+            dropped = {r.pass_index for r in self.records[:first]}
+            del self.records[:first]
+            if not self.dropped_passes:
+                warnings.warn(
+                    f"record_attention keeps the last {self.max_passes} passes (max_passes); older passes are "
+                    "dropped (raise max_passes, or read and clear() the recorder between passes)",
+                    RuntimeWarning, stacklevel=3)
+            self.dropped_passes += len(dropped)
+
+    # -- reading ------------------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the kept records' weights."""
+        return sum(r.weights.untyped_storage().nbytes() for r in self.records)
+
+    def passes(self) -> List[int]:
+        return sorted({r.pass_index for r in self.records})
 
     def by_name(self) -> Dict[str, List[AttentionRecord]]:
         """Records grouped by block name (a list each: a block called twice records twice), in call order."""
@@ -46,15 +106,17 @@ class AttentionRecorder:
             raise ValueError(f"unknown attention kind {kind!r}; valid: {', '.join(KINDS)}")
         return [r for r in self.records if r.kind == kind]
 
+    def by_pass(self, index: int) -> List[AttentionRecord]:
+        return [r for r in self.records if r.pass_index == index]
+
     def clear(self) -> None:
-        # In place: the taps hold this very list as their sink while recording.
         self.records.clear()
 
     def __repr__(self) -> str:
         return f"AttentionRecorder({len(self.records)} records from {len(self.taps)} taps)"
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """Look through torch.compile and (Distributed)DataParallel wrappers so names match the plain model."""
     while True:
         if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
@@ -70,34 +132,99 @@ def _record_name(path: str) -> str:
     return path[: -len(".tap")] if path.endswith(".tap") else path
 
 
+def _declare_scales(model: nn.Module) -> None:
+    """Spatial maps that are a softmax over positions are read relative to uniform (GC's context pooling)."""
+    try:
+        from ..attention.channel import GlobalContext
+    except ImportError:  # the block moved: it then declares its scale itself
+        return
+    for m in model.modules():
+        if isinstance(m, GlobalContext) and isinstance(getattr(m, "tap", None), AttentionTap) and m.tap.scale is None:
+            m.tap.scale = "relative"
+
+
 def find_taps(model: nn.Module) -> List[Tuple[str, AttentionTap]]:
-    """``(record name, tap)`` for every tap in ``model``, in module-definition order."""
+    """``(record name, tap)`` for every tap in ``model`` (and every foreign attention module already given a
+    tap by :func:`~visattn.maps.adapters.add_taps`), in module-definition order."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"record_attention expects an nn.Module, got {type(model).__name__}")
-    return [(_record_name(p), m) for p, m in _unwrap(model).named_modules() if isinstance(m, AttentionTap)]
+    base = unwrap_model(model)
+    own = [(_record_name(p), m) for p, m in base.named_modules() if isinstance(m, AttentionTap)]
+    return own + adapter_taps(base)
 
 
 @contextmanager
-def record_attention(model: nn.Module) -> Iterator[AttentionRecorder]:
+def tap_sinks(model: nn.Module, sink: Any, taps: Optional[List[Tuple[str, AttentionTap]]] = None) -> Iterator[None]:
+    """Point every tap of ``model`` at ``sink`` (anything with ``append``) inside the block; restore after."""
+    taps = find_taps(model) if taps is None else taps
+    saved = [(tap, tap.sink, tap.record_name) for _, tap in taps]
+    try:
+        for name, tap in taps:
+            tap.record_name = name
+            tap.sink = sink
+        yield
+    finally:
+        for tap, old, name in saved:
+            tap.sink = old
+            tap.record_name = name
+
+
+@contextmanager
+def record_attention(model: nn.Module, max_passes: Optional[int] = DEFAULT_MAX_PASSES,
+                     device: Optional[Any] = "cpu", warn: bool = True) -> Iterator[AttentionRecorder]:
     """Record every tap of ``model`` while the ``with`` block runs; yields an :class:`AttentionRecorder`.
 
     The model's outputs, train/eval mode, parameters and buffers are not touched: taps are identities.
     On exit (also on an exception) each tap gets back the sink and name it had before, so recorders nest:
     an inner recorder of the same model takes the records made inside it and the outer one resumes after.
     Two models recorded at once fill two separate recorders.
+
+    ``max_passes``: passes kept (None: all); ``device``: where records are copied to (None: where they were
+    made). ``warn``: a model with nothing recordable gets a warning naming what was searched.
+
+    Inside the block ``torch.compile``'d code runs eagerly (``torch.compiler.set_stance("force_eager")``), so
+    recording a compiled model (``torch.compile(model)`` or ``model.compile()``) neither compiles a recording
+    version nor recompiles: its compiled graph is reused as soon as the block ends. A pass is one call of
+    ``model`` as given (pass the compiled wrapper when that is what you call).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"record_attention expects an nn.Module, got {type(model).__name__}")
+    base = unwrap_model(model)
+    add_taps(base)
+    _declare_scales(base)
     taps = find_taps(model)
-    recorder = AttentionRecorder({name: tap.kind for name, tap in taps})
-    saved = [(tap, tap.sink, tap.record_name) for _, tap in taps]
+    if not taps and warn:
+        warnings.warn(f"record_attention: {type(base).__name__} has nothing to record; searched for "
+                      f"{', '.join(SEARCHED)} and found none", RuntimeWarning, stacklevel=3)
+    recorder = AttentionRecorder({name: tap.kind for name, tap in taps}, max_passes, device)
+    handle = model.register_forward_pre_hook(lambda m, args: recorder.start_pass())
     try:
-        for name, tap in taps:
-            tap.record_name = name
-            tap.sink = recorder.records
-        yield recorder
+        with tap_sinks(model, recorder, taps), _eager():
+            yield recorder
     finally:
-        for tap, sink, name in saved:
-            tap.sink = sink
-            tap.record_name = name
+        handle.remove()
+
+
+def _eager():
+    """Compiled code runs eagerly while recording: a recording never compiles, nor invalidates compiled graphs."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("force_eager") if set_stance is not None else nullcontext()
+
+
+@contextmanager
+def probe_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode, no gradients and a forked RNG for a look at the model; every module's train/eval flag
+    is restored afterwards (per module, so deliberately frozen submodules stay as they were)."""
+    modes = [(m, m.training) for m in model.modules()]
+    param = next(model.parameters(), None)
+    devices = [param.device] if param is not None and param.device.type == "cuda" else []
+    try:
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def infer_grid(num_tokens: int, image_hw: Optional[Sequence[int]] = None) -> Tuple[int, int]:
@@ -166,20 +293,22 @@ def spatial_heatmap(
         h, gw = _token_grid(record, w.shape[1] - p, image_hw)
         return w[:, p:].reshape(w.shape[0], h, gw)
     if record.kind == "token":
-        if w.dim() != 4:
-            raise ValueError(
-                f"record {record.name!r}: token weights must be (B, heads, N, N), got {tuple(w.shape)}"
-            )
-        b, _, nq, nk = w.shape
-        h, gw = _token_grid(record, nk - p, image_hw)
-        mode = ("cls" if p > 0 else "mean") if query == "auto" else query
-        if mode == "cls":
-            if p == 0:
-                raise ValueError(f"record {record.name!r} has no class token; use query='mean'")
-            row = w[:, :, 0, p:].mean(1)  # (B, h*w): what the class token reads from each grid token
-        else:
-            # Queries: the grid rows when queries and keys are the same tokens, else every query row.
-            rows = w[:, :, p:, p:] if nq == nk else w[:, :, :, p:]
-            row = rows.mean(dim=(1, 2))  # (B, h*w): attention received, averaged over heads and queries
-        return row.reshape(b, h, gw)
+        return _token_heatmap(record, w, p, image_hw, query)
     raise ValueError(f"record {record.name!r} has unknown kind {record.kind!r}; valid: {', '.join(KINDS)}")
+
+
+def _token_heatmap(record: AttentionRecord, w: torch.Tensor, p: int, image_hw, query: str) -> torch.Tensor:
+    if w.dim() != 4:
+        raise ValueError(f"record {record.name!r}: token weights must be (B, heads, N, N), got {tuple(w.shape)}")
+    b, _, nq, nk = w.shape
+    h, gw = _token_grid(record, nk - p, image_hw)
+    mode = ("cls" if p > 0 else "mean") if query == "auto" else query
+    if mode == "cls":
+        if p == 0:
+            raise ValueError(f"record {record.name!r} has no class token; use query='mean'")
+        row = w[:, :, 0, p:].mean(1)  # (B, h*w): what the class token reads from each grid token
+    else:
+        # Queries: the grid rows when queries and keys are the same tokens, else every query row.
+        rows = w[:, :, p:, p:] if nq == nk else w[:, :, :, p:]
+        row = rows.mean(dim=(1, 2))  # (B, h*w): attention received, averaged over heads and queries
+    return row.reshape(b, h, gw)

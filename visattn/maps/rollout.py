@@ -9,7 +9,7 @@ tokens (global average pooling), or the model's own pooling weights (CCT's seque
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -37,6 +37,58 @@ def _from_records(attentions, attr: str):
     if len(values) > 1:
         raise ValueError(f"the records disagree on {attr}: {sorted(values, key=str)}")
     return values.pop() if values else None
+
+
+def _layout(attentions, layers: List[torch.Tensor], num_prefix_tokens: Optional[int], grid) -> Tuple[int, int, int]:
+    """``(p, gh, gw)``: prefix-token count and grid, from the arguments or the records, checked."""
+    n = layers[0].shape[-1]
+    rec_prefix = _from_records(attentions, "num_prefix_tokens")
+    if num_prefix_tokens is None:
+        num_prefix_tokens = 1 if rec_prefix is None else rec_prefix
+    elif rec_prefix is not None and rec_prefix != num_prefix_tokens:
+        raise ValueError(f"num_prefix_tokens={num_prefix_tokens} but the records say {rec_prefix}")
+    p = int(num_prefix_tokens)
+    if not 0 <= p < n:
+        raise ValueError(f"num_prefix_tokens must be in [0, {n}) for {n} tokens, got {p}")
+    if grid is None:
+        grid = _from_records(attentions, "grid")
+    gh, gw = infer_grid(n - p) if grid is None else (int(grid[0]), int(grid[1]))
+    if gh * gw != n - p:
+        raise ValueError(f"grid {gh}x{gw} does not hold the {n - p} tokens after {p} prefix token(s)")
+    return p, gh, gw
+
+
+def _fused(a: torch.Tensor, head_fusion: str, num_discard: int, protected: torch.Tensor) -> torch.Tensor:
+    """One layer ``(B, heads, N, N)`` -> fused over heads, thinned, plus the identity, rows renormalised."""
+    b, _, n, _ = a.shape
+    fused = {"mean": lambda: a.mean(1), "max": lambda: a.amax(1), "min": lambda: a.amin(1)}[head_fusion]()
+    if num_discard > 0:
+        flat = fused.reshape(b, n * n)
+        candidates = flat.masked_fill(protected, float("inf"))
+        drop = candidates.topk(num_discard, dim=1, largest=False).indices  # (B, k)
+        fused = flat.scatter(1, drop, 0.0).reshape(b, n, n)
+    fused = fused + torch.eye(n, device=a.device)  # the residual connection carries each token to itself
+    return fused / fused.sum(-1, keepdim=True)
+
+
+def _read_out(result: torch.Tensor, readout, p: int) -> torch.Tensor:
+    """``(B, N)`` flow into what the classifier reads, from the rolled-out ``(B, N, N)`` matrix."""
+    b, n, _ = result.shape
+    if isinstance(readout, AttentionRecord):
+        if readout.kind != "pool":
+            raise ValueError(f"readout record {readout.name!r} is {readout.kind!r}; expected a pool record")
+        readout = readout.weights
+    if isinstance(readout, torch.Tensor):
+        if tuple(readout.shape) != (b, n):
+            raise ValueError(f"pooling weights must be (B, N) = {(b, n)}, got {tuple(readout.shape)}")
+        return torch.einsum("bi,bij->bj", readout.float().to(result.device), result)
+    if readout == "cls":
+        if p == 0:
+            raise ValueError("readout='cls' needs a class token (num_prefix_tokens >= 1); use readout='mean'")
+        return result[:, 0]  # what the class token's output draws from each input token
+    if readout == "mean":
+        return result[:, p:].mean(1)  # averaged over the grid tokens' outputs, as global pooling does
+    raise ValueError(f"unknown readout {readout!r}; valid: cls, mean, or a (B, N) tensor of pooling weights")
 
 
 def attention_rollout(
@@ -69,7 +121,6 @@ def attention_rollout(
         raise ValueError(f"unknown head_fusion {head_fusion!r}; valid: {', '.join(HEAD_FUSIONS)}")
     if not 0.0 <= float(discard_ratio) < 1.0:
         raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
-
     layers = [_as_weights(a, i) for i, a in enumerate(attentions)]
     b, _, n, _ = layers[0].shape
     for i, a in enumerate(layers[1:], start=1):
@@ -78,60 +129,13 @@ def attention_rollout(
                 f"layer {i}: attention shape {tuple(a.shape)} does not match layer 0's {tuple(layers[0].shape)} "
                 "(batch and token count must agree)"
             )
-
-    rec_prefix = _from_records(attentions, "num_prefix_tokens")
-    if num_prefix_tokens is None:
-        num_prefix_tokens = 1 if rec_prefix is None else rec_prefix
-    elif rec_prefix is not None and rec_prefix != num_prefix_tokens:
-        raise ValueError(f"num_prefix_tokens={num_prefix_tokens} but the records say {rec_prefix}")
-    p = int(num_prefix_tokens)
-    if not 0 <= p < n:
-        raise ValueError(f"num_prefix_tokens must be in [0, {n}) for {n} tokens, got {p}")
-    if grid is None:
-        grid = _from_records(attentions, "grid")
-    gh, gw = infer_grid(n - p) if grid is None else (int(grid[0]), int(grid[1]))
-    if gh * gw != n - p:
-        raise ValueError(f"grid {gh}x{gw} does not hold the {n - p} tokens after {p} prefix token(s)")
-
+    p, gh, gw = _layout(attentions, layers, num_prefix_tokens, grid)
     device = layers[0].device
-    eye = torch.eye(n, device=device)
     # Discarding never touches the prefix tokens' self-attention entries (p, p).
     protected = torch.zeros(n * n, dtype=torch.bool, device=device)
     protected[torch.arange(p, device=device) * (n + 1)] = True
     num_discard = int(float(discard_ratio) * (n * n - p))
-
-    result = eye.expand(b, n, n)
+    result = torch.eye(n, device=device).expand(b, n, n)
     for a in layers:
-        a = a.to(device)
-        if head_fusion == "mean":
-            fused = a.mean(1)
-        elif head_fusion == "max":
-            fused = a.amax(1)
-        else:
-            fused = a.amin(1)  # (B, N, N)
-        if num_discard > 0:
-            flat = fused.reshape(b, n * n)
-            candidates = flat.masked_fill(protected, float("inf"))
-            drop = candidates.topk(num_discard, dim=1, largest=False).indices  # (B, k)
-            fused = flat.scatter(1, drop, 0.0).reshape(b, n, n)
-        fused = fused + eye  # the residual connection carries each token to itself
-        fused = fused / fused.sum(-1, keepdim=True)
-        result = fused @ result
-
-    if isinstance(readout, AttentionRecord):
-        if readout.kind != "pool":
-            raise ValueError(f"readout record {readout.name!r} is {readout.kind!r}; expected a pool record")
-        readout = readout.weights
-    if isinstance(readout, torch.Tensor):
-        if tuple(readout.shape) != (b, n):
-            raise ValueError(f"pooling weights must be (B, N) = {(b, n)}, got {tuple(readout.shape)}")
-        flow = torch.einsum("bi,bij->bj", readout.float().to(device), result)  # (B, N)
-    elif readout == "cls":
-        if p == 0:
-            raise ValueError("readout='cls' needs a class token (num_prefix_tokens >= 1); use readout='mean'")
-        flow = result[:, 0]  # (B, N): what the class token's output draws from each input token
-    elif readout == "mean":
-        flow = result[:, p:].mean(1)  # (B, N): averaged over the grid tokens' outputs, as global pooling does
-    else:
-        raise ValueError(f"unknown readout {readout!r}; valid: cls, mean, or a (B, N) tensor of pooling weights")
-    return flow[:, p:].reshape(b, gh, gw)
+        result = _fused(a.to(device), head_fusion, num_discard, protected) @ result
+    return _read_out(result, readout, p)[:, p:].reshape(b, gh, gw)

@@ -1,0 +1,95 @@
+"""Faithfulness: deletion/insertion against random orders with bootstrap intervals, gradient baselines and
+the model-randomisation sanity check, on a planted model whose label depends only on the region its gate
+points at."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import visattn
+from visattn.attention.tap import AttentionTap
+from visattn.maps.faithful import auc, bootstrap
+
+HOT = (1, 2)  # the gate's cell on a 4x4 grid of 8x8-pixel cells
+
+
+class RegionModel(nn.Module):
+    """Two classes decided by the mean red minus green of one 8x8 region, the one its spatial gate marks."""
+
+    def __init__(self):
+        super().__init__()
+        self.tap = AttentionTap("spatial")
+        self.scale = nn.Parameter(torch.tensor(100.0))  # confident: p(true) near 1 on the clean image
+        gate = torch.full((1, 1, 4, 4), 0.02)
+        gate[..., HOT[0], HOT[1]] = 0.98
+        self.register_buffer("gate", gate)
+
+    def forward(self, x):  # (B, 3, 32, 32)
+        g = self.tap(self.gate.expand(x.shape[0], -1, -1, -1))
+        region = (F.avg_pool2d(x, 8) * (g > 0.5)).sum((2, 3))  # (B, 3): the marked region's mean colour
+        d = self.scale * (region[:, 0] - region[:, 1])
+        return torch.stack([d, -d], 1)
+
+
+def images(n=48, seed=0):
+    return torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+
+
+def test_planted_gate_scores_far_above_zero_and_noise_does_not():
+    model = RegionModel()
+    x = images()
+    noise = torch.rand(x.shape[0], 4, 4, generator=torch.Generator().manual_seed(1))
+    report = visattn.faithfulness(model, x, maps=None, extra_maps={"noise": noise}, steps=16, regions=8, draws=3,
+                                  baselines=("input_x_gradient",), sanity=True, seed=0)
+    gate, rnd, ixg = report.row("tap"), report.row("noise"), report.row("input_x_gradient")
+    # deleting the marked region first destroys the prediction at once (p -> 1/2); random orders take long
+    assert gate.deletion_score.lo > 0.1 and gate.insertion_score.lo > 0.1, report.table()  # zero is far out
+    assert gate.deletion_curve[1] == pytest.approx(0.5, abs=0.02) and gate.deletion_curve[0] > 0.9
+    assert rnd.deletion_score.lo < 0 < rnd.deletion_score.hi, report.table()
+    assert rnd.insertion_score.lo < 0 < rnd.insertion_score.hi, report.table()
+    assert ixg.deletion_score.lo > 0.1  # the gradient is non-zero in the marked region only
+    # the gate is a constant: re-initialising the weights leaves it as it was, and the check says so
+    assert gate.sanity_rho == pytest.approx(1.0)
+    text = report.table()
+    assert "tap" in text and "noise" in text and "sanity" in text
+
+
+def test_curves_areas_and_bootstrap_are_computed_as_stated():
+    model = RegionModel()
+    report = visattn.faithfulness(model, images(16), steps=4, regions=4, draws=2, baselines=(), sanity=False,
+                                  bootstrap_draws=200)
+    row = report.row("tap")
+    assert len(row.deletion_curve) == 5 and len(report.random_deletion_curve) == 5
+    assert row.deletion_auc == pytest.approx(float(auc(torch.tensor(row.deletion_curve))), abs=1e-6)
+    assert row.insertion_curve[-1] == pytest.approx(row.deletion_curve[0], abs=1e-6)  # all back = the image
+    assert row.deletion_curve[-1] == pytest.approx(row.insertion_curve[0], abs=1e-6)  # all gone = the fill
+    ci = bootstrap(torch.tensor([1.0, 2.0, 3.0, 4.0]), draws=500, confidence=0.9)
+    assert ci.mean == 2.5 and 1.0 <= ci.lo < 2.5 < ci.hi <= 4.0
+    assert bootstrap(torch.full((5,), 0.3)).lo == pytest.approx(0.3)
+
+
+def test_randomisation_check_and_gradcam_on_a_real_model():
+    torch.manual_seed(0)
+    model = visattn.create_model("resnet_fast", num_classes=10, widths=(8, 16, 16), attention="spatial")
+    x = images(8)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.train()
+    report = visattn.faithfulness(model, x, steps=4, regions=4, draws=1, bootstrap_draws=100, fill="blur")
+    names = [r.name for r in report.rows]
+    assert names == [f"layers.{i}.units.0.attn" for i in range(3)] + ["input_x_gradient", "gradcam"]
+    for r in report.rows:
+        assert r.sanity_rho is not None and (math.isnan(r.sanity_rho) or -1.0 <= r.sanity_rho <= 1.0)
+        assert all(0.0 <= p <= 1.0 for p in r.deletion_curve + r.insertion_curve)
+    # learned maps change when the weights are re-initialised: not all of them can keep their ranking
+    assert min(r.sanity_rho for r in report.rows if not math.isnan(r.sanity_rho)) < 0.9
+    assert model.training and all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_validates_options():
+    with pytest.raises(ValueError, match="fill"):
+        visattn.faithfulness(RegionModel(), images(2), fill="zero")
+    with pytest.raises(ValueError, match="steps"):
+        visattn.faithfulness(RegionModel(), images(2), steps=0)

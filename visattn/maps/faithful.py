@@ -1,0 +1,403 @@
+"""Are the maps faithful? Deletion and insertion curves, random baselines, a gradient baseline and the
+model-randomisation sanity check.
+
+    report = visattn.faithfulness(model, images, labels)
+    print(report.table())
+
+For each map (every recorded layer and the rollout, :func:`~visattn.maps.readout.read_maps`) the input is cut
+into ``regions x regions`` squares, ranked by the map's mean over each square (the map placed where its cells
+lie, :mod:`visattn.maps.geometry`). **Deletion** replaces the squares in that order, most attended first,
+with a fill (the images' mean colour, or a blurred copy of the image) and reads the true class's
+probability after each of ``steps`` equal steps; **insertion** starts from the filled image and puts the
+squares back in the same order (Petsiuk, Das, Saenko, 2018, "RISE", arXiv 1806.07421). The areas under the
+curves (x from 0 to 1) are compared with those of ``draws`` random orders per image: the **deletion score**
+is random area - map area (a faithful map destroys the prediction sooner), the **insertion score** map area
+- random area; both come with a bootstrap confidence interval over images. A map that is no better than
+random has scores whose interval contains zero.
+
+Baselines, scored the same way: ``input_x_gradient`` (the input times the gradient of the true class's
+logit, summed over channels) and ``gradcam`` (Selvaraju et al. 2017, arXiv 1610.02391: the last
+convolution's activations weighted by their mean gradient, rectified). **Sanity check** (Adebayo et al.
+2018, "Sanity Checks for Saliency Maps", arXiv 1810.03292): the maps of a copy of the model with all its
+weights re-initialised are compared with the trained model's by Spearman rank correlation (mean over
+images); a map that barely changes (rho near 1) does not depend on what the model learned.
+
+The command ``python -m visattn.visualize --checkpoint RUN/best.pt --faithfulness 500`` prints the table
+for a checkpoint's held-out images.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .geometry import GridGeometry, place, trace_geometry
+from .readout import LayerMap, read_maps
+from .record import probe_mode, record_attention, unwrap_model
+
+FILLS = ("mean", "blur")
+BASELINES = ("input_x_gradient", "gradcam")
+
+
+@dataclass
+class Interval:
+    mean: float
+    lo: float
+    hi: float
+
+    def __str__(self) -> str:
+        return f"{self.mean:+.3f} [{self.lo:+.3f}, {self.hi:+.3f}]"
+
+
+@dataclass
+class FaithfulnessRow:
+    name: str  # map name (TensorBoard tag without "maps/"), or a baseline's name
+    kind: str
+    deletion_auc: float  # mean over images; lower = the prediction falls sooner
+    insertion_auc: float  # higher = the prediction comes back sooner
+    deletion_score: Interval  # random deletion area - map deletion area, with its CI
+    insertion_score: Interval  # map insertion area - random insertion area, with its CI
+    sanity_rho: Optional[float] = None  # Spearman rho with the re-initialised model's map (None: not run)
+    deletion_curve: List[float] = field(default_factory=list)  # mean probability at each step
+    insertion_curve: List[float] = field(default_factory=list)
+
+
+@dataclass
+class FaithfulnessReport:
+    rows: List[FaithfulnessRow]
+    images: int
+    steps: int
+    regions: int
+    fill: str
+    draws: int
+    confidence: float
+    random_deletion_auc: float
+    random_insertion_auc: float
+    random_deletion_curve: List[float]
+    random_insertion_curve: List[float]
+
+    def row(self, name: str) -> FaithfulnessRow:
+        return next(r for r in self.rows if r.name == name)
+
+    def as_dict(self) -> Dict[str, Any]:
+        """Plain data (JSON-ready: an undefined rho is None, not NaN)."""
+        def clean(v: Any) -> Any:
+            if isinstance(v, float) and math.isnan(v):
+                return None
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [clean(x) for x in v]
+            return v
+
+        return clean(asdict(self))
+
+    def table(self) -> str:
+        pct = f"{self.confidence:.0%}"
+        lines = [f"faithfulness on {self.images} images: {self.regions}x{self.regions} regions in {self.steps} steps, "
+                 f"fill {self.fill}, {self.draws} random orders per image; scores with {pct} bootstrap intervals",
+                 f"random order: deletion area {self.random_deletion_auc:.3f}, "
+                 f"insertion area {self.random_insertion_auc:.3f}",
+                 f"{'map':<34}{'del. area':>10}{'deletion score':>26}{'ins. area':>10}{'insertion score':>26}"
+                 f"{'sanity rho':>11}"]
+        for r in self.rows:
+            rho = "-" if r.sanity_rho is None or math.isnan(r.sanity_rho) else f"{r.sanity_rho:.2f}"
+            lines.append(f"{r.name[-34:]:<34}{r.deletion_auc:>10.3f}{str(r.deletion_score):>26}{r.insertion_auc:>10.3f}"
+                         f"{str(r.insertion_score):>26}{rho:>11}")
+        lines.append("deletion score = random area - map area, insertion score = map area - random area: above zero "
+                     "(interval too) = better than random; sanity rho: rank correlation with the map of the model "
+                     "with re-initialised weights (near 1 = the map ignores what was learned)")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- perturbation
+
+
+def _region_index(image_hw: Sequence[int], regions: int, device) -> torch.Tensor:
+    """``(H, W)`` long: which of the ``regions x regions`` squares each pixel belongs to."""
+    h, w = image_hw
+    ry = (torch.arange(h, device=device) * regions) // h
+    rx = (torch.arange(w, device=device) * regions) // w
+    return ry[:, None] * regions + rx[None, :]
+
+
+def _region_scores(pixel_map: torch.Tensor, regions: int) -> torch.Tensor:
+    """``(B, H, W)`` -> ``(B, regions**2)``: the mean over each square."""
+    return F.adaptive_avg_pool2d(pixel_map[:, None].float(), regions).flatten(1)
+
+
+def _ranks(scores: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Rank of each region (0 = first removed), highest score first; ties broken at random."""
+    size = scores.abs().amax(1, keepdim=True) + 1e-12
+    jitter = torch.rand(scores.shape, generator=gen).to(scores.device) * 1e-6 * size
+    order = (scores.float() + jitter).argsort(dim=1, descending=True)
+    return order.argsort(dim=1)
+
+
+def _blur(x: torch.Tensor) -> torch.Tensor:
+    sigma = max(x.shape[-2:]) / 16
+    r = max(1, math.ceil(2 * sigma))
+    k = torch.exp(-(torch.arange(-r, r + 1, device=x.device, dtype=torch.float32) ** 2) / (2 * sigma**2))
+    k = (k / k.sum()).to(x.dtype)
+    c = x.shape[1]
+    y = F.conv2d(F.pad(x, (r, r, 0, 0), mode="reflect"), k.view(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)
+    return F.conv2d(F.pad(y, (0, 0, r, r), mode="reflect"), k.view(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)
+
+
+def _fill(images: torch.Tensor, fill: str) -> torch.Tensor:
+    if fill == "mean":
+        return images.float().mean(dim=(0, 2, 3), keepdim=True).expand_as(images).to(images.dtype)
+    if fill == "blur":
+        return _blur(images.float()).to(images.dtype)
+    raise ValueError(f"unknown fill {fill!r}; valid: {', '.join(FILLS)}")
+
+
+class _Scorer:
+    """Runs the perturbed images through the model and reads the true class's probability."""
+
+    def __init__(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor, fill: str, regions: int,
+                 steps: int, batch_size: int):
+        self.model, self.x, self.labels = model, images, labels
+        self.filled = _fill(images, fill)
+        self.index = _region_index(images.shape[-2:], regions, images.device)
+        self.n_regions = regions * regions
+        self.steps, self.batch_size = steps, batch_size
+
+    def probs(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out = []
+        with probe_mode(self.model):
+            for i in range(0, len(x), self.batch_size):
+                logits = self.model(x[i : i + self.batch_size])
+                logits = logits[0] if isinstance(logits, (tuple, list)) else logits
+                p = logits.float().softmax(-1)
+                out.append(p.gather(1, labels[i : i + self.batch_size, None])[:, 0])
+        return torch.cat(out)
+
+    def curves(self, ranks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Deletion and insertion curves ``(B, steps + 1)`` for region ranks ``(B, regions**2)``."""
+        dels, ins = [], []
+        b = self.x.shape[0]
+        ranks = ranks.to(self.x.device)  # maps are read out on the CPU (records are copied there)
+        for t in range(self.steps + 1):
+            k = round(t * self.n_regions / self.steps)
+            gone = (ranks < k).float()  # (B, R*R): regions removed by step t
+            m = gone.gather(1, self.index.flatten()[None].expand(b, -1)).view(b, 1, *self.x.shape[-2:]).to(self.x.dtype)
+            dels.append(self.x * (1 - m) + self.filled * m)
+            ins.append(self.filled * (1 - m) + self.x * m)
+        both = torch.cat(dels + ins)
+        p = self.probs(both, self.labels.repeat(2 * (self.steps + 1))).view(2, self.steps + 1, b)
+        return p[0].T, p[1].T
+
+
+def auc(curve: torch.Tensor) -> torch.Tensor:
+    """Area under ``(..., steps + 1)`` curves over x in [0, 1] (trapezoids)."""
+    n = curve.shape[-1] - 1
+    return (curve[..., 0] / 2 + curve[..., 1:-1].sum(-1) + curve[..., -1] / 2) / n
+
+
+def bootstrap(values: torch.Tensor, draws: int = 1000, confidence: float = 0.95, seed: int = 0) -> Interval:
+    """Mean of ``values`` (one per image) with a percentile bootstrap interval over images."""
+    v = values.double().cpu()
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(v), (draws, len(v)), generator=gen)
+    means = v[idx].mean(1)
+    a = (1 - confidence) / 2
+    lo, hi = torch.quantile(means, torch.tensor([a, 1 - a], dtype=torch.float64)).tolist()
+    return Interval(float(v.mean()), lo, hi)
+
+
+# --------------------------------------------------------------------------------------------- maps
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean over rows of the Spearman rank correlation of ``a`` and ``b`` ``(B, n)`` (ties get mean ranks)."""
+    def ranks(x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x, dtype=torch.float64)
+        for i, row in enumerate(x.double()):
+            _, inverse, counts = torch.unique(row, return_inverse=True, return_counts=True)
+            start = torch.cumsum(counts, 0) - counts
+            out[i] = (start + (counts - 1) / 2.0).double()[inverse]
+        return out
+
+    ra, rb = ranks(a.flatten(1).cpu()), ranks(b.flatten(1).cpu())
+    ra, rb = ra - ra.mean(1, keepdim=True), rb - rb.mean(1, keepdim=True)
+    den = (ra.norm(dim=1) * rb.norm(dim=1))
+    rho = (ra * rb).sum(1) / den
+    rho = rho[den > 0]
+    return float(rho.mean()) if len(rho) else float("nan")
+
+
+def attention_maps(model: nn.Module, images: torch.Tensor, head_maps: str = "none") -> List[LayerMap]:
+    """The model's maps for ``images`` (one recorded eval pass, :func:`read_maps`)."""
+    with probe_mode(model), record_attention(model, warn=False) as rec:
+        model(images)
+    return read_maps(rec.records, model, images.shape, head_maps=head_maps)
+
+
+def _logit_grad(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, wrt: List[torch.Tensor]) -> List[torch.Tensor]:
+    out = model(x)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return list(torch.autograd.grad(out.float().gather(1, labels[:, None]).sum(), wrt))
+
+
+def gradient_map(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, method: str) -> Optional[LayerMap]:
+    """A gradient baseline as a :class:`LayerMap` (``"input_x_gradient"`` or ``"gradcam"``); None when the
+    model has no convolution with a spatial output for Grad-CAM."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with torch.enable_grad():
+            if method == "input_x_gradient":
+                x = images.detach().clone().requires_grad_(True)
+                (g,) = _logit_grad(model, x, labels, [x])
+                heat = (x.detach() * g).sum(1).float()  # (B, H, W): signed evidence for the class
+                return LayerMap(method, "gradient", heat, "gate", 0, GridGeometry.image(images.shape[-2:]),
+                                "input x gradient of the true class's logit, summed over channels")
+            if method == "gradcam":
+                return _gradcam(model, images, labels)
+    finally:
+        for m, training in modes:
+            m.training = training
+    raise ValueError(f"unknown baseline {method!r}; valid: {', '.join(BASELINES)}")
+
+
+def _gradcam(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> Optional[LayerMap]:
+    seen: List[torch.Tensor] = []
+
+    def hook(m, args, out):
+        if out.dim() == 4 and min(out.shape[-2:]) > 1 and out.requires_grad:
+            seen.append(out)
+
+    handles = [m.register_forward_hook(hook) for m in unwrap_model(model).modules() if isinstance(m, nn.Conv2d)]
+    try:
+        x = images.detach().clone().requires_grad_(True)
+        out = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    grads = torch.autograd.grad(out.float().gather(1, labels[:, None]).sum(), seen, allow_unused=True) if seen else []
+    # the last convolution with a spatial output that the logit depends on (a gate's own small convolution
+    # may run on a detached side path)
+    found = [(a, g) for a, g in zip(seen, grads) if g is not None]
+    if not found:
+        return None
+    act, g = found[-1]
+    cam = F.relu((g.float().mean((2, 3), keepdim=True) * act.detach().float()).sum(1))  # (B, h, w)
+    geo = trace_geometry(model, images.shape).lookup(cam.shape[-2:])
+    return LayerMap("gradcam", "gradient", cam, "gate", 0, geo,
+                    f"Grad-CAM on the last convolution ({cam.shape[-2]}x{cam.shape[-1]})")
+
+
+def _reinitialised(model: nn.Module, seed: int) -> nn.Module:
+    """A copy of the model with every module's parameters re-initialised (``reset_parameters``)."""
+    twin = copy.deepcopy(unwrap_model(model))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for m in twin.modules():
+            if hasattr(m, "reset_parameters") and callable(m.reset_parameters):
+                m.reset_parameters()
+    return twin
+
+
+# --------------------------------------------------------------------------------------------- entry point
+
+
+def _placed(lm: LayerMap, image_hw: Sequence[int]) -> torch.Tensor:
+    values = torch.nan_to_num(lm.heat.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    return place(values, lm.geometry, image_hw, image_hw)[0]
+
+
+def _as_maps(extra: Optional[Dict[str, Union[torch.Tensor, LayerMap]]], image_hw) -> List[LayerMap]:
+    out = []
+    for name, m in (extra or {}).items():
+        if isinstance(m, LayerMap):
+            out.append(m)
+        else:
+            m = m[:, 0] if m.dim() == 4 else m
+            out.append(LayerMap(name, "given", m.float(), "gate", 0, GridGeometry.stretched(m.shape[-2:], image_hw),
+                                "a map given by the caller"))
+    return out
+
+
+def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                 maps: Optional[Sequence[LayerMap]] = None, extra_maps: Optional[Dict[str, Any]] = None,
+                 steps: int = 16, regions: int = 8, fill: str = "mean", draws: int = 3,
+                 baselines: Sequence[str] = BASELINES, sanity: bool = True, bootstrap_draws: int = 1000,
+                 confidence: float = 0.95, batch_size: int = 256, seed: int = 0,
+                 names: Optional[Sequence[str]] = None) -> FaithfulnessReport:
+    """Deletion/insertion faithfulness of every attention map of ``model`` on ``images`` (normalised model
+    input ``(B, C, H, W)``) for ``labels`` (``(B,)``; default: the model's own predictions).
+
+    ``maps``: the maps to score (default: every map :func:`read_maps` gives for one recorded pass);
+    ``extra_maps``: more, by name (``(B, h, w)`` tensors stretched over the image, or ``LayerMap``s);
+    ``baselines``: gradient baselines to add (:data:`BASELINES`); ``sanity``: run the model-randomisation
+    check. ``steps`` deletion steps over ``regions x regions`` squares; ``draws`` random orders per image;
+    ``fill``: ``"mean"`` (the images' mean colour) or ``"blur"``; ``names``: score only the maps with these
+    names (baselines aside). The model is run in eval mode (under the caller's autocast, if any); its
+    train/eval flags, weights and gradients are left as they were.
+    """
+    if fill not in FILLS:
+        raise ValueError(f"unknown fill {fill!r}; valid: {', '.join(FILLS)}")
+    if steps < 1 or regions < 1 or draws < 1:
+        raise ValueError(f"steps, regions and draws must be >= 1, got {steps}, {regions}, {draws}")
+    param = next(model.parameters(), None)
+    x = images.to(param.device) if param is not None else images
+    if labels is None:
+        with probe_mode(model):
+            out = model(x)
+        labels = (out[0] if isinstance(out, (tuple, list)) else out).argmax(-1)
+    labels = labels.to(x.device).long()
+    image_hw = tuple(x.shape[-2:])
+    maps = list(attention_maps(model, x) if maps is None else maps) + _as_maps(extra_maps, image_hw)
+    if names is not None:
+        unknown = set(names) - {m.name for m in maps}
+        if unknown:
+            raise ValueError(f"no map named {', '.join(sorted(unknown))}; maps: {', '.join(m.name for m in maps)}")
+        maps = [m for m in maps if m.name in set(names)]
+    maps += [g for g in (gradient_map(model, x, labels, b) for b in baselines) if g is not None]
+    scorer = _Scorer(model, x, labels, fill, regions, steps, batch_size)
+    gen = torch.Generator().manual_seed(seed)
+    rnd = [scorer.curves(torch.rand(x.shape[0], regions * regions, generator=gen).argsort(1).argsort(1).to(x.device))
+           for _ in range(draws)]
+    rnd_del = torch.stack([r[0] for r in rnd]).mean(0)  # (B, steps + 1), mean over draws
+    rnd_ins = torch.stack([r[1] for r in rnd]).mean(0)
+    rhos = _sanity(model, x, labels, maps, seed) if sanity else {}
+    rows = []
+    for lm in maps:
+        if not lm.finite():
+            continue
+        d, ins = scorer.curves(_ranks(_region_scores(_placed(lm, image_hw), regions), gen))
+        rows.append(FaithfulnessRow(
+            lm.name, lm.kind, float(auc(d).mean()), float(auc(ins).mean()),
+            bootstrap(auc(rnd_del) - auc(d), bootstrap_draws, confidence, seed),  # the same resamples for every map
+            bootstrap(auc(ins) - auc(rnd_ins), bootstrap_draws, confidence, seed),
+            rhos.get(lm.name) if sanity else None, d.mean(0).tolist(), ins.mean(0).tolist()))
+    return FaithfulnessReport(rows, x.shape[0], steps, regions, fill, draws, confidence, float(auc(rnd_del).mean()),
+                              float(auc(rnd_ins).mean()), rnd_del.mean(0).tolist(), rnd_ins.mean(0).tolist())
+
+
+def _sanity(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, maps: Sequence[LayerMap],
+            seed: int) -> Dict[str, float]:
+    """Spearman rho between each map and the same map of a re-initialised copy of the model."""
+    twin = _reinitialised(model, seed + 1)
+    theirs = {m.name: m for m in attention_maps(twin, x)}
+    for b in {m.name for m in maps} & set(BASELINES):
+        g = gradient_map(twin, x, labels, b)
+        if g is not None:
+            theirs[b] = g
+    out = {}
+    for m in maps:
+        t = theirs.get(m.name)
+        if t is not None and t.heat.shape == m.heat.shape:
+            out[m.name] = _spearman(m.heat, t.heat)
+    return out
+
+
+__all__ = ["BASELINES", "FILLS", "FaithfulnessReport", "FaithfulnessRow", "Interval", "attention_maps", "auc",
+           "bootstrap", "faithfulness", "gradient_map"]

@@ -1,0 +1,227 @@
+"""The one readout from records to drawable maps, shared by the TensorBoard logger, ``visualize``,
+``faithfulness`` and the benches.
+
+    with record_attention(model) as rec:
+        model(images)
+    for m in read_maps(rec.records, model, images.shape):
+        m.name, m.kind, m.heat, m.scale, m.keys, m.geometry, m.description
+
+Each :class:`LayerMap` is one map per image, ``(B, h, w)``, on the record's grid, with what is needed to draw
+it honestly: its value scale (``"gate"`` or ``"relative"``, :mod:`visattn.maps.scale`), the number of keys its
+weights are spread over (uniform = 1 / keys), where its cells lie on the input (:mod:`visattn.maps.geometry`)
+and a one-line description. Names are the TensorBoard tags without ``maps/``: the block's module path, ``@1``,
+``@2`` for its later calls in one pass, ``<layer>/cls_head<i>`` for single heads, ``rollout`` for the attention
+rollout through the last run of token layers on one grid, read out the way the model pools (class token,
+mean, or its sequence-pooling weights).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..attention.tap import AttentionRecord
+from .geometry import GeometryTrace, GridGeometry, trace_geometry
+from .record import spatial_heatmap, unwrap_model
+from .rollout import attention_rollout
+from .scale import Stats, map_stats, scale_title, to_unit
+
+HEAD_MAPS = ("all", "last", "none")
+_POOL_CLS = {"cls", "token"}
+_POOL_MEAN = {"mean", "avg", "gap"}
+_POOL_SEQ = {"seq", "sequence", "attn", "attention"}
+
+
+@dataclass
+class LayerMap:
+    name: str  # tag without "maps/": "layers.0.units.0.attn.spatial", "blocks.1.attn/cls_head0", "rollout"
+    kind: str  # "spatial" | "token" | "pool" | "head" | "rollout" (or a baseline's name)
+    heat: torch.Tensor  # (B, h, w) fp32, raw values (gates, or weights summing to <= 1 over the keys)
+    scale: str  # "gate" | "relative"
+    keys: int  # tokens / positions the weights are spread over (uniform weight = 1 / keys); 0 for gates
+    geometry: GridGeometry
+    description: str
+    record: Optional[AttentionRecord] = None
+
+    @property
+    def tag(self) -> str:
+        return f"maps/{self.name}"
+
+    def unit(self, norm: str = "fixed") -> torch.Tensor:
+        """Colour-map positions in [0, 1], ``(B, h, w)``."""
+        return to_unit(self.heat, self.scale, self.keys, norm)
+
+    def stats(self) -> List[Stats]:
+        return map_stats(self.heat, self.scale, self.keys)
+
+    def finite(self) -> bool:
+        return bool(torch.isfinite(self.heat).all())
+
+
+def pool_mode(model: Optional[nn.Module]) -> Optional[str]:
+    """How ``model`` pools its tokens, from its ``pool`` / ``global_pool`` attribute: ``"cls"``, ``"mean"``,
+    ``"seq"``, or None when it does not say."""
+    if model is None:
+        return None
+    for attr in ("pool", "global_pool"):
+        value = getattr(model, attr, None)
+        if isinstance(value, str):
+            v = value.lower()
+            for mode, names in (("cls", _POOL_CLS), ("mean", _POOL_MEAN), ("seq", _POOL_SEQ)):
+                if v in names:
+                    return mode
+    return None
+
+
+def rollout_layers(token_records: Sequence[AttentionRecord]) -> List[AttentionRecord]:
+    """The last run of consecutive token records sharing token count, grid and prefix (a transformer trunk)."""
+    run: List[AttentionRecord] = []
+    for r in token_records:
+        key = (r.weights.shape[-1], r.grid, r.num_prefix_tokens)
+        if run and key != (run[-1].weights.shape[-1], run[-1].grid, run[-1].num_prefix_tokens):
+            run = []
+        run.append(r)
+    return run
+
+
+def _owner(model: Optional[nn.Module], name: str) -> str:
+    if model is None:
+        return "block"
+    try:
+        return type(model.get_submodule(name.split("@")[0])).__name__
+    except AttributeError:
+        return "block"
+
+
+def _describe(kind: str, owner: str, scale: str, geometry: GridGeometry, extra: str = "") -> str:
+    what = {
+        "spatial": f"spatial map of {owner}"
+        + (" (softmax over positions)" if scale == "relative" else " (sigmoid gate per position)"),
+        "token": f"attention of {owner}{extra}",
+        "pool": f"attention-pooling weights of {owner} over the tokens",
+        "head": f"class-token attention of one head of {owner}",
+        "rollout": f"attention rollout (Abnar & Zuidema 2020){extra}",
+    }.get(kind, f"{kind} map{extra}")
+    return f"{what}; scale: {scale_title(scale)}; {geometry.describe()}"
+
+
+class _Reader:
+    """Turns records into :class:`LayerMap`s; holds the model, input size and geometry trace."""
+
+    def __init__(self, model: Optional[nn.Module], image_hw, trace: Optional[GeometryTrace]):
+        self.model = model
+        self.image_hw = tuple(image_hw)
+        self.trace = trace
+        self.calls: Dict[str, int] = {}
+
+    def geometry(self, grid, name: Optional[str], call: int) -> GridGeometry:
+        if self.trace is None:
+            return GridGeometry.stretched(grid, self.image_hw)
+        return self.trace.lookup(grid, name, call)
+
+    def record_maps(self, r: AttentionRecord, heads: bool) -> List[LayerMap]:
+        k = self.calls.get(r.name, 0)
+        self.calls[r.name] = k + 1
+        if r.kind == "channel":
+            return []
+        heat = spatial_heatmap(r, image_hw=self.image_hw)  # (B, h, w)
+        name = (r.name or "model") + (f"@{k}" if k else "")
+        geo = self.geometry(heat.shape[-2:], r.name, k)
+        owner = _owner(self.model, r.name)
+        scale = r.value_scale
+        keys = int(r.weights.shape[-1]) if r.kind in ("token", "pool") else int(heat.shape[-1] * heat.shape[-2])
+        extra = ""
+        if r.kind == "token":
+            n_heads = r.weights.shape[1]
+            extra = (f": the class token's row, mean of {n_heads} heads" if r.num_prefix_tokens > 0
+                     else f": attention each position receives, mean of {n_heads} heads and all queries")
+        out = [LayerMap(name, r.kind, heat, scale, keys if scale == "relative" else 0, geo,
+                        _describe(r.kind, owner, scale, geo, extra), r)]
+        if heads and r.kind == "token" and r.num_prefix_tokens > 0:
+            p = r.num_prefix_tokens
+            for h in range(r.weights.shape[1]):
+                hm = r.weights[:, h, 0, p:].reshape(heat.shape)
+                out.append(LayerMap(f"{name}/cls_head{h}", "head", hm, "relative", keys, geo,
+                                    _describe("head", owner, "relative", geo), r))
+        return out
+
+    def rollout(self, records: Sequence[AttentionRecord]) -> Optional[LayerMap]:
+        layers = rollout_layers([r for r in records if r.kind == "token"])
+        if not layers:
+            return None
+        p, n = layers[0].num_prefix_tokens, layers[0].weights.shape[-1]
+        pools = [r for r in records if r.kind == "pool" and r.weights.shape[-1] == n]
+        mode = pool_mode(unwrap_model(self.model) if self.model is not None else None)
+        if mode is None:
+            mode = "cls" if p > 0 else ("seq" if pools else "mean")
+        if mode == "cls" and p == 0:
+            mode = "mean"
+        readout: Any = pools[-1] if mode == "seq" and pools else ("mean" if mode == "seq" else mode)
+        try:
+            grid = layers[0].grid or tuple(spatial_heatmap(layers[0], image_hw=self.image_hw).shape[-2:])
+            heat = attention_rollout(layers, num_prefix_tokens=p, readout=readout, grid=grid)
+        except ValueError:
+            return None
+        how = {"cls": "the class token", "mean": "the mean over tokens"}.get(
+            readout if isinstance(readout, str) else "", "the sequence-pooling weights")
+        geo = self.geometry(heat.shape[-2:], layers[0].name, 0)
+        # the share of the flow that comes from the grid tokens (prefix tokens' own share left out), so a
+        # model that attends uniformly gives exactly x1 everywhere
+        heat = heat / heat.flatten(1).sum(1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
+        cells = int(heat.shape[-1] * heat.shape[-2])
+        return LayerMap("rollout", "rollout", heat, "relative", cells, geo,
+                        _describe("rollout", "", "relative", geo,
+                                  f" through {len(layers)} layer(s), read out by {how}; the grid's share of the flow"))
+
+
+def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = None,
+              input_shape: Optional[Sequence[int]] = None, head_maps: str = "none", rollout: bool = True,
+              geometry: Optional[GeometryTrace] = None) -> List[LayerMap]:
+    """Every drawable map of one recorded pass, in call order, then the rollout.
+
+    ``records``: one pass's records (``rec.records``, or ``rec.by_pass(i)``). ``model``: the recorded model;
+    it names the blocks in the descriptions, says how the model pools (for the rollout) and gives the grid
+    geometry (traced once per input shape, :func:`~visattn.maps.geometry.trace_geometry`; without a model
+    each grid is stretched over the image). ``input_shape``: the model input's ``(B, C, H, W)`` or
+    ``(C, H, W)`` (needed when ``geometry`` is not given). ``head_maps``: token layers with a class token
+    that also get one map per head: ``"all"``, ``"last"`` or ``"none"``. Channel records have no map
+    (see :func:`channel_records`); records whose map cannot be formed are left out.
+    """
+    if head_maps not in HEAD_MAPS:
+        raise ValueError(f"unknown head_maps {head_maps!r}; valid: {', '.join(HEAD_MAPS)}")
+    if geometry is None and input_shape is None:
+        raise ValueError("read_maps needs input_shape (or a geometry trace)")
+    if geometry is None and model is not None:
+        geometry = trace_geometry(model, input_shape)
+    image_hw = geometry.image_hw if geometry is not None else tuple(input_shape[-2:])
+    reader = _Reader(model, image_hw, geometry)
+    cls_layers = [r for r in records if r.kind == "token" and r.num_prefix_tokens > 0]
+    with_heads = {"all": cls_layers, "last": cls_layers[-1:], "none": []}[head_maps]
+    out: List[LayerMap] = []
+    for r in records:
+        try:
+            out += reader.record_maps(r, any(r is h for h in with_heads))
+        except ValueError:
+            continue
+    if rollout:
+        ro = reader.rollout(records)
+        if ro is not None:
+            out.append(ro)
+    return out
+
+
+def channel_records(records: Sequence[AttentionRecord]) -> List[tuple]:
+    """``(name, record)`` for the channel gates (no spatial layout: drawn as histograms), named like maps."""
+    seen: Dict[str, int] = {}
+    out = []
+    for r in records:
+        k = seen.get(r.name, 0)
+        seen[r.name] = k + 1
+        if r.kind == "channel":
+            out.append(((r.name or "model") + (f"@{k}" if k else ""), r))
+    return out
+
+
+__all__ = ["HEAD_MAPS", "LayerMap", "channel_records", "pool_mode", "read_maps", "rollout_layers"]
