@@ -3,10 +3,16 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, Iterator, List
 
+import numpy as np
 import pytest
+import torch
+
+from visattn.attention import AttentionTap
+from visattn.maps import colorize
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
@@ -50,3 +56,30 @@ def tiny_overrides(tmp_path):
         "eval.batch_size=100",
         "log.progress=false",
     ]
+
+
+@contextmanager
+def recording(module: torch.nn.Module) -> Iterator[list]:
+    """Attach one sink to every tap under ``module`` (what a recorder does, without visattn.maps); yields
+    the list of records, named by module path without the trailing ``.tap``."""
+    sink: list = []
+    taps = [(name, m) for name, m in module.named_modules() if isinstance(m, AttentionTap)]
+    for name, tap in taps:
+        tap.sink, tap.record_name = sink, name.removesuffix(".tap")
+    try:
+        yield sink
+    finally:
+        for _, tap in taps:
+            tap.sink = None
+
+
+def has_colour_bar(picture: np.ndarray, colormap: str = "jet") -> bool:
+    """Some row holds the whole colour map, cold to hot, over at least 150 pixels."""
+    lut = colorize(torch.linspace(0, 1, 256), colormap) * 255
+    for row in picture[::-1]:  # the bar sits at the bottom
+        d = torch.cdist(torch.tensor(row, dtype=torch.float32), lut)
+        dist, idx = d.min(1)
+        run = idx[dist < 2]
+        if len(run) >= 150 and run[0] <= 2 and run[-1] >= 253 and bool((run.diff() >= 0).all()):
+            return True
+    return False

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 pytest.importorskip("tensorboard")
+from conftest import has_colour_bar  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
     HISTOGRAMS,
     IMAGES,
@@ -21,7 +22,6 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
     TENSORS,
     EventAccumulator,
 )
-from test_maps_tensorboard import has_colour_bar  # noqa: E402
 
 from visattn.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from visattn.config import build_config, read_yaml  # noqa: E402

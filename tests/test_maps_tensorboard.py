@@ -13,6 +13,7 @@ from torch import nn
 import visattn
 
 pytest.importorskip("tensorboard")
+from conftest import has_colour_bar  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E402
     HISTOGRAMS,
     IMAGES,
@@ -23,7 +24,7 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 from visattn.attention.tap import AttentionTap  # noqa: E402
-from visattn.maps import colorize, log_attention_maps  # noqa: E402
+from visattn.maps import log_attention_maps  # noqa: E402
 from visattn.maps.draw import LINE_H, MAX_WIDTH  # noqa: E402
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
@@ -113,18 +114,6 @@ def read_events(logdir):
     acc = EventAccumulator(str(logdir), size_guidance={IMAGES: 0, HISTOGRAMS: 0, SCALARS: 0, TENSORS: 0})
     acc.Reload()
     return acc
-
-
-def has_colour_bar(picture: np.ndarray, colormap: str = "jet") -> bool:
-    """Some row holds the whole colour map, cold to hot, over at least 150 pixels."""
-    lut = colorize(torch.linspace(0, 1, 256), colormap) * 255
-    for row in picture[::-1]:  # the bar sits at the bottom
-        d = torch.cdist(torch.tensor(row, dtype=torch.float32), lut)
-        dist, idx = d.min(1)
-        run = idx[dist < 2]
-        if len(run) >= 150 and run[0] <= 2 and run[-1] >= 253 and bool((run.diff() >= 0).all()):
-            return True
-    return False
 
 
 def descriptions(acc) -> str:

@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import pytest
 import torch
+from conftest import recording
 
 from visattn.attention import AttentionTap, attention_info, create_attention, list_attention
 from visattn.attention.token import SCORES
@@ -17,20 +17,6 @@ D = 32  # token dim: divisible by the default 8 heads
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@contextmanager
-def recording(module: torch.nn.Module):
-    """Attach one sink to every tap under ``module`` (what a recorder does); yields the list of records."""
-    sink = []
-    taps = [(name, m) for name, m in module.named_modules() if isinstance(m, AttentionTap)]
-    for name, tap in taps:
-        tap.sink, tap.record_name = sink, name
-    try:
-        yield sink
-    finally:
-        for _, tap in taps:
-            tap.sink = None
 
 
 def is_pool(name: str) -> bool:

@@ -1,12 +1,10 @@
 """Transformer models (family "vit" and "hybrid"): forward/backward per variant, sizes, tap grids, options."""
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
+from conftest import recording
 
-from visattn.attention import AttentionTap
 from visattn.models import create_model, list_models
 from visattn.models.vit import ShiftedPatchTokenizer
 
@@ -18,20 +16,6 @@ TRANSFORMERS = VIT + HYBRID
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@contextmanager
-def recording(module: torch.nn.Module):
-    """Attach one sink to every tap under ``module`` (what a recorder does); yields the list of records."""
-    sink = []
-    taps = [(name, m) for name, m in module.named_modules() if isinstance(m, AttentionTap)]
-    for name, tap in taps:
-        tap.sink, tap.record_name = sink, name.removesuffix(".tap")
-    try:
-        yield sink
-    finally:
-        for _, tap in taps:
-            tap.sink = None
 
 
 def n_params(model: torch.nn.Module) -> int:
