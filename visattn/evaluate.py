@@ -21,13 +21,18 @@ def load_model_from_checkpoint(path: str, device: torch.device) -> tuple[torch.n
     """(model in eval mode with the checkpoint's weights — EMA weights when the run kept them, config, state)."""
     from .checkpoint import load_checkpoint
     from .config import build_config
-    from .errors import CheckpointError
+    from .errors import CheckpointError, ConfigError
     from .models import create_model
 
     state = load_checkpoint(path)
-    cfg = build_config(state["config"])
-    num_classes = len(state.get("classes") or []) or 10
-    model = create_model(cfg.model.name, num_classes=num_classes, **cfg.model.options())
+    try:
+        cfg = build_config(state["config"])
+        num_classes = len(state.get("classes") or []) or 10
+        model = create_model(cfg.model.name, num_classes=num_classes, **cfg.model.options())
+    except (ConfigError, ValueError, TypeError, RuntimeError, AttributeError) as e:
+        # a stored config this version refuses, or that no longer builds a model
+        why = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise CheckpointError(f"checkpoint {str(path)!r}: its stored config does not build a model ({why[:200]})") from None
     weights = state["model"]
     if state.get("ema"):  # the run evaluated its EMA weights: report those
         ema = state["ema"]
@@ -44,8 +49,10 @@ def evaluate_checkpoint(checkpoint: str, data: Optional[str] = None, tta: Option
     from . import engine
     from .data import Placement, build_loader, load_splits
     from .errors import DataError
+    from .options import check_device, check_range
 
-    dev = engine.resolve_device(device)
+    check_range("--batch-size", batch_size, 1, 65536)
+    dev = check_device("--device", device)
     model, cfg, state = load_model_from_checkpoint(checkpoint, dev)
     dcfg = cfg.data.model_copy()
     if data is not None:
@@ -54,7 +61,7 @@ def evaluate_checkpoint(checkpoint: str, data: Optional[str] = None, tta: Option
         else:
             dcfg.source, dcfg.root = "auto", data
     dcfg.subset = None
-    splits = load_splits(dcfg, cfg.seed)
+    splits = load_splits(dcfg, cfg.seed, eval_only=True)
     classes = list(state.get("classes") or splits.eval.classes)
     if list(splits.eval.classes) != classes:
         raise DataError(
@@ -86,6 +93,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except VisattnError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # the system's refusal (permissions, disk): one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(r))
         return 0

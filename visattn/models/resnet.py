@@ -33,6 +33,18 @@ def _per_stage(attention: AttnSpec, num_stages: int) -> List[str]:
     return names
 
 
+MAX_WIDTH = 16384  # channels of one layer
+
+
+def _check_counts(name: str, values: Any, low: int, high: int = MAX_WIDTH) -> List[int]:
+    """``values`` as a list of ints each in [low, high], else a ValueError naming the option."""
+    vals = [values] if isinstance(values, int) else list(values) if isinstance(values, (list, tuple)) else None
+    if not vals or any(isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high for v in vals):
+        raise ValueError(f"{name} must be {'an integer' if isinstance(values, int) else 'a list of integers'} "
+                         f"in [{low}, {high}], got {values!r}")
+    return vals
+
+
 def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
 
@@ -62,6 +74,10 @@ class CifarResNet(nn.Module):
     def __init__(self, layers: Sequence[int], widths: Sequence[int] = (64, 128, 256, 512), num_classes: int = 10,
                  attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None, in_chans: int = 3):
         super().__init__()
+        _check_counts("layers", layers, 1, 64)
+        _check_counts("widths", widths, 1)
+        if len(widths) != len(layers):
+            raise ValueError(f"widths has {len(widths)} entries but there are {len(layers)} stages")
         names = _per_stage(attention, len(layers))
         kw = dict(attn_kwargs or {})
         self.stem = nn.Sequential(conv3x3(in_chans, widths[0]), nn.BatchNorm2d(widths[0]), nn.ReLU(inplace=True))
@@ -152,6 +168,9 @@ class FastResNet(nn.Module):
                  num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
                  in_chans: int = 3, head_scale: float = 1.0, stem: str = "conv"):
         super().__init__()
+        _check_counts("widths", widths, 1)
+        _check_counts("units", units, 0, 64)
+        _check_counts("stem_width", stem_width, 1)
         if len(widths) != len(units):
             raise ValueError(f"widths has {len(widths)} entries but units has {len(units)}")
         if stem not in ("conv", "whiten"):
