@@ -365,6 +365,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     args = p.parse_args(argv)
     try:
+        from .options import check_device, check_range
+
+        check_range("--scale", args.scale, 1, 32)  # the display size: 32 px * scale
+        check_range("--alpha", args.alpha, 0.0, 1.0)
+        if args.validation is not None:
+            check_range("--validation", args.validation, 1, 10_000)
+        check_device("--device", args.device)
         if args.validation is not None:
             files = validation_grids(args.checkpoint, args.validation, args.out, args.data, args.alpha, args.scale,
                                      args.colormap, args.device, args.head_maps, args.pick)
