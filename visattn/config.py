@@ -319,6 +319,8 @@ def safe_yaml(text: str, what: str) -> Any:
     try:
         _check_yaml_shape(text, what)
         return yaml.load(text, Loader=_StrictLoader)
+    except ConfigError:
+        raise
     except _DuplicateKey as e:
         raise ConfigError(f"{what}: {e}") from None
     except yaml.YAMLError as e:
@@ -327,6 +329,9 @@ def safe_yaml(text: str, what: str) -> Any:
         raise ConfigError(f"{what} is not valid YAML{where}") from None
     except RecursionError:
         raise ConfigError(f"{what}: nested too deeply") from None
+    except (ValueError, OverflowError) as e:  # e.g. a 100,000-digit number, a date like 2001-13-45
+        why = str(e).strip().splitlines()[0][:100] if str(e).strip() else e.__class__.__name__
+        raise ConfigError(f"{what} holds a value that cannot be read ({why})") from None
 
 
 def parse_override(text: str) -> Tuple[List[str], Any]:

@@ -7,9 +7,11 @@ import hashlib
 import io
 import os
 import pickle
+import re
 import shutil
 import stat
 import tarfile
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,26 +85,31 @@ def walk_files(root: Path, linked: Optional[Set[str]] = None) -> Iterator[Tuple[
 def _decode_image(data: bytes, name: str, size: int, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
+    if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels  # Pillow's own limit never refuses what the config allows
     try:
-        with Image.open(io.BytesIO(data)) as im:  # reads the header only: the size is known before decoding
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))  # reads the header only: the size is known before decoding
+        with im:
             w, h = im.size
             if w * h > max_pixels:
-                raise DataError(_bomb(name, w, h, max_pixels))
+                raise DataError(_bomb(name, f"{w}x{h} = {w * h:,}", max_pixels))
             im = to_rgb(im)
             if im.size != (size, size):
                 im = im.resize((size, size), Image.BILINEAR)
             return np.asarray(im, dtype=np.uint8)
-    except Image.DecompressionBombError:  # Pillow's own limit, where data.max_image_pixels is set above it
-        raise DataError(f"image {name} is a decompression bomb (more pixels than Pillow will decode)") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # over Pillow's limit, so over ours
+        m = re.search(r"\((\d+) pixels\)", str(e))
+        raise DataError(_bomb(name, f"{int(m.group(1)):,}" if m else "more", max_pixels)) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, MemoryError) as e:
         if isinstance(e, DataError):
             raise
         raise DataError(f"corrupt or unreadable image {name}: {e.__class__.__name__}") from None
 
 
-def _bomb(name: str, w: int, h: int, max_pixels: int) -> str:
-    return (f"image {name} is {w}x{h} = {w * h:,} pixels, more than data.max_image_pixels={max_pixels:,} "
-            "(a decompression bomb?)")
+def _bomb(name: str, pixels: str, max_pixels: int) -> str:
+    return f"image {name} is {pixels} pixels, more than data.max_image_pixels={max_pixels:,} (a decompression bomb?)"
 
 
 def to_rgb(im: Any) -> Any:
