@@ -33,7 +33,7 @@ BASE = ["data.source=synthetic", "data.synthetic_size=200", "data.val_size=50", 
         "model.stem_width=8", "model.attention=none", "log.progress=false", "log.maps_every=0", "device=cpu",
         "eval.tta=none", "precision=fp32", "train.batch_size=25", "train.epochs=1", "train.max_steps=1",
         "log.tensorboard=false"]
-FUZZ = settings(max_examples=30, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 # raw YAML texts a hostile user might type as a value
@@ -77,13 +77,33 @@ def _text(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 
-values = st.one_of(
+# values a careful user might give (so that many examples get past the checks and train a step)
+PLAUSIBLE = [0, 1, 2, 3, 8, 16, 24, 32, 0.0, 0.5, 0.9, 0.001, 1.0, [8, 16, 16], [8, 8, 8], [1, 1, 1], [0.9, 0.99],
+             [0.5, 0.5, 0.5], [0.2, 0.2, 0.2], "cbam", "se", "none", "adamw", "sgd", "tensor", "albumentations",
+             [{"name": "ColorJitter", "brightness": 0.2}], [{"name": "HorizontalFlip"}], "resnet_fast", 64, 1000]
+hostile = st.one_of(
     st.integers(-(2**70), 2**70), st.integers(-3, 70),
     st.floats(allow_nan=True, allow_infinity=True), st.floats(-2, 2),
     st.booleans(), st.none(), st.lists(st.integers(-5, 40), max_size=4), st.lists(st.floats(-1, 2), max_size=3),
     st.sampled_from(HOSTILE_YAML), st.text(max_size=12),
 )
-overrides = st.lists(st.tuples(st.sampled_from(KEYS), values), min_size=1, max_size=3)
+values = st.one_of(st.sampled_from(PLAUSIBLE), hostile)  # half and half
+# per key, values of the right type at or near the edges of what is allowed (so many examples train a step)
+EDGES = {
+    "seed": [0, 1, 2**32 - 1], "model.widths": [[8, 16, 16], [1, 1, 1], [4, 4]], "model.stem_width": [1, 8],
+    "model.units": [[1, 1, 1], [0, 0, 0], [2, 0, 1]], "model.head_scale": [1.0, 0.0, 1e-30],
+    "model.attention": ["cbam", "se", "eca", "coord", "nonlocal", "mhsa2d", ["none", "se", "spatial"]],
+    "optim.betas": [[0.9, 0.99], [0.0, 0.0], [0.999999, 0.0]], "optim.lr": [1e-6, 0.1, 100],
+    "optim.name": ["adamw", "sgd"], "data.mean": [[0, 0, 0], [1, 1, 1]], "data.std": [[1e-3, 1, 1], [100, 100, 100]],
+    "data.synthetic_size": [20, 60, 200], "data.image_size": [8, 16, 40], "data.val_size": [10, 50, 150],
+    "data.loader": ["tensor", "albumentations"], "data.max_image_pixels": [64, 2**31],
+    "data.augment.extra": [[{"name": "ColorJitter", "brightness": 0.5}], [{"name": "Rotate", "limit": 30}]],
+    "train.batch_size": [1, 7, 149, 150], "train.epochs": [1, 2], "train.label_smoothing": [0.0, 0.99],
+    "eval.every": [1, 5], "log.probe_size": [1, 64], "sched.warmup_epochs": [0, 100],
+}
+edges = st.sampled_from(sorted(EDGES)).flatmap(lambda k: st.tuples(st.just(k), st.sampled_from(EDGES[k])))
+overrides = st.one_of(st.lists(st.tuples(st.sampled_from(KEYS), values), min_size=1, max_size=3),
+                      st.lists(edges, min_size=1, max_size=4))
 
 
 @pytest.fixture(scope="module")
@@ -159,11 +179,11 @@ KINDS = ["fifo", "dev-zero", "link-out", "dangling-link", "bomb", "truncated", "
 
 
 @pytest.mark.timeout(300)
-@settings(FUZZ, max_examples=15)
+@settings(FUZZ, max_examples=25)
 @given(kinds=st.lists(st.tuples(st.sampled_from(KINDS), st.sampled_from(["train/ant", "train/bee", "test/ant"])),
                       max_size=3),
        on_bad=st.sampled_from(["error", "skip"]), with_test=st.booleans(),
-       max_pixels=st.sampled_from([64, 1000, 50_000_000]))
+       max_pixels=st.sampled_from([300, 1000, 50_000_000]))
 def test_fuzzed_datasets_end_in_0_or_one_error_line(kinds, on_bad, with_test, max_pixels):
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "ds"

@@ -36,13 +36,12 @@ def _per_stage(attention: AttnSpec, num_stages: int) -> List[str]:
 MAX_WIDTH = 16384  # channels of one layer
 
 
-def _check_counts(name: str, values: Any, low: int, high: int = MAX_WIDTH) -> List[int]:
-    """``values`` as a list of ints each in [low, high], else a ValueError naming the option."""
-    vals = [values] if isinstance(values, int) else list(values) if isinstance(values, (list, tuple)) else None
+def _check_counts(name: str, values: Any, low: int, high: int = MAX_WIDTH, one: bool = False) -> None:
+    """``values``: an int (``one``) or a non-empty list of ints, each in [low, high]; else a ValueError naming it."""
+    vals = [values] if one else list(values) if isinstance(values, (list, tuple)) else None
     if not vals or any(isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high for v in vals):
-        raise ValueError(f"{name} must be {'an integer' if isinstance(values, int) else 'a list of integers'} "
-                         f"in [{low}, {high}], got {values!r}")
-    return vals
+        raise ValueError(f"{name} must be {'an integer' if one else 'a list of integers'} in [{low}, {high}], "
+                         f"got {values!r}")
 
 
 def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
@@ -170,7 +169,7 @@ class FastResNet(nn.Module):
         super().__init__()
         _check_counts("widths", widths, 1)
         _check_counts("units", units, 0, 64)
-        _check_counts("stem_width", stem_width, 1)
+        _check_counts("stem_width", stem_width, 1, one=True)
         if len(widths) != len(units):
             raise ValueError(f"widths has {len(widths)} entries but units has {len(units)}")
         if stem not in ("conv", "whiten"):
