@@ -234,6 +234,14 @@ def test_resume_auto_without_a_checkpoint_says_it_starts_a_new_run(tmp_path, fin
     rc, _, err = _cli(_train(rd, "resume=auto"))
     assert rc == 2 and "holds best.pt, metrics.jsonl but no last.pt" in _one_error_line(err)
     assert _snapshot(rd) == before
+    # a run killed in its first epoch (no last.pt, a torn metrics line, leftovers) is started again, cleanly
+    rd = tmp_path / "killed_early"
+    rd.mkdir()
+    (rd / "config.yaml").write_text("name: old\n")
+    (rd / "metrics.jsonl").write_text('{"epoch": 1, "train_lo')
+    rc, out, err = _cli(_train(rd, "resume=auto"))
+    assert rc == 0, err
+    assert "starting a new run" in out and [r["epoch"] for r in metrics_rows(rd)] == [1]
 
 
 def test_a_folder_where_a_file_is_expected_says_so(tmp_path):

@@ -12,6 +12,7 @@ must not be a project's source tree (``run_dir=.`` in a checkout).
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -190,8 +191,16 @@ def check_not_project(run_dir: Path) -> None:
 
 
 def _has_rows(run_dir: Path) -> bool:
+    """Whether ``metrics.jsonl`` holds a finished epoch's row (a torn last line of a killed run does not count)."""
     p = run_dir / "metrics.jsonl"
     try:
-        return p.is_file() and any(line.strip() for line in p.read_text(errors="replace").splitlines())
+        lines = p.read_text(errors="replace").splitlines(keepends=True) if p.is_file() else []
     except OSError:
-        return False
+        return True  # unreadable: assume it holds rows, and refuse
+    for line in lines:
+        try:
+            if line.endswith("\n") and isinstance(json.loads(line), dict):
+                return True
+        except ValueError:
+            continue
+    return False
