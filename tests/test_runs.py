@@ -616,3 +616,19 @@ def test_evaluate_scores_a_folder_of_test_images_only(tmp_path):
     rc, _, err = _cli(_train(tmp_path / "r2", "data.source=auto", f"data.root={only_test}",
                              f"data.cache_dir={tmp_path / 'cache'}"))
     assert rc == 2 and "no train/ folder" in _one_error_line(err)
+
+
+def test_a_folder_that_cannot_be_locked_runs_with_a_warning(tmp_path, monkeypatch):
+    import errno
+
+    import visattn.rundir as rundir
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(rundir.fcntl, "flock", no_locks)
+    said = []
+    with RunLock(tmp_path / "run", warn=said.append) as lock:
+        assert lock.fd is None and not holds(tmp_path / "run") and not (tmp_path / "run" / LOCK_NAME).exists()
+    assert said == [f"run_dir {str(tmp_path / 'run')!r} cannot be locked (No locks available); another run on the "
+                    "same folder would not be refused"]

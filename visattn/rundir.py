@@ -71,12 +71,18 @@ class RunLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except BlockingIOError:
                 owner = _read_owner(fd)
                 os.close(fd)
                 self._remove_created()
                 raise ConfigError(f"run_dir {str(self.run_dir)!r} is in use by another run ({owner or 'owner unknown'}); "
                                   "wait for it to end or choose another run_dir") from None
+            except OSError as e:  # a file system without locks (some network mounts): run, unguarded, and say so
+                os.close(fd)
+                self.path.unlink(missing_ok=True)
+                self.warn(f"run_dir {str(self.run_dir)!r} cannot be locked ({e.strerror or e}); another run on the "
+                          "same folder would not be refused")
+                return
             if _same_file(fd, self.path):
                 break
             os.close(fd)  # the holder before us removed the file after we opened it: lock the new one
