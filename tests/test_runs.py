@@ -604,10 +604,11 @@ def test_evaluate_scores_a_folder_of_test_images_only(tmp_path):
         shutil.copytree(train_dir / "test" / c, only_test / "test" / c)
     (only_test / "test" / classes[2]).symlink_to(train_dir / "test" / classes[2], target_is_directory=True)  # followed
     assert not (only_test / "train").exists()
-    rc, out, err = _cli(["--checkpoint", str(rd / "best.pt"), "--data", str(only_test), "--device", "cpu", "--json"],
-                        tool=evaluate_cli.main)
-    assert rc == 0, err
-    r = json.loads(out)
+    done = subprocess.run([sys.executable, "-m", "visattn.evaluate", "--checkpoint", str(rd / "best.pt"), "--data",
+                           str(only_test), "--device", "cpu", "--json"], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=WAIT)
+    assert done.returncode == 0, done.stderr
+    r = json.loads(done.stdout)
     assert r["images"] == 30 and r["split"].startswith(f"test split of {only_test}")
     want = json.loads(_cli(["--checkpoint", str(rd / "best.pt"), "--data", str(train_dir), "--device", "cpu", "--json"],
                            tool=evaluate_cli.main)[1])

@@ -3,7 +3,10 @@
 Rebuilds the model from the config stored in the checkpoint, reads any supported dataset form at ``--data``
 (an image folder or its ``.tar.gz``, the CIFAR-10 python batches, ``synthetic``), and reports top-1
 accuracy, per-class accuracy and loss on its ``test/`` split — or, where there is none, on the validation
-split held out with the checkpoint's ``data.split_seed`` and ``val_size`` (the report says which).
+split held out with the checkpoint's ``data.split_seed`` and ``val_size`` (the report says which). A folder
+that holds only ``test/<class>/`` images (no ``train/``) is scored as it is; linked folders are followed.
+Every option is checked first (``--batch-size``, ``--device``), and a checkpoint whose stored config no
+longer builds a model is one error line, like every other problem.
 """
 from __future__ import annotations
 
