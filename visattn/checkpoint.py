@@ -56,8 +56,12 @@ def save_checkpoint(state: Dict[str, Any], path: Union[str, os.PathLike]) -> Pat
 def load_checkpoint(path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
     """Load a visattn checkpoint safely; every failure is one :class:`CheckpointError` line naming the file."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is a folder, not a checkpoint file (e.g. {str(path / 'best.pt')!r})")
+    if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} not found")
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a regular file")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:

@@ -13,7 +13,9 @@ directory and into checkpoints that load with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import difflib
+import math
 import os
+import reprlib
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
@@ -42,16 +44,19 @@ class AugmentConfig(_Section):
     extra: List[Dict[str, Any]] = Field(default_factory=list)
 
 
+MAX_SYNTHETIC_BYTES = 8 * 2**30  # synthetic images are made in memory
+
+
 class DataConfig(_Section):
     source: Literal["auto", "folder", "cifar_python", "torchvision", "synthetic"] = "auto"
     root: str = "data"
     download: bool = False  # torchvision source only: fetch CIFAR-10 into root when absent
     val_size: int = Field(5000, ge=0, description="held-out validation images (stratified) when there is no test split")
-    split_seed: int = Field(0, ge=0)  # seeds the held-out split and the subset, apart from the run's seed
+    split_seed: int = Field(0, ge=0, lt=2**32)  # seeds the held-out split and the subset, apart from the run's seed
     use_test_split: bool = True  # a test/ folder or the official test batch, when present, is the eval split
     subset: Optional[int] = Field(None, ge=10, description="use only this many training images (stratified)")
     cache_dir: Optional[str] = None  # decoded uint8 arrays; default: <XDG cache>/visattn
-    synthetic_size: int = Field(2000, ge=20)
+    synthetic_size: int = Field(2000, ge=20, le=1_000_000)
     image_size: int = Field(32, ge=8, le=512)
     loader: Literal["tensor", "albumentations"] = "tensor"
     workers: int = Field(0, ge=0, le=64)
@@ -59,6 +64,16 @@ class DataConfig(_Section):
     std: Tuple[float, float, float] = (0.2470, 0.2435, 0.2616)
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
     on_bad_image: Literal["error", "skip"] = "error"
+    # images of more pixels are refused (or skipped) before they are decoded: a decompression bomb (a small
+    # file that decodes to gigabytes) never reaches memory
+    max_image_pixels: int = Field(50_000_000, ge=64, le=2**31)
+
+    @field_validator("mean", "std")
+    @classmethod
+    def _check_finite(cls, v: Tuple[float, float, float]) -> Tuple[float, float, float]:
+        if not all(math.isfinite(x) for x in v):
+            raise ValueError("every value must be a finite number")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
@@ -68,6 +83,10 @@ class DataConfig(_Section):
             raise ValueError("augment.extra needs loader=albumentations (the tensor loader runs only crop, flip and cutout)")
         if any(s <= 0 for s in self.std):
             raise ValueError("std: every value must be > 0")
+        if self.source == "synthetic" and self.synthetic_size * self.image_size**2 * 3 > MAX_SYNTHETIC_BYTES:
+            raise ValueError(f"synthetic_size={self.synthetic_size} images of {self.image_size}x{self.image_size} need "
+                             f"{self.synthetic_size * self.image_size**2 * 3 / 2**30:.0f} GiB; the limit is "
+                             f"{MAX_SYNTHETIC_BYTES // 2**30} GiB")
         return self
 
 
@@ -116,6 +135,13 @@ class OptimConfig(_Section):
     no_decay_norm_bias: bool = True  # no weight decay on norm weights and biases (1-d parameters)
     norm_bias_lr_scale: float = Field(1.0, gt=0, le=1000)  # norm-layer biases train at lr times this (airbench: 64)
     grad_clip: Optional[float] = Field(None, gt=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _check_betas(cls, v: Tuple[float, float]) -> Tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError("each beta must be in [0, 1)")
+        return v
 
 
 class SchedConfig(_Section):
@@ -166,7 +192,7 @@ class LogConfig(_Section):
 class Config(_Section):
     name: str = "run"
     run_dir: str = "runs/run"
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, lt=2**32)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     channels_last: bool = True
@@ -238,8 +264,90 @@ def _format_error(err: ValidationError) -> str:
     if typ == "literal_error":
         msg = f"must be one of {e['ctx']['expected']}"
     got = e.get("input")
-    got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+    got_s = "" if isinstance(got, dict) else f" (got {_SHORT.repr(got)})"
     return f"{key}: {msg}{got_s}" if key else f"{msg}{got_s}"
+
+
+# YAML is read with libyaml's safe loader where it is installed (C speed), within limits that keep a hostile
+# file from hanging the loader or flooding the terminal: its size, its nesting and the number of values it
+# expands to (an "alias bomb" repeats anchors to billions of values from a few hundred bytes)
+MAX_CONFIG_BYTES = 1 << 20
+MAX_YAML_DEPTH = 64
+MAX_YAML_VALUES = 100_000
+_BaseLoader: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxlevel = 80, 80, 8, 8, 3
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+class _StrictLoader(_BaseLoader):
+    """The safe loader, refusing a key given twice in one mapping (a section given twice included)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Dict[Any, Any]:
+        seen: Dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(f"key {_SHORT.repr(key)} is given twice (lines {seen[key]} and {line})")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _check_yaml_shape(text: str, what: str) -> None:
+    """Walk the parser's events (no objects built): refuse deep nesting, recursive aliases and expansion past
+    :data:`MAX_YAML_VALUES` values, before the loader builds anything."""
+    sizes: List[List[Any]] = [[0, None]]  # per open collection: [values so far, its anchor]
+    done: Dict[str, int] = {}  # anchor -> the number of values it stands for
+    for ev in yaml.parse(text, Loader=_BaseLoader):
+        if isinstance(ev, yaml.CollectionStartEvent):
+            if len(sizes) > MAX_YAML_DEPTH:
+                raise ConfigError(f"{what}: nested more than {MAX_YAML_DEPTH} levels deep (line {ev.start_mark.line + 1})")
+            done.pop(ev.anchor, None)
+            sizes.append([0, ev.anchor])
+            continue
+        if isinstance(ev, yaml.CollectionEndEvent):
+            n, anchor = sizes.pop()
+            size = n + 1
+        elif isinstance(ev, yaml.AliasEvent):
+            if ev.anchor not in done:
+                raise ConfigError(f"{what}: alias *{ev.anchor} at line {ev.start_mark.line + 1} refers to a value that "
+                                  "contains it (a recursive alias)")
+            size, anchor = done[ev.anchor], None
+        elif isinstance(ev, yaml.ScalarEvent):
+            size, anchor = 1, ev.anchor
+        else:
+            continue
+        if anchor is not None:
+            done[anchor] = size
+        sizes[-1][0] += size
+        if sizes[-1][0] > MAX_YAML_VALUES:
+            raise ConfigError(f"{what}: expands to more than {MAX_YAML_VALUES:,} values (repeated YAML aliases?)")
+
+
+def safe_yaml(text: str, what: str) -> Any:
+    """``text`` parsed as YAML within the limits above; raises :class:`ConfigError` naming ``what``."""
+    try:
+        _check_yaml_shape(text, what)
+        return yaml.load(text, Loader=_StrictLoader)
+    except ConfigError:
+        raise
+    except _DuplicateKey as e:
+        raise ConfigError(f"{what}: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{what} is not valid YAML{where}") from None
+    except RecursionError:
+        raise ConfigError(f"{what}: nested too deeply") from None
+    except (ValueError, OverflowError) as e:  # e.g. a 100,000-digit number, a date like 2001-13-45
+        why = str(e).strip().splitlines()[0][:100] if str(e).strip() else e.__class__.__name__
+        raise ConfigError(f"{what} holds a value that cannot be read ({why})") from None
 
 
 def parse_override(text: str) -> Tuple[List[str], Any]:
@@ -250,10 +358,9 @@ def parse_override(text: str) -> Tuple[List[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML ({e.__class__.__name__})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"override {key}: the value is {len(raw):,} characters long; the limit is {MAX_CONFIG_BYTES:,}")
+    value = safe_yaml(raw, f"override {key}: value {_SHORT.repr(raw)}") if raw.strip() else ""
     return key.split("."), value
 
 
@@ -269,18 +376,28 @@ def _set_dotted(tree: Dict[str, Any], path: List[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def read_yaml(path: Union[str, os.PathLike]) -> Dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
+def _read_text(p: Path) -> str:
+    if p.is_dir():
+        raise ConfigError(f"config file {str(p)!r} is a folder, not a file")
+    if not p.exists():
         raise ConfigError(f"config file {str(p)!r} not found")
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} is not a regular file")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {str(p)!r} is {p.stat().st_size:,} bytes; the limit is {MAX_CONFIG_BYTES:,}")
     try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {str(p)!r} is not valid YAML{where}") from None
+        with open(p, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"config file {str(p)!r} is not a text file") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read ({e.strerror or e.__class__.__name__})") from None
+
+
+def read_yaml(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    p = Path(path)
+    data = safe_yaml(_read_text(p), f"config file {str(p)!r}")
     if data is None:
         return {}
     if not isinstance(data, dict):

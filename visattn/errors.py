@@ -1,10 +1,21 @@
 """User-facing errors: each is reported as one line and a non-zero exit status, never a traceback."""
 
 
+MAX_MESSAGE = 600  # characters of one error line; a message quoting a hostile input is cut there
+
+
 class VisattnError(Exception):
-    """Base class; ``exit_code`` is the process exit status the command-line tools use."""
+    """Base class; ``exit_code`` is the process exit status the command-line tools use.
+
+    ``str(e)`` is one line of at most :data:`MAX_MESSAGE` characters, whatever the message quotes."""
 
     exit_code = 1
+
+    def __str__(self) -> str:
+        text = " ".join(super().__str__().splitlines())
+        if len(text) > MAX_MESSAGE:
+            text = f"{text[:MAX_MESSAGE]}... ({len(text):,} characters in all)"
+        return text
 
 
 class ConfigError(VisattnError, ValueError):

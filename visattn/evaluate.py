@@ -3,7 +3,10 @@
 Rebuilds the model from the config stored in the checkpoint, reads any supported dataset form at ``--data``
 (an image folder or its ``.tar.gz``, the CIFAR-10 python batches, ``synthetic``), and reports top-1
 accuracy, per-class accuracy and loss on its ``test/`` split — or, where there is none, on the validation
-split held out with the checkpoint's ``data.split_seed`` and ``val_size`` (the report says which).
+split held out with the checkpoint's ``data.split_seed`` and ``val_size`` (the report says which). A folder
+that holds only ``test/<class>/`` images (no ``train/``) is scored as it is; linked folders are followed.
+Every option is checked first (``--batch-size``, ``--device``), and a checkpoint whose stored config no
+longer builds a model is one error line, like every other problem.
 """
 from __future__ import annotations
 
@@ -21,13 +24,18 @@ def load_model_from_checkpoint(path: str, device: torch.device) -> tuple[torch.n
     """(model in eval mode with the checkpoint's weights — EMA weights when the run kept them, config, state)."""
     from .checkpoint import load_checkpoint
     from .config import build_config
-    from .errors import CheckpointError
+    from .errors import CheckpointError, ConfigError
     from .models import create_model
 
     state = load_checkpoint(path)
-    cfg = build_config(state["config"])
-    num_classes = len(state.get("classes") or []) or 10
-    model = create_model(cfg.model.name, num_classes=num_classes, **cfg.model.options())
+    try:
+        cfg = build_config(state["config"])
+        num_classes = len(state.get("classes") or []) or 10
+        model = create_model(cfg.model.name, num_classes=num_classes, **cfg.model.options())
+    except (ConfigError, ValueError, TypeError, RuntimeError, AttributeError) as e:
+        # a stored config this version refuses, or that no longer builds a model
+        why = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise CheckpointError(f"checkpoint {str(path)!r}: its stored config does not build a model ({why[:200]})") from None
     weights = state["model"]
     if state.get("ema"):  # the run evaluated its EMA weights: report those
         ema = state["ema"]
@@ -44,8 +52,10 @@ def evaluate_checkpoint(checkpoint: str, data: Optional[str] = None, tta: Option
     from . import engine
     from .data import Placement, build_loader, load_splits
     from .errors import DataError
+    from .options import check_device, check_range
 
-    dev = engine.resolve_device(device)
+    check_range("--batch-size", batch_size, 1, 65536)
+    dev = check_device("--device", device)
     model, cfg, state = load_model_from_checkpoint(checkpoint, dev)
     dcfg = cfg.data.model_copy()
     if data is not None:
@@ -54,7 +64,7 @@ def evaluate_checkpoint(checkpoint: str, data: Optional[str] = None, tta: Option
         else:
             dcfg.source, dcfg.root = "auto", data
     dcfg.subset = None
-    splits = load_splits(dcfg, cfg.seed)
+    splits = load_splits(dcfg, cfg.seed, eval_only=True)
     classes = list(state.get("classes") or splits.eval.classes)
     if list(splits.eval.classes) != classes:
         raise DataError(
@@ -86,6 +96,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except VisattnError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # the system's refusal (permissions, disk): one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(r))
         return 0

@@ -4,6 +4,7 @@ data-parallel process info, and the run folder's metrics file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -181,6 +182,26 @@ def trim_metrics(path: Path, epochs_done: int) -> None:
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text("".join(keep))
         os.replace(tmp, path)
+
+
+def _finite(v: Any, bad: List[str], key: str) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        bad.append(f"{key}={v}")
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x, bad, f"{key}.{k}" if key else str(k)) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x, bad, f"{key}[{i}]") for i, x in enumerate(v)]
+    return v
+
+
+def metrics_line(row: Dict[str, Any], say: Any = print) -> str:
+    """``row`` as one line of strict JSON: a NaN or infinite value is written as ``null``, with a warning."""
+    bad: List[str] = []
+    clean = _finite(row, bad, "")
+    if bad:
+        say(f"warning: epoch {row.get('epoch')}: {', '.join(bad)} is not finite; written as null in metrics.jsonl")
+    return json.dumps(clean, allow_nan=False)
 
 
 def yaml_dump(d: Dict[str, Any]) -> str:

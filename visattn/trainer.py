@@ -17,6 +17,7 @@ import json
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
@@ -32,6 +33,7 @@ from .data import Placement, Splits, build_loader, check_augment, load_splits, n
 from .data.loaders import EpochLoader
 from .errors import CheckpointError, ConfigError
 from .models import create_model
+from .rundir import RunLock, check_auto_start, check_new_run_dir, check_not_project, remove_stale_temps
 from .runtime import (
     DistInfo,
     Interrupted,
@@ -40,6 +42,7 @@ from .runtime import (
     config_diff,
     git_revision,
     graceful_signals,
+    metrics_line,
     rng_state,
     seed_everything,
     set_rng_state,
@@ -51,6 +54,7 @@ from .runtime import (
 RESUME_MUST_MATCH = ("model", "data")  # config sections a resume may not silently change
 # settings the saved optimizer/schedule state is shaped by: never changed on resume, even with resume_allow_changes
 RESUME_FIXED = ("optim.name", "optim.no_decay_norm_bias", "optim.norm_bias_lr_scale", "sched.name")
+MAX_PARAMETERS = 2_000_000_000  # a model larger than this is a typo in model.widths, not a CIFAR model
 EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "nonfinite_steps",
                  "skipped_steps")
 
@@ -111,7 +115,10 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
     run_dir = Path(cfg.run_dir)
     resume_from = _resume_path(cfg, run_dir)
     check_augment(cfg.data)
+    _check_model_options(cfg)
     say = log if di.is_main else (lambda *a, **k: None)
+    if cfg.resume == "auto" and resume_from is None:
+        say(f"resume=auto: no checkpoint ({run_dir / 'last.pt'}) to continue; starting a new run")
 
     seed_everything(cfg.seed + di.rank, cfg.deterministic)
     splits = load_splits(cfg.data, cfg.seed)
@@ -141,20 +148,38 @@ def _resume_path(cfg: Config, run_dir: Path) -> Optional[Path]:
     if existing is not None and not existing.is_dir():
         raise ConfigError(f"run_dir {str(run_dir)!r}: {str(existing)!r} is a file, not a folder")
     if cfg.resume is None:
-        if (run_dir / "last.pt").exists():
-            raise ConfigError(
-                f"run_dir {str(run_dir)!r} already holds last.pt; continue it with resume=auto or choose another run_dir"
-            )
+        check_new_run_dir(run_dir)
         return None
+    if run_dir.is_dir():
+        check_not_project(run_dir)
     if cfg.resume == "auto":
         p = run_dir / "last.pt"
-        return p if p.exists() else None
+        if p.is_dir():
+            raise CheckpointError(f"resume=auto: {str(p)!r} is a folder, not a checkpoint file")
+        if p.exists():
+            return p
+        check_auto_start(run_dir)
+        return None
     p = Path(cfg.resume)
     if p.is_dir():
         raise CheckpointError(f"resume: {cfg.resume!r} is a folder; give a checkpoint file (e.g. its last.pt) or resume=auto")
     if not p.is_file():
         raise CheckpointError(f"resume: checkpoint {cfg.resume!r} not found")
     return p
+
+
+def _check_model_options(cfg: Config) -> None:
+    """Build the model once on the meta device (no memory, no data): bad options fail before any data is read."""
+    try:
+        with torch.device("meta"):
+            model = create_model(cfg.model.name, num_classes=10, **cfg.model.options())
+    except NotImplementedError:  # a constructor that reads tensor values cannot run on the meta device
+        return
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ConfigError(f"model: {str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__}") from None
+    n = sum(p.numel() for p in model.parameters())
+    if n > MAX_PARAMETERS:
+        raise ConfigError(f"model: these options build {n:,} parameters; the limit is {MAX_PARAMETERS:,}")
 
 
 def _build_model(cfg: Config, splits: Splits, device: torch.device, di: DistInfo) -> nn.Module:
@@ -235,17 +260,24 @@ def resume(run: Run, path: Path) -> None:
 
 def _check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None:
     now = cfg.to_dict()
-    diff = [k for sec in RESUME_MUST_MATCH for k in config_diff({sec: state["config"].get(sec, {})}, {sec: now[sec]})]
+    stored = _with_defaults(Config().to_dict(), state["config"])  # keys newer than the checkpoint: their defaults
+    diff = [k for sec in RESUME_MUST_MATCH for k in config_diff({sec: stored.get(sec, {})}, {sec: now[sec]})]
     if diff and not cfg.resume_allow_changes:
         raise CheckpointError(
             f"resume: {path} was trained with different settings for {', '.join(diff)} "
             "(set resume_allow_changes=true to resume anyway)"
         )
     fixed = [k for sec in ("optim", "sched")
-             for k in config_diff({sec: state["config"].get(sec, {})}, {sec: now[sec]}) if k in RESUME_FIXED]
+             for k in config_diff({sec: stored.get(sec, {})}, {sec: now[sec]}) if k in RESUME_FIXED]
     if fixed:
         raise CheckpointError(f"resume: {path} holds optimizer/schedule state made with other settings for "
                               f"{', '.join(fixed)}, which cannot change on resume")
+
+
+def _with_defaults(defaults: Dict[str, Any], stored: Any) -> Any:
+    if not (isinstance(defaults, dict) and isinstance(stored, dict)):
+        return stored
+    return {**defaults, **{k: _with_defaults(defaults.get(k), v) for k, v in stored.items()}}
 
 
 # ---------------------------------------------------------------------------------------------------- fit
@@ -286,11 +318,16 @@ def fit(run: Run) -> Dict[str, Any]:
 
 
 def run(cfg: Config, log: Callable[..., None] = print) -> Dict[str, Any]:
-    """Train as ``cfg`` says: :func:`build`, :func:`resume` when a checkpoint is to be continued, :func:`fit`."""
-    r = build(cfg, log)
-    if r.resume_from is not None:
-        resume(r, r.resume_from)
-    return fit(r)
+    """Train as ``cfg`` says: :func:`build`, :func:`resume` when a checkpoint is to be continued, :func:`fit`.
+
+    Rank 0 holds the run folder's lock (:class:`~visattn.rundir.RunLock`) throughout: a second run on the same
+    ``run_dir`` is refused.
+    """
+    with RunLock(Path(cfg.run_dir), enabled=DistInfo().is_main):
+        r = build(cfg, log)
+        if r.resume_from is not None:
+            resume(r, r.resume_from)
+        return fit(r)
 
 
 def _open_outputs(run: Run) -> None:
@@ -303,10 +340,9 @@ def _open_outputs(run: Run) -> None:
             "world_size": run.dist.world_size, "parameters": sum(p.numel() for p in run.model.parameters()),
             "classes": list(run.splits.train.classes)}
     (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
-    if run.resume_from is not None:
+    if run.resume_from is not None or cfg.resume == "auto":  # (a new run under resume=auto: drops a torn line)
         trim_metrics(run_dir / "metrics.jsonl", run.epoch)
-    for p in run_dir.glob(".*.pt.*.tmp"):  # torn checkpoint writes of a killed run
-        p.unlink(missing_ok=True)
+    remove_stale_temps(run_dir)  # torn checkpoint writes of a killed run; only under the run folder's lock
     if cfg.log.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -414,7 +450,7 @@ def _end_epoch(run: Run, ep: engine.EpochStats, done: int) -> None:
     # last.pt goes last: it commits the epoch. A crash before it redoes the epoch on resume, which first drops
     # the metrics rows past the checkpoint, so no row is lost or written twice.
     with open(run.run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(metrics_line(row, run.say) + "\n")
     run.train_loader.set_epoch(done)
     state = _checkpoint_state(run, done, None)
     if is_best:
@@ -447,7 +483,10 @@ def _log_scalars(run: Run, row: Dict[str, Any], done: int) -> None:
             tag = k.replace("_", "/", 1) if k.startswith(("train_", "val_")) else f"train/{k}"
             writer.add_scalar("train/lr_epoch" if k == "lr" else tag, row[k], done)
     if run.probe is not None and cfg.log.maps_every and done % cfg.log.maps_every == 0:
-        log_maps(writer, run.eval_model, run.probe, done, cfg, run.splits.train.classes)
+        skipped = log_maps(writer, run.eval_model, run.probe, done, cfg, run.splits.train.classes)
+        if skipped:
+            run.say(f"warning: epoch {done}: the attention maps of {', '.join(skipped)} on the probe batch are not "
+                    "finite; those pictures were skipped")
     writer.flush()
 
 
@@ -457,10 +496,15 @@ def _has_taps(model: nn.Module) -> bool:
     return any(isinstance(m, AttentionTap) for m in model.modules())
 
 
-def log_maps(writer: Any, model: nn.Module, probe: Any, step: int, cfg: Config, classes: Any) -> None:
-    """Log the attention maps of ``probe`` (images, labels) as the run's config says."""
+def log_maps(writer: Any, model: nn.Module, probe: Any, step: int, cfg: Config, classes: Any) -> List[str]:
+    """Log the attention maps of ``probe`` (images, labels) as the run's config says.
+
+    Returns the maps that were not logged because they held NaN or inf (the logger skips those pictures)."""
     from .maps.tensorboard import log_attention_maps
 
-    log_attention_maps(writer, model, probe[0], probe[1], step, cfg.data.mean, cfg.data.std, list(classes),
-                       scale=cfg.log.map_scale, head_maps=cfg.log.head_maps, norm=cfg.log.map_norm,
-                       faithfulness=cfg.log.faithfulness)
+    with warnings.catch_warnings():  # the skipped maps are reported once, by the caller
+        warnings.simplefilter("ignore", RuntimeWarning)
+        summary = log_attention_maps(writer, model, probe[0], probe[1], step, cfg.data.mean, cfg.data.std,
+                                     list(classes), scale=cfg.log.map_scale, head_maps=cfg.log.head_maps,
+                                     norm=cfg.log.map_norm, faithfulness=cfg.log.faithfulness)
+    return list(summary.get("skipped", []))

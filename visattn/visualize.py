@@ -391,7 +391,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_options(args: argparse.Namespace) -> None:
+    from .options import check_device, check_range
+
+    check_range("--scale", args.scale, 1, 32)  # the display size: 32 px * scale
+    check_range("--alpha", args.alpha, 0.0, 1.0)
+    for flag, value, hi in (("--validation", args.validation, 10_000), ("--faithfulness", args.faithfulness, 100_000),
+                            ("--steps", args.steps, 1024), ("--regions", args.regions, 64), ("--draws", args.draws, 100),
+                            ("--batch-size", args.batch_size, 65536)):
+        if value is not None:
+            check_range(flag, value, 1, hi)
+    check_device("--device", args.device)
+
+
 def _run(args: argparse.Namespace) -> int:
+    _check_options(args)
     if args.faithfulness is not None:
         report = faithfulness_table(args.checkpoint, args.faithfulness, args.data, args.device, args.pick, args.out,
                                     args.precision, steps=args.steps, regions=args.regions, fill=args.fill,

@@ -99,5 +99,25 @@ def check_augment(cfg: Any) -> None:
     for i, spec in enumerate(cfg.augment.extra):
         try:
             build_albumentations_transform(spec)
+            _check_keeps_size(spec, cfg.image_size)
         except ValueError as e:
             raise ConfigError(f"data.augment.extra: entry {i}: {e}") from None
+
+
+def _check_keeps_size(spec: Dict[str, Any], size: int) -> None:
+    """Apply the transform (with ``p=1``) to one image: it must keep the image ``size`` x ``size`` x 3 uint8,
+    or the batches it makes would not stack (or would not be what the model takes)."""
+    import numpy as np
+
+    t = build_albumentations_transform({**spec, "p": 1.0})
+    img = np.random.default_rng(0).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    try:
+        out = t(image=img)["image"]
+    except Exception as e:  # noqa: BLE001 - whatever the transform raises on a plain image is a config problem
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else e.__class__.__name__
+        raise ValueError(f"{spec['name']} fails on a {size}x{size} RGB image ({first})") from None
+    shape = getattr(out, "shape", None)
+    if shape != (size, size, 3) or getattr(out, "dtype", None) != np.uint8:
+        got = "x".join(map(str, shape)) if shape is not None else type(out).__name__
+        raise ValueError(f"{spec['name']} changes the image from {size}x{size}x3 uint8 to {got} "
+                         f"{getattr(out, 'dtype', '')}; extra transforms must keep data.image_size".rstrip())

@@ -1,12 +1,18 @@
 """The decoded-image cache: each source is decoded once into a ``.npz`` under ``data.cache_dir``.
 
-The cache knows nothing of the sources: :func:`cached_read` is handed the reader to call on a miss.
+The cache knows nothing of the sources: :func:`cached_read` is handed the reader to call on a miss. Its key
+is :func:`~visattn.data.sources.fingerprint` of the source (every file's path, size and times, or an
+archive's bytes) and the decode settings, so an edited, added or removed image is a miss. A cache file that
+is truncated, corrupt or unreadable is rebuilt with a warning naming it, never trusted and never fatal.
 """
 from __future__ import annotations
 
 import os
+import sys
+import zipfile
+import zlib
 from pathlib import Path
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -20,23 +26,61 @@ def default_cache_dir() -> Path:
     return Path(base) / "visattn"
 
 
+def _warn(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+
+def load_cache(cache: Path) -> Tuple[Parts, int]:
+    """Read every array of ``cache`` now (a lazy read would fail later, far from here) and check they fit
+    together; raises ValueError (or the reader's own error) for anything else."""
+    with np.load(cache, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    classes = tuple(str(c) for c in arrays["classes"])
+    parts = {}
+    for s in ("train", "test"):
+        if f"{s}_x" not in arrays:
+            continue
+        x, y = arrays[f"{s}_x"], arrays[f"{s}_y"]
+        if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or y.shape != (len(x),) or y.dtype.kind not in "iu":
+            raise ValueError(f"{s} arrays of shapes {x.shape}, {y.shape}")
+        if len(y) and (y.min() < 0 or y.max() >= len(classes)):
+            raise ValueError(f"{s} labels outside the {len(classes)} classes")
+        parts[s] = ImageSet(x, y.astype(np.int64), classes)
+    if not parts:
+        raise ValueError("no images")
+    return parts, int(arrays["skipped"])
+
+
 def cached_read(root: Path, key_extra: Tuple[Any, ...], cache_dir: Path,
-                read: Callable[[], Tuple[Parts, int]]) -> Tuple[Parts, int]:
+                read: Callable[[], Tuple[Parts, int]], warn: Callable[[str], None] = _warn) -> Tuple[Parts, int]:
     """``read()``'s (parts, skipped count), from the cache when ``root`` and ``key_extra`` are unchanged."""
     key = fingerprint(root, *key_extra)[:24]
     cache = cache_dir / f"{root.name.split('.')[0]}-{key}.npz"
-    if cache.is_file():
+    if cache.exists():
         try:
-            with np.load(cache, allow_pickle=False) as z:
-                classes = tuple(str(c) for c in z["classes"])
-                parts = {s: ImageSet(z[f"{s}_x"], z[f"{s}_y"], classes) for s in ("train", "test") if f"{s}_x" in z}
-                return parts, int(z["skipped"])
-        except (OSError, ValueError, KeyError, EOFError):
-            pass  # a broken cache is rebuilt, never trusted
+            return load_cache(cache)
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error, RuntimeError) as e:
+            why = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
+            warn(f"decode cache {cache} is truncated, corrupt or unreadable ({e.__class__.__name__}"
+                 f"{': ' + why if why else ''}); rebuilding it")
     parts, skipped = read()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    arrays = {f"{s}_{k}": getattr(v, k) for s, v in parts.items() for k in ("x", "y")}
-    tmp = cache.with_suffix(f".tmp{os.getpid()}.npz")
-    np.savez(tmp, classes=np.asarray(parts["train"].classes), skipped=np.asarray(skipped), **arrays)
-    os.replace(tmp, cache)
+    _write(cache, parts, skipped, warn)
     return parts, skipped
+
+
+def _write(cache: Path, parts: Parts, skipped: int, warn: Callable[[str], None]) -> None:
+    """Write the cache atomically (temporary file, rename); a cache that cannot be written only costs speed."""
+    arrays = {f"{s}_{k}": getattr(v, k) for s, v in parts.items() for k in ("x", "y")}
+    classes = next(iter(parts.values())).classes
+    tmp: Optional[Path] = None
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f".{cache.stem}.tmp{os.getpid()}.npz")
+        np.savez(tmp, classes=np.asarray(classes), skipped=np.asarray(skipped), **arrays)
+        if cache.is_dir():
+            raise IsADirectoryError(f"{cache} is a folder")
+        os.replace(tmp, cache)
+    except OSError as e:
+        warn(f"decode cache {cache} cannot be written ({e.strerror or e}); the images will be decoded again next time")
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)

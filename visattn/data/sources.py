@@ -7,11 +7,15 @@ import hashlib
 import io
 import os
 import pickle
+import re
+import shutil
+import stat
 import tarfile
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -20,6 +24,8 @@ from ..errors import DataError
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp")
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 ARCHIVE_EXTS = (".tar.gz", ".tgz", ".tar")
+DEFAULT_MAX_PIXELS = 50_000_000  # data.max_image_pixels' default
+Item = Tuple[str, Union[bytes, DataError]]  # (relative path, the file's bytes or why it was refused)
 
 
 @dataclass
@@ -36,29 +42,91 @@ class ImageSet:
 
 
 def fingerprint(path: Path, *extra: Any) -> str:
-    """A hash of ``path``'s identity (resolved path, size, modification time) and ``extra``."""
-    st = path.stat()
-    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{extra}".encode())
-    if path.is_dir():  # a folder's own mtime misses edits deep inside: add the class folders'
-        for p in sorted(path.glob("*/*")):
-            h.update(f"{p}|{p.stat().st_mtime_ns}".encode())
+    """A hash of what ``path`` holds, and ``extra``: for a folder, every file's relative path, size, inode and
+    modification and change times (an edit whose mtime was put back still moves the change time); for a
+    file (an archive), its bytes."""
+    h = hashlib.blake2b(f"{path.resolve()}|{extra}".encode(), digest_size=32)
+    if path.is_dir():
+        for rel, p in walk_files(path):
+            try:
+                st = p.stat()
+            except OSError:  # a dangling link: its target may appear later
+                st = p.lstat()
+            h.update(f"{rel}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|{st.st_ctime_ns}\n".encode())
+    else:
+        st = path.stat()
+        h.update(f"{st.st_size}|".encode())
+        if stat.S_ISREG(st.st_mode):
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
     return h.hexdigest()
+
+
+def walk_files(root: Path, linked: Optional[Set[str]] = None) -> Iterator[Tuple[str, Path]]:
+    """Every file under ``root`` as (relative path, path), sorted, following linked folders once each (a link
+    loop is walked once). ``linked``: filled with the real paths of the folders walked."""
+    seen: Set[str] = set() if linked is None else linked
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames.sort()
+        for fn in sorted(filenames):
+            p = Path(dirpath) / fn
+            yield p.relative_to(root).as_posix(), p
 
 
 # ------------------------------------------------------------------------------------------- decoding
 
 
-def _decode_image(data: bytes, name: str, size: int) -> np.ndarray:
+def _decode_image(data: bytes, name: str, size: int, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
+    if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels  # Pillow's own limit never refuses what the config allows
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            im = im.convert("RGB")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data))  # reads the header only: the size is known before decoding
+        with im:
+            w, h = im.size
+            if w * h > max_pixels:
+                raise DataError(_bomb(name, f"{w}x{h} = {w * h:,}", max_pixels))
+            im = to_rgb(im)
             if im.size != (size, size):
                 im = im.resize((size, size), Image.BILINEAR)
             return np.asarray(im, dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:  # over Pillow's limit, so over ours
+        m = re.search(r"\((\d+) pixels\)", str(e))
+        raise DataError(_bomb(name, f"{int(m.group(1)):,}" if m else "more", max_pixels)) from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, MemoryError) as e:
+        if isinstance(e, DataError):
+            raise
         raise DataError(f"corrupt or unreadable image {name}: {e.__class__.__name__}") from None
+
+
+def _bomb(name: str, pixels: str, max_pixels: int) -> str:
+    return f"image {name} is {pixels} pixels, more than data.max_image_pixels={max_pixels:,} (a decompression bomb?)"
+
+
+def to_rgb(im: Any) -> Any:
+    """A PIL image of any mode as 8-bit RGB: 16-bit greyscale scaled to 8 bits (not clipped to white), palette
+    with transparency through RGBA, CMYK and greyscale converted."""
+    from PIL import Image
+
+    if im.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):  # 16-bit samples (a 32-bit "I" PNG holds 16-bit ones)
+        a = np.asarray(im).astype(np.float64)
+        im = Image.fromarray(np.clip(np.rint(a / 257.0), 0, 255).astype(np.uint8), "L")
+    elif im.mode == "F":
+        a = np.asarray(im, dtype=np.float64)
+        a = a * 255.0 if np.nanmax(a, initial=0.0) <= 1.0 else a
+        im = Image.fromarray(np.clip(np.nan_to_num(a), 0, 255).astype(np.uint8), "L")
+    elif im.mode == "P" and "transparency" in im.info:
+        im = im.convert("RGBA")
+    return im if im.mode == "RGB" else im.convert("RGB")
 
 
 def _split_class_of(parts: Sequence[str]) -> Optional[Tuple[str, str]]:
@@ -68,8 +136,9 @@ def _split_class_of(parts: Sequence[str]) -> Optional[Tuple[str, str]]:
     return None
 
 
-def _collect(items: Iterator[Tuple[str, bytes]], origin: str, size: int, on_bad: str) -> Tuple[Dict[str, Dict[str, List[np.ndarray]]], int]:
-    """Group decoded images by split and class; ``items`` yields (relative path, bytes)."""
+def _collect(items: Iterator[Item], origin: str, size: int, on_bad: str,
+             max_pixels: int = DEFAULT_MAX_PIXELS) -> Tuple[Dict[str, Dict[str, List[np.ndarray]]], int]:
+    """Group decoded images by split and class; ``items`` yields (relative path, bytes or a refusal)."""
     found: Dict[str, Dict[str, List[np.ndarray]]] = {}
     skipped = 0
     for rel, data in items:
@@ -77,12 +146,15 @@ def _collect(items: Iterator[Tuple[str, bytes]], origin: str, size: int, on_bad:
         if not parts[-1].lower().endswith(IMAGE_EXTS):
             continue
         sc = _split_class_of(parts)
-        if sc is None:
+        if sc is None and not isinstance(data, DataError):
             raise DataError(
                 f"{origin}: file {rel!r} is not in the layout train/<class>/<image> (or test/<class>/<image>)"
             )
         try:
-            img = _decode_image(data, f"{origin}:{rel}" if origin.endswith(ARCHIVE_EXTS) else os.path.join(origin, rel), size)
+            if isinstance(data, DataError):
+                raise data
+            name = f"{origin}:{rel}" if origin.endswith(ARCHIVE_EXTS) else os.path.join(origin, rel)
+            img = _decode_image(data, name, size, max_pixels)
         except DataError:
             if on_bad == "skip":
                 skipped += 1
@@ -92,19 +164,63 @@ def _collect(items: Iterator[Tuple[str, bytes]], origin: str, size: int, on_bad:
     return found, skipped
 
 
-def _iter_dir(root: Path) -> Iterator[Tuple[str, bytes]]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for fn in sorted(filenames):
-            p = Path(dirpath) / fn
-            yield str(p.relative_to(root)), p.read_bytes()
+def max_file_bytes(max_pixels: int) -> int:
+    """The largest image file worth reading: 8 bytes a pixel (16-bit RGBA, uncompressed) plus headers."""
+    return 8 * max_pixels + (1 << 20)
 
 
-def _iter_tar(path: Path) -> Iterator[Tuple[str, bytes]]:
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+
+
+def _read_image_file(p: Path, name: str, real_root: str, linked: Set[str], max_bytes: int) -> Union[bytes, DataError]:
+    """``p``'s bytes, or why they are refused: a link out of the dataset, a special file, a file too large.
+    Special files are never opened (a FIFO would block, ``/dev/zero`` never ends)."""
+    if p.is_symlink():
+        target = os.path.realpath(p)
+        inside = [r for r in (real_root, *linked) if os.path.commonpath([target, r]) == r]
+        if not inside:
+            return DataError(f"image {name} refused: it links out of the dataset folder (to {target})")
+    try:
+        st = p.stat()
+    except OSError as e:
+        return DataError(f"image {name} cannot be read ({e.strerror or e.__class__.__name__})")
+    kind = next((what for test, what in _KINDS if test(st.st_mode)), None)
+    if kind is not None or not stat.S_ISREG(st.st_mode):
+        return DataError(f"image {name} refused: it is {kind or 'not a regular file'}, not an image file")
+    if st.st_size > max_bytes:
+        return DataError(f"image {name} refused: {st.st_size:,} bytes, more than any image within data.max_image_pixels")
+    try:
+        with open(p, "rb") as f:
+            return f.read(max_bytes + 1)
+    except OSError as e:
+        return DataError(f"image {name} cannot be read ({e.strerror or e.__class__.__name__})")
+
+
+def _iter_dir(root: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> Iterator[Item]:
+    real_root, linked = os.path.realpath(root), set()
+    for rel, p in walk_files(root, linked):
+        if p.name.lower().endswith(IMAGE_EXTS):  # other files are never opened
+            yield rel, _read_image_file(p, str(p), real_root, linked, max_file_bytes(max_pixels))
+
+
+def _escapes(name: str) -> bool:
+    parts = name.replace("\\", "/").split("/")
+    return name.startswith(("/", "\\")) or ".." in parts or (len(parts[0]) > 1 and parts[0][1] == ":")
+
+
+def _iter_tar(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> Iterator[Item]:
     try:
         with tarfile.open(path, "r:*") as tf:
             for m in tf:
                 if not m.isfile():
+                    continue
+                if _escapes(m.name):
+                    yield m.name, DataError(f"archive {path}: member {m.name!r} refused: escapes the dataset folder")
+                    continue
+                if m.size > max_file_bytes(max_pixels) and m.name.lower().endswith(IMAGE_EXTS):
+                    yield m.name, DataError(f"image {path}:{m.name} refused: {m.size:,} bytes, more than any image "
+                                            "within data.max_image_pixels")
                     continue
                 f = tf.extractfile(m)
                 if f is None:
@@ -125,31 +241,35 @@ def _empty_class_dirs(root: Path) -> List[str]:
     return out
 
 
-def read_image_folder(path: Path, image_size: int = 32, on_bad_image: str = "error") -> Tuple[Dict[str, ImageSet], int]:
-    """Read ``train/<class>/*`` (and ``test/<class>/*``) from a folder or a tar archive of one."""
+def read_image_folder(path: Path, image_size: int = 32, on_bad_image: str = "error",
+                      max_pixels: int = DEFAULT_MAX_PIXELS, need_train: bool = True) -> Tuple[Dict[str, ImageSet], int]:
+    """Read ``train/<class>/*`` (and ``test/<class>/*``) from a folder or a tar archive of one.
+
+    ``need_train=False`` (scoring a test set) also takes a folder that holds only ``test/<class>/*``."""
     if path.is_dir():
-        if not (path / "train").is_dir():
+        if not (path / "train").is_dir() and (need_train or not (path / "test").is_dir()):
             raise DataError(f"{path}: no train/ folder (expected train/<class>/<image>)")
         empty = _empty_class_dirs(path)
         if empty:
             raise DataError(f"class folder {empty[0]} holds no images")
-        found, skipped = _collect(_iter_dir(path), str(path), image_size, on_bad_image)
+        found, skipped = _collect(_iter_dir(path, max_pixels), str(path), image_size, on_bad_image, max_pixels)
     else:
-        found, skipped = _collect(_iter_tar(path), str(path), image_size, on_bad_image)
-    if "train" not in found:
-        raise DataError(f"{path}: no images under train/<class>/ (expected train/<class>/<image>)")
-    classes = tuple(sorted(found["train"]))
+        found, skipped = _collect(_iter_tar(path, max_pixels), str(path), image_size, on_bad_image, max_pixels)
+    first = "train" if "train" in found or need_train else "test"
+    if first not in found:
+        raise DataError(f"{path}: no images under {first}/<class>/ (expected {first}/<class>/<image>)")
+    classes = tuple(sorted(found[first]))
     if len(classes) < 2:
-        raise DataError(f"{path}: train/ holds {len(classes)} class folder(s); need at least 2")
+        raise DataError(f"{path}: {first}/ holds {len(classes)} class folder(s); need at least 2")
     out: Dict[str, ImageSet] = {}
     for split, by_class in found.items():
         extra = sorted(set(by_class) - set(classes))
         if extra:
-            raise DataError(f"{path}: {split}/{extra[0]} is a class that train/ does not have")
+            raise DataError(f"{path}: {split}/{extra[0]} is a class that {first}/ does not have")
         xs, ys = [], []
         for ci, c in enumerate(classes):
             imgs = by_class.get(c, [])
-            if split == "train" and not imgs:
+            if split == first and not imgs:
                 raise DataError(f"{path}: class folder train/{c} holds no readable images")
             xs.extend(imgs)
             ys.extend([ci] * len(imgs))
@@ -185,9 +305,34 @@ def _load_batch(path: Path) -> Dict[str, Any]:
         raise DataError(f"CIFAR batch file {path} is missing") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
         raise DataError(f"CIFAR batch file {path} is corrupt or not a CIFAR batch ({e})") from None
+    except OSError as e:
+        raise DataError(f"CIFAR batch file {path} cannot be read ({e.strerror or e.__class__.__name__})") from None
     if not isinstance(d, dict) or "data" not in d or "labels" not in d:
         raise DataError(f"CIFAR batch file {path} lacks 'data'/'labels'")
     return d
+
+
+def _batch_arrays(path: Path, d: Dict[str, Any], num_classes: int, on_bad: str) -> Tuple[np.ndarray, np.ndarray, int]:
+    """(images (N, 32, 32, 3), labels, images dropped) of one batch; labels of the wrong length, type or range
+    are a DataError naming the file (out-of-range ones are dropped and counted under ``on_bad='skip'``)."""
+    try:
+        data = np.asarray(d["data"], dtype=np.uint8)
+        y = np.asarray(d["labels"])
+    except (TypeError, ValueError, OverflowError) as e:
+        raise DataError(f"CIFAR batch file {path} holds data or labels that are not arrays of numbers ({e})") from None
+    if data.ndim != 2 or data.shape[1] != 3072:
+        raise DataError(f"CIFAR batch file {path} has data of shape {data.shape}, expected (N, 3072)")
+    if y.ndim != 1 or len(y) != len(data):
+        raise DataError(f"CIFAR batch file {path} has {y.size} labels for {len(data)} images")
+    if len(y) and (y.dtype.kind not in "iu" and not (y.dtype.kind == "f" and np.all(np.mod(y, 1) == 0))):
+        raise DataError(f"CIFAR batch file {path} has labels that are not integers ({y.dtype})")
+    y = y.astype(np.int64) if len(y) else np.zeros(0, np.int64)
+    bad = (y < 0) | (y >= num_classes)
+    if bad.any() and on_bad != "skip":
+        i = int(np.argmax(bad))
+        raise DataError(f"CIFAR batch file {path}: label {y[i]} of image {i} is outside 0..{num_classes - 1}")
+    x = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return x[~bad], y[~bad], int(bad.sum())
 
 
 def _batches_dir(path: Path) -> Path:
@@ -197,17 +342,37 @@ def _batches_dir(path: Path) -> Path:
     raise DataError(f"{path}: no cifar-10-batches-py/data_batch_1 found")
 
 
+def _extract(path: Path, dest: Path) -> None:
+    """Unpack ``path`` into ``dest`` whole or not at all (a refused member leaves nothing half-extracted)."""
+    tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        with tarfile.open(path, "r:*") as tf:
+            tf.extractall(tmp, filter="data")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    except tarfile.FilterError as e:
+        member = getattr(getattr(e, "tarinfo", None), "name", "?")
+        why = "is a special file" if isinstance(e, tarfile.SpecialFileError) else "escapes the dataset folder"
+        raise DataError(f"archive {path}: member {member!r} refused: {why}") from None
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+        raise DataError(f"archive {path} is truncated or corrupt ({e.__class__.__name__})") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def read_cifar_python(path: Path, cache_dir: Path) -> Dict[str, ImageSet]:
     """The official CIFAR-10 python batches, from the extracted folder or ``cifar-10-python.tar.gz``."""
+    return read_cifar_batches(path, cache_dir)[0]
+
+
+def read_cifar_batches(path: Path, cache_dir: Path, on_bad_image: str = "error") -> Tuple[Dict[str, ImageSet], int]:
+    """:func:`read_cifar_python`, and the number of images dropped for labels out of range (``on_bad_image='skip'``)."""
     if path.is_file():  # the archive: extract once into the cache folder
         dest = cache_dir / ("extract-" + fingerprint(path)[:16])
         if not (dest / "cifar-10-batches-py" / "data_batch_1").is_file():
-            dest.mkdir(parents=True, exist_ok=True)
-            try:
-                with tarfile.open(path, "r:*") as tf:
-                    tf.extractall(dest, filter="data")
-            except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
-                raise DataError(f"archive {path} is truncated or corrupt ({e.__class__.__name__})") from None
+            _extract(path, dest)
         path = dest
     bdir = _batches_dir(path)
     classes = CIFAR10_CLASSES
@@ -215,22 +380,22 @@ def read_cifar_python(path: Path, cache_dir: Path) -> Dict[str, ImageSet]:
     if meta.is_file():
         m = _load_batch_meta(meta)
         classes = tuple(m) if m else classes
+    dropped = 0
 
     def read(names: Sequence[str]) -> ImageSet:
+        nonlocal dropped
         xs, ys = [], []
         for n in names:
-            d = _load_batch(bdir / n)
-            data = np.asarray(d["data"], dtype=np.uint8)
-            if data.ndim != 2 or data.shape[1] != 3072:
-                raise DataError(f"CIFAR batch file {bdir / n} has data of shape {data.shape}, expected (N, 3072)")
-            xs.append(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-            ys.append(np.asarray(d["labels"], dtype=np.int64))
+            x, y, bad = _batch_arrays(bdir / n, _load_batch(bdir / n), len(classes), on_bad_image)
+            xs.append(x)
+            ys.append(y)
+            dropped += bad
         return ImageSet(np.ascontiguousarray(np.concatenate(xs)), np.concatenate(ys), classes)
 
     out = {"train": read([f"data_batch_{i}" for i in range(1, 6)])}
     if (bdir / "test_batch").is_file():
         out["test"] = read(["test_batch"])
-    return out
+    return out, dropped
 
 
 def _load_batch_meta(path: Path) -> List[str]:
@@ -281,7 +446,7 @@ def detect_source(root: Path) -> str:
         return "cifar_python"
     if (root / "cifar-10-python.tar.gz").is_file():
         return "cifar_python"
-    if (root / "train").is_dir():
+    if (root / "train").is_dir() or (root / "test").is_dir():
         return "folder"
     raise DataError(
         f"data.root {str(root)!r} holds neither train/<class>/ images nor cifar-10-batches-py/ "
@@ -301,8 +466,9 @@ def torchvision_download(root: Path, download: bool) -> Path:
     return root
 
 
-def read_source(root: Path, source: str, image_size: int, on_bad_image: str, cache_dir: Path) -> Tuple[Dict[str, ImageSet], int]:
+def read_source(root: Path, source: str, image_size: int, on_bad_image: str, cache_dir: Path,
+                max_pixels: int = DEFAULT_MAX_PIXELS, need_train: bool = True) -> Tuple[Dict[str, ImageSet], int]:
     """Decode ``root`` as ``source`` ('folder' or 'cifar_python'): (``{"train": ..., "test": ...}``, skipped)."""
     if source == "folder":
-        return read_image_folder(root, image_size, on_bad_image)
-    return read_cifar_python(root, cache_dir), 0
+        return read_image_folder(root, image_size, on_bad_image, max_pixels, need_train)
+    return read_cifar_batches(root, cache_dir, on_bad_image)

@@ -26,11 +26,12 @@ class Splits:
     skipped: int = 0  # unreadable images skipped (data.on_bad_image=skip)
 
 
-def load_splits(cfg: DataConfig, seed: int) -> Splits:
+def load_splits(cfg: DataConfig, seed: int, eval_only: bool = False) -> Splits:
     """Read the dataset named by a :class:`visattn.config.DataConfig` and split it for training/eval.
 
     ``seed`` drives only the synthetic images; the held-out split and the subset follow ``cfg.split_seed``,
-    so runs with different seeds are scored on the same validation images.
+    so runs with different seeds are scored on the same validation images. ``eval_only`` (scoring a test
+    set) also takes an image folder that holds only ``test/<class>/``; its ``train`` is then empty.
     """
     cache_dir = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
     source = cfg.source
@@ -48,9 +49,16 @@ def load_splits(cfg: DataConfig, seed: int) -> Splits:
             source = sources.detect_source(root)
         elif not root.exists():
             raise DataError(f"data.root {str(root)!r} does not exist")
-        parts, skipped = cached_read(root, (source, cfg.image_size, cfg.on_bad_image), cache_dir,
-                                     lambda: sources.read_source(root, source, cfg.image_size, cfg.on_bad_image, cache_dir))
+        parts, skipped = cached_read(root, (source, cfg.image_size, cfg.on_bad_image, cfg.max_image_pixels), cache_dir,
+                                     lambda: sources.read_source(root, source, cfg.image_size, cfg.on_bad_image, cache_dir,
+                                                                 cfg.max_image_pixels, need_train=not eval_only))
         origin = str(root)
+    if "train" not in parts:
+        if not eval_only or "test" not in parts:
+            raise DataError(f"{origin}: no train/ folder (expected train/<class>/<image>)")
+        test = parts["test"]
+        return Splits(train=ImageSet(test.x[:0], test.y[:0], test.classes), eval=test,
+                      eval_split=f"test split of {origin} ({len(test)} images)", source=source, skipped=skipped)
     train = parts["train"]
     if cfg.use_test_split and "test" in parts:
         ev, eval_split = parts["test"], f"test split of {origin} ({len(parts['test'])} images)"

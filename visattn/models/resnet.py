@@ -33,6 +33,17 @@ def _per_stage(attention: AttnSpec, num_stages: int) -> List[str]:
     return names
 
 
+MAX_WIDTH = 16384  # channels of one layer
+
+
+def _check_counts(name: str, values: Any, low: int, high: int = MAX_WIDTH, one: bool = False) -> None:
+    """``values``: an int (``one``) or a non-empty list of ints, each in [low, high]; else a ValueError naming it."""
+    vals = [values] if one else list(values) if isinstance(values, (list, tuple)) else None
+    if not vals or any(isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high for v in vals):
+        raise ValueError(f"{name} must be {'an integer' if one else 'a list of integers'} in [{low}, {high}], "
+                         f"got {values!r}")
+
+
 def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
 
@@ -62,6 +73,10 @@ class CifarResNet(nn.Module):
     def __init__(self, layers: Sequence[int], widths: Sequence[int] = (64, 128, 256, 512), num_classes: int = 10,
                  attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None, in_chans: int = 3):
         super().__init__()
+        _check_counts("layers", layers, 1, 64)
+        _check_counts("widths", widths, 1)
+        if len(widths) != len(layers):
+            raise ValueError(f"widths has {len(widths)} entries but there are {len(layers)} stages")
         names = _per_stage(attention, len(layers))
         kw = dict(attn_kwargs or {})
         self.stem = nn.Sequential(conv3x3(in_chans, widths[0]), nn.BatchNorm2d(widths[0]), nn.ReLU(inplace=True))
@@ -180,6 +195,9 @@ class FastResNet(nn.Module):
                  bn_momentum: float = 0.1, bn_eps: float = 1e-5, bn_scale: str = "learn", conv_init: str = "kaiming",
                  whiten_bias_epochs: int = 0):
         super().__init__()
+        _check_counts("widths", widths, 1)
+        _check_counts("units", units, 0, 64)
+        _check_counts("stem_width", stem_width, 1, one=True)
         _check_fast_options(widths, units, stem, block, bn_scale, conv_init)
         names = _per_stage(attention, len(widths))
         kw = dict(attn_kwargs or {})

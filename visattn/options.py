@@ -1,0 +1,33 @@
+"""Checks of command-line options shared by ``python -m visattn.evaluate`` and ``python -m visattn.visualize``:
+each bad value is one :class:`~visattn.errors.ConfigError` line naming the flag, never a traceback."""
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import torch
+
+from .errors import ConfigError, VisattnError
+
+
+def check_range(flag: str, value: Union[int, float], low: Union[int, float], high: Union[int, float]) -> None:
+    """``low <= value <= high`` (NaN fails), else a ConfigError naming ``flag``."""
+    if isinstance(value, float) and math.isnan(value) or not low <= value <= high:
+        raise ConfigError(f"{flag} must be between {low} and {high}, got {value}")
+
+
+def check_device(flag: str, name: str) -> torch.device:
+    """The device ``name`` means (``auto``, ``cpu``, ``cuda``, ``cuda:N``), checked to exist."""
+    from .engine import resolve_device
+
+    try:
+        dev = resolve_device(name)
+    except VisattnError as e:
+        raise ConfigError(f"{flag} {name!r}: {e}") from None
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"{flag} {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{flag} {name!r}: only cpu and cuda devices are supported")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"{flag} {name!r}: there are {torch.cuda.device_count()} CUDA device(s)")
+    return dev
