@@ -316,12 +316,12 @@ def _pick(labels: np.ndarray, count: int, pick: str) -> np.ndarray:
 
 
 def _check_options(alpha: float, scale: int, colormap: str, norm: str = "fixed") -> None:
+    from .options import check_range
+
     if norm not in NORMS:
         raise ConfigError(f"--map-norm {norm!r} is unknown; valid: {', '.join(NORMS)}")
-    if not 0.0 <= alpha <= 1.0:
-        raise ConfigError(f"--alpha must be in [0, 1], got {alpha}")
-    if scale < 1:
-        raise ConfigError(f"--scale must be >= 1, got {scale}")
+    check_range("--alpha", alpha, 0.0, 1.0)
+    check_range("--scale", scale, 1, 32)  # the display size: 32 px * scale
     if colormap not in COLORMAPS:
         raise ConfigError(f"--colormap {colormap!r} is unknown; valid: {', '.join(COLORMAPS)}")
 
@@ -391,11 +391,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_options(args: argparse.Namespace) -> None:
+def _check_cli_options(args: argparse.Namespace) -> None:
     from .options import check_device, check_range
 
-    check_range("--scale", args.scale, 1, 32)  # the display size: 32 px * scale
-    check_range("--alpha", args.alpha, 0.0, 1.0)
+    _check_options(args.alpha, args.scale, args.colormap, args.map_norm)
     for flag, value, hi in (("--validation", args.validation, 10_000), ("--faithfulness", args.faithfulness, 100_000),
                             ("--steps", args.steps, 1024), ("--regions", args.regions, 64), ("--draws", args.draws, 100),
                             ("--batch-size", args.batch_size, 65536)):
@@ -405,7 +404,7 @@ def _check_options(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    _check_options(args)
+    _check_cli_options(args)
     if args.faithfulness is not None:
         report = faithfulness_table(args.checkpoint, args.faithfulness, args.data, args.device, args.pick, args.out,
                                     args.precision, steps=args.steps, regions=args.regions, fill=args.fill,
