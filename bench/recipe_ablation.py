@@ -33,6 +33,8 @@ VARIANTS = {
                    ["model.bn_momentum=0.1", "model.bn_eps=1e-5", "model.bn_scale=learn", "optim.norm_bias_lr_scale=1"]),
     "kaiming_init": ("dirac initialisation (Kaiming only)", ["model.conv_init=kaiming"]),
     "residual": ("plain units (visattn's residual units instead)", ["model.block=residual"]),
+    "batch_512": ("batch 1024 (batch 512 at the same lr per example: lr 0.75, twice the steps)",
+                  ["train.batch_size=512", "optim.lr=0.75"]),
     "whiten_bias_always": ("whitening bias frozen after epoch 1 (trains throughout)", ["model.whiten_bias_epochs=0"]),
     "v1_recipe": ("all of the above, and batch 256 / lr 0.3 / momentum 0.9 / wd 5e-4 / head scale 1: the previous recipe",
                   ["train.lookahead_every=0", "data.augment.hflip_mode=random", "model.bn_momentum=0.1",
