@@ -228,7 +228,7 @@ class GlobalContext(nn.Module):
         self.mlp_add = transform() if fusion in ("add", "both") else None
         self.mlp_scale = transform() if fusion in ("scale", "both") else None
         self.gate = gate_layer() if self.mlp_scale is not None else None
-        self.tap = AttentionTap("spatial")
+        self.tap = AttentionTap("spatial", scale="relative")  # a softmax over positions, not a gate
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

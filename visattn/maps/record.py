@@ -132,17 +132,6 @@ def _record_name(path: str) -> str:
     return path[: -len(".tap")] if path.endswith(".tap") else path
 
 
-def _declare_scales(model: nn.Module) -> None:
-    """Spatial maps that are a softmax over positions are read relative to uniform (GC's context pooling)."""
-    try:
-        from ..attention.channel import GlobalContext
-    except ImportError:  # the block moved: it then declares its scale itself
-        return
-    for m in model.modules():
-        if isinstance(m, GlobalContext) and isinstance(getattr(m, "tap", None), AttentionTap) and m.tap.scale is None:
-            m.tap.scale = "relative"
-
-
 def find_taps(model: nn.Module) -> List[Tuple[str, AttentionTap]]:
     """``(record name, tap)`` for every tap in ``model`` (and every foreign attention module already given a
     tap by :func:`~visattn.maps.adapters.add_taps`), in module-definition order."""
@@ -191,7 +180,6 @@ def record_attention(model: nn.Module, max_passes: Optional[int] = DEFAULT_MAX_P
         raise TypeError(f"record_attention expects an nn.Module, got {type(model).__name__}")
     base = unwrap_model(model)
     add_taps(base)
-    _declare_scales(base)
     taps = find_taps(model)
     if not taps and warn:
         warnings.warn(f"record_attention: {type(base).__name__} has nothing to record; searched for "
