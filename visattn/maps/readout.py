@@ -127,7 +127,7 @@ class _Reader:
         if r.kind == "channel":
             return []
         heat = spatial_heatmap(r, image_hw=self.image_hw)  # (B, h, w)
-        name = (r.name or "model") + (f"@{k}" if k else "")
+        name = record_tag(r.name, k)
         geo = self.geometry(heat.shape[-2:], r.name, k)
         owner = _owner(self.model, r.name)
         scale = r.value_scale
@@ -212,16 +212,27 @@ def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = N
     return out
 
 
-def channel_records(records: Sequence[AttentionRecord]) -> List[tuple]:
-    """``(name, record)`` for the channel gates (no spatial layout: drawn as histograms), named like maps."""
+def record_tag(name: str, call: int) -> str:
+    """A record's tag: its module path, with ``@k`` for the k-th call of a block called more than once."""
+    return (name or "model") + (f"@{call}" if call else "")
+
+
+def named_records(records: Sequence[AttentionRecord], kind: str, dims: Optional[int] = None) -> List[tuple]:
+    """``(tag, record)`` for the records of ``kind`` (and ``dims`` dimensions), tagged like the maps."""
     seen: Dict[str, int] = {}
     out = []
     for r in records:
         k = seen.get(r.name, 0)
         seen[r.name] = k + 1
-        if r.kind == "channel":
-            out.append(((r.name or "model") + (f"@{k}" if k else ""), r))
+        if r.kind == kind and (dims is None or r.weights.dim() == dims):
+            out.append((record_tag(r.name, k), r))
     return out
 
 
-__all__ = ["HEAD_MAPS", "LayerMap", "channel_records", "pool_mode", "read_maps", "rollout_layers"]
+def channel_records(records: Sequence[AttentionRecord]) -> List[tuple]:
+    """``(tag, record)`` for the channel gates (no spatial layout: drawn as histograms)."""
+    return named_records(records, "channel")
+
+
+__all__ = ["HEAD_MAPS", "LayerMap", "channel_records", "named_records", "pool_mode", "read_maps", "record_tag",
+           "rollout_layers"]

@@ -28,7 +28,7 @@ import torch
 from ..attention.tap import AttentionRecord
 from .draw import DIM, GAP, RIGHT, TEXT, WRONG, Line, label_lines, map_picture, matrix_picture
 from .overlay import images_to_float
-from .readout import HEAD_MAPS, LayerMap, channel_records, read_maps
+from .readout import HEAD_MAPS, LayerMap, channel_records, named_records, read_maps
 from .record import probe_mode, record_attention
 from .scale import check_norm, scale_title, to_unit
 
@@ -148,7 +148,7 @@ def log_attention_maps(
         writer.add_image(lm.tag, picture, step, dataformats="HWC")
         summary["images"].append(lm.tag)
         about[lm.tag] = lm.description
-    for k, r in _matrix_records(rec.records):
+    for k, r in named_records(rec.records, "token", dims=4):
         _matrix(writer, r, k, step, captions[0] + [(f"attention of {k}", DIM)], norm, colormap, summary, about)
     for k, r in channel_records(rec.records):
         if not torch.isfinite(r.weights).all():
@@ -167,14 +167,3 @@ def log_attention_maps(
         _describe(writer, about, step)
         summary["texts"].append("maps/descriptions")
     return summary
-
-
-def _matrix_records(records: Sequence[AttentionRecord]) -> List[tuple]:
-    seen: Dict[str, int] = {}
-    out = []
-    for r in records:
-        k = seen.get(r.name, 0)
-        seen[r.name] = k + 1
-        if r.kind == "token" and r.weights.dim() == 4:
-            out.append(((r.name or "model") + (f"@{k}" if k else ""), r))
-    return out
