@@ -112,11 +112,14 @@ def table(results: List[dict]) -> str:
         by.setdefault(r["name"], []).append(r)
     for name, rs in by.items():
         accs = [100 * r["val_acc"] for r in rs]
-        sd = statistics.stdev(accs) if len(accs) > 1 else float("nan")
+        acc = f"{statistics.mean(accs):.2f} ± {statistics.stdev(accs):.2f}" if len(accs) > 1 else f"{accs[0]:.2f}"
         d = paired(results, name) if name.startswith("resnet_fast") and name != BASELINE else None
-        diff = "—" if d is None else f"{d[0]:+.2f} ± {d[1]:.2f} ({d[2]} pairs)"
+        if d is None:
+            diff = "—"
+        else:
+            diff = f"{d[0]:+.2f} ± {d[1]:.2f} ({d[2]} pairs)" if d[2] > 1 else f"{d[0]:+.2f} (1 pair, no interval)"
         lines.append(f"| `{name}` | {rs[0]['parameters'] / 1e6:.2f}M | {rs[0]['epochs']} | {len(rs)} | "
-                     f"{statistics.mean(accs):.2f} ± {sd:.2f} | {diff} | "
+                     f"{acc} | {diff} | "
                      f"{verdict(d) if name.startswith('resnet_fast') and name != BASELINE else '—'} | "
                      f"{statistics.median(r['train_seconds'] for r in rs):.0f} | "
                      f"{statistics.median(r['images_per_s'] for r in rs):.0f} |")
