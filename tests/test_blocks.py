@@ -200,6 +200,24 @@ def test_taps_record_the_weights_without_changing_the_output(name):
         tap.sink = None
 
 
+def test_recorded_self_attention_is_fp32_under_bf16_autocast():
+    """The recording path computes q k^T and the softmax in fp32 even inside bf16 autocast."""
+    block = build("nonlocal").eval()
+    x = torch.randn(2, C, 6, 5)
+    got = {}
+    block.qkv.register_forward_hook(lambda m, i, o: got.__setitem__("qkv", o))
+    (tap,) = taps(block)
+    tap.sink = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        block(x)
+    d = block.inter_channels
+    q, k, _ = got["qkv"].float().split(d, dim=-1)  # (B, N, d): what the block attended with
+    want = ((q * block.scale) @ k.transpose(1, 2)).softmax(-1)
+    (rec,) = tap.sink
+    torch.testing.assert_close(rec.weights[:, 0], want, rtol=0, atol=1e-6)
+    tap.sink = None
+
+
 def test_taps_carry_the_applied_gates():
     x = torch.randn(2, C, 7, 5)
     for name in ("se", "eca", "spatial", "cbam"):

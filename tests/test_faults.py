@@ -350,6 +350,8 @@ BAD = [
      "different settings for model.widths", 2),
     ("resume-other-model-allowed", lambda f, d: _resume(f, f"resume={d / 'other_model.pt'}", "resume_allow_changes=true"),
      "does not fit model 'resnet_fast' (size mismatch for ", 2),
+    ("resume-other-run-into-used-folder", lambda f, d: _resume(d / "torn_run", f"resume={f / 'last.pt'}"),
+     "belongs to another run folder, and run_dir", 2),
     ("resume-optimizer-changed", lambda f, d: _resume(f, "resume=auto", "optim.name=adamw", "resume_allow_changes=true"),
      "optim.name, which cannot change on resume", 2),
     ("resume-param-groups-changed", lambda f, d: _resume(f, "resume=auto", "optim.no_decay_norm_bias=false"),

@@ -244,6 +244,50 @@ def test_resume_auto_without_a_checkpoint_says_it_starts_a_new_run(tmp_path, fin
     assert "starting a new run" in out and [r["epoch"] for r in metrics_rows(rd)] == [1]
 
 
+def test_resume_from_another_runs_checkpoint_branches_into_a_new_folder_only(tmp_path, finished_run):
+    """``resume=PATH`` from another folder: refused over a used folder, a named branch in a new one."""
+    used = tmp_path / "used"
+    rc, _, err = _cli(_train(used, "train.epochs=1"))
+    assert rc == 0, err
+    before, origin = _snapshot(used), _snapshot(finished_run)
+    rc, _, err = _cli(_train(used, f"resume={finished_run / 'last.pt'}", "train.epochs=2"))
+    assert rc == 2 and "belongs to another run folder, and run_dir" in _one_error_line(err)
+    assert _snapshot(used) == before
+    branch = tmp_path / "branch"
+    rc, out, err = _cli(_train(branch, f"resume={finished_run / 'last.pt'}", "train.epochs=2"))
+    assert rc == 0, err
+    assert "resumed from" in out and [r["epoch"] for r in metrics_rows(branch)] == [2]
+    info = json.loads((branch / "run_info.json").read_text())
+    assert info["branched_from"] == str((finished_run / "last.pt").resolve())
+    rc, _, err = _cli(_train(branch, "resume=auto", "train.epochs=3"))  # continuing the branch keeps its origin
+    assert rc == 0, err
+    assert json.loads((branch / "run_info.json").read_text())["branched_from"] == info["branched_from"]
+    assert [r["epoch"] for r in metrics_rows(branch)] == [2, 3]
+    assert _snapshot(finished_run) == origin
+    assert json.loads((finished_run / "run_info.json").read_text())["branched_from"] is None
+
+
+def test_resume_from_an_older_checkpoint_of_the_same_folder_never_rewinds_finished_epochs(tmp_path):
+    rd = tmp_path / "run"
+    rc, _, err = _cli(_train(rd, "train.epochs=1"))
+    assert rc == 0, err
+    shutil.copy2(rd / "last.pt", rd / "epoch1.pt")
+    rc, _, err = _cli(_train(rd, "resume=auto", "train.epochs=2"))
+    assert rc == 0, err
+    before = _snapshot(rd)
+    rc, _, err = _cli(_train(rd, f"resume={rd / 'epoch1.pt'}", "train.epochs=2"))
+    assert rc == 2
+    line = _one_error_line(err)
+    assert "is from epoch 1, but run_dir" in line and "finished epochs up to 2" in line and "run_dir=NEW" in line
+    assert _snapshot(rd) == before
+    rc, _, err = _cli(_train(rd, f"resume={rd / 'last.pt'}", "train.epochs=3"))  # its own last.pt: continues
+    assert rc == 0, err
+    assert [r["epoch"] for r in metrics_rows(rd)] == [1, 2, 3]
+    rc, _, err = _cli(_train(tmp_path / "fork", f"resume={rd / 'epoch1.pt'}", "train.epochs=2"))  # a branch may
+    assert rc == 0, err
+    assert [r["epoch"] for r in metrics_rows(tmp_path / "fork")] == [2]
+
+
 def test_a_folder_where_a_file_is_expected_says_so(tmp_path):
     rd = tmp_path / "run"
     (rd / "last.pt").mkdir(parents=True)
@@ -407,6 +451,9 @@ def test_image_modes_are_converted_to_rgb_correctly(tmp_path):
     np.testing.assert_allclose(px["palette.png"], [0, 0, 255])
     np.testing.assert_allclose(px["palette_t.png"], [0, 0, 255])
     np.testing.assert_allclose(px["grey.png"], [77, 77, 77])
+    for name in ("grey16.png", "cmyk.jpg", "palette.png", "grey.png"):  # visualize decodes as training did
+        seen = visualize_cli.load_image(str(d / name), 32)
+        np.testing.assert_allclose(seen.model_input.double().reshape(3, -1).mean(1).numpy(), px[name], atol=1)
 
 
 def test_archive_member_that_escapes_its_folder_is_refused(tmp_path):

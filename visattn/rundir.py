@@ -8,7 +8,9 @@ checkpoint writes, ``.*.pt.*.tmp``): :func:`remove_stale_temps` does nothing in 
 not locked.
 
 :func:`check_new_run_dir` is the guard of a new run (no ``resume``): the folder must hold no run files and
-must not be a project's source tree (``run_dir=.`` in a checkout).
+must not be a project's source tree (``run_dir=.`` in a checkout). ``resume=PATH`` either continues a
+checkpoint of the run folder itself, never rewinding past epochs it has finished (:func:`check_rewind`), or
+branches a checkpoint of another run into a new folder (:func:`check_branch`): two runs' files never meet.
 """
 from __future__ import annotations
 
@@ -196,17 +198,46 @@ def check_not_project(run_dir: Path) -> None:
                           "give the run a folder of its own, e.g. run_dir=runs/NAME")
 
 
-def _has_rows(run_dir: Path) -> bool:
-    """Whether ``metrics.jsonl`` holds a finished epoch's row (a torn last line of a killed run does not count)."""
+def check_branch(run_dir: Path, checkpoint: Path) -> None:
+    """``resume=PATH`` with a checkpoint from another folder starts a branch: ``run_dir`` must be a new run's."""
+    if checkpoint.resolve().parent == run_dir.resolve():
+        return
+    found = run_files(run_dir) if run_dir.is_dir() else []
+    if found:
+        raise ConfigError(f"resume: {str(checkpoint)!r} belongs to another run folder, and run_dir {str(run_dir)!r} "
+                          f"already holds {', '.join(found)}; continuing there would mix two runs: give a new run_dir "
+                          "to branch into, or resume=auto to continue that folder's own run")
+
+
+def check_rewind(run_dir: Path, checkpoint: Path, epoch: int) -> None:
+    """A checkpoint of ``run_dir`` other than its ``last.pt`` may not rewind the run over epochs it has finished."""
+    if checkpoint.resolve() == (run_dir / "last.pt").resolve() or checkpoint.resolve().parent != run_dir.resolve():
+        return
+    later = [e for e in _finished_epochs(run_dir) if e > epoch]
+    if later:
+        raise ConfigError(f"resume: {str(checkpoint)!r} is from epoch {epoch}, but run_dir {str(run_dir)!r} has "
+                          f"finished epochs up to {max(later)}; resuming there would overwrite them: branch into a new "
+                          "run_dir instead (resume=PATH run_dir=NEW)")
+
+
+def _finished_epochs(run_dir: Path) -> List[int]:
+    """The epochs of ``metrics.jsonl``'s complete rows (a torn last line of a killed run does not count)."""
     p = run_dir / "metrics.jsonl"
-    try:
-        lines = p.read_text(errors="replace").splitlines(keepends=True) if p.is_file() else []
-    except OSError:
-        return True  # unreadable: assume it holds rows, and refuse
+    lines = p.read_text(errors="replace").splitlines(keepends=True) if p.is_file() else []
+    epochs = []
     for line in lines:
         try:
-            if line.endswith("\n") and isinstance(json.loads(line), dict):
-                return True
+            row = json.loads(line)
         except ValueError:
             continue
-    return False
+        if line.endswith("\n") and isinstance(row, dict):
+            epochs.append(int(row["epoch"]) if isinstance(row.get("epoch"), int) else 0)
+    return epochs
+
+
+def _has_rows(run_dir: Path) -> bool:
+    """Whether ``metrics.jsonl`` holds a finished epoch's row."""
+    try:
+        return bool(_finished_epochs(run_dir))
+    except OSError:
+        return True  # unreadable: assume it holds rows, and refuse

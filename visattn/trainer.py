@@ -33,7 +33,15 @@ from .data import Placement, Splits, build_loader, check_augment, load_splits, n
 from .data.loaders import EpochLoader
 from .errors import CheckpointError, ConfigError
 from .models import create_model
-from .rundir import RunLock, check_auto_start, check_new_run_dir, check_not_project, remove_stale_temps
+from .rundir import (
+    RunLock,
+    check_auto_start,
+    check_branch,
+    check_new_run_dir,
+    check_not_project,
+    check_rewind,
+    remove_stale_temps,
+)
 from .runtime import (
     DistInfo,
     Interrupted,
@@ -250,6 +258,8 @@ def resume(run: Run, path: Path) -> None:
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"resume: {path} does not fit this run ({e.__class__.__name__}: {why[:120]})") from None
+    check_branch(run.run_dir, path)  # a checkpoint that fits, but its folder must not be mixed or rewound
+    check_rewind(run.run_dir, path, run.epoch)
     run.best_acc = float(state.get("best_acc", -1.0))
     run.carry = state.get("epoch_stats") if run.dist.is_main else None  # all-rank totals: counted once, on rank 0
     run.resume_from = path
@@ -338,7 +348,7 @@ def _open_outputs(run: Run) -> None:
     info = {"seed": cfg.seed, "versions": versions(), "git": git_revision(), "argv": sys.argv,
             "eval_split": run.splits.eval_split, "device": str(run.device), "precision": run.policy.precision,
             "world_size": run.dist.world_size, "parameters": sum(p.numel() for p in run.model.parameters()),
-            "classes": list(run.splits.train.classes)}
+            "classes": list(run.splits.train.classes), "branched_from": _branched_from(run)}
     (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
     if run.resume_from is not None or cfg.resume == "auto":  # (a new run under resume=auto: drops a torn line)
         trim_metrics(run_dir / "metrics.jsonl", run.epoch)
@@ -352,6 +362,17 @@ def _open_outputs(run: Run) -> None:
         pick = spread_indices(ev.y, cfg.log.probe_size)  # fixed: one image per class in turn
         px = torch.from_numpy(ev.x[pick]).permute(0, 3, 1, 2)
         run.probe = (normalize(px, cfg.data.mean, cfg.data.std).to(run.device), torch.from_numpy(ev.y[pick]).to(run.device))
+
+
+def _branched_from(run: Run) -> Optional[str]:
+    """The checkpoint of another run folder this run started from (kept over later ``resume=auto``), or None."""
+    src = run.resume_from
+    if src is not None and src.resolve().parent != run.run_dir.resolve():
+        return str(src.resolve())
+    try:
+        return json.loads((run.run_dir / "run_info.json").read_text()).get("branched_from")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _close(run: Run) -> None:

@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from .data import spread_indices
+from .data.sources import to_rgb
 from .errors import CheckpointError, ConfigError, DataError, VisattnError
 from .maps.draw import DIM, GAP, TEXT, cells_picture, colour_bar, fit_text
 from .maps.overlay import COLORMAPS, blend, to_uint8
@@ -94,7 +95,7 @@ def load_image(path: str, image_size: int, fill: Sequence[float] = (0.5, 0.5, 0.
                 bg = Image.new("RGBA", rgba.size, tuple(int(round(255 * f)) for f in fill) + (255,))
                 rgb = Image.alpha_composite(bg, rgba).convert("RGB")
             else:
-                rgb = im.convert("RGB")
+                rgb = to_rgb(im)  # as the dataset decoder: 16-bit samples scaled to 8 bits, CMYK, palette, grey
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
         raise DataError(f"cannot read image {path!r}: {e.__class__.__name__}") from None
     if min(size) < 1:

@@ -14,8 +14,8 @@ Composability: plain PyTorch (compile with ``fullgraph=True``, ``torch.export``,
 
 Observation: the tap (kind ``"token"``) carries ``(B, heads, N, N)`` row-stochastic weights with
 ``grid=(H, W)`` and no prefix tokens. The training path is fused ``F.scaled_dot_product_attention``; on
-recording passes (``tap.active``) the softmax is computed explicitly in fp32, passed through the tap, and
-that same tensor multiplies the values.
+recording passes (``tap.active``) the softmax is computed explicitly in fp32 with autocast off, passed through
+the tap, and that same tensor multiplies the values.
 """
 from __future__ import annotations
 
@@ -55,13 +55,14 @@ def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _attend(block: nn.Module, q, k, v, H: int, W: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Softmax attention ``(B, n, N, d)`` -> ``(B, n, N, d)``, scores ``q k^T * block.scale (+ bias)``."""
-    if block.tap.active:
-        acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 input
-        logits = (q.to(acc) * block.scale) @ k.to(acc).transpose(-2, -1)  # (B, n, N, N)
-        if bias is not None:
-            logits = logits + bias.to(acc)
-        attn = block.tap(logits.softmax(dim=-1), grid=(H, W), num_prefix_tokens=0)
-        return (attn @ v.to(acc)).to(v.dtype)
+    if block.tap.active:  # autocast off: under bf16/fp16 autocast the matmuls would otherwise run (and round) in it
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 input
+            logits = (q.to(acc) * block.scale) @ k.to(acc).transpose(-2, -1)  # (B, n, N, N)
+            if bias is not None:
+                logits = logits + bias.to(acc)
+            attn = block.tap(logits.softmax(dim=-1), grid=(H, W), num_prefix_tokens=0)
+            return (attn @ v.to(acc)).to(v.dtype)
     mask = None if bias is None else bias.to(q.dtype)
     return sdpa(q, k, v, attn_mask=mask, scale=block.scale)
 
