@@ -9,7 +9,9 @@ Budget: every config trains for its fixed number of epochs (``--epochs``, defaul
 and the same 4 epochs for the transformers) on all 45,000 training images left after holding out the
 stratified 5,000-image validation split (``data.split_seed=0``: the same images for every run), and is
 scored once, at the end, on that split with the config's test-time augmentation. A busy machine changes only
-the time a run takes, never its budget.
+the time a run takes, never its budget: each result records the mean 1-minute load average during the run, and
+the times in the table and plot are medians over the runs timed with nothing else running (mean load at most
+``QUIET_LOAD``; a training run alone keeps it near 2.3 on 2 cores).
 
 Seeds: runs go seed-major (seed 0 of every config, then seed 1, ...), so a partial sweep still pairs every
 config with ``resnet_fast_none`` on the same seeds. By default it keeps adding seeds (up to ``--max-seeds``)
@@ -22,9 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import platform
 import shutil
 import statistics
 import sys
+import threading
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -35,10 +40,51 @@ ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", 
 CNN_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ATTENTION]
 TRANSFORMER_CONFIGS = ["configs/vit_tiny.yaml", "configs/vit_tiny_lsa_spt.yaml", "configs/cct_2.yaml"]
 BASELINE = "resnet_fast_none"
+QUIET_LOAD = 2.8  # mean 1-minute load average above which a run's time is not quoted (2 cores, 2 threads)
+# runs seen sharing the machine before the load was recorded: (name, seed, git) -> what was seen
+CONTENDED = {("resnet_fast_se", 0, "53cd2e228a6a1089310ef9ac33078045ac623bbd"):
+             "test runs beside it in epochs 2-4: 583-644 images/s there against 899 in epoch 1"}
 RESULTS = ROOT / "bench" / "results" / "attention_table.json"
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+class LoadSampler:
+    """Samples the 1-minute load average every few seconds while a run trains (``with LoadSampler() as s``).
+
+    A training run alone keeps it near the thread count (about 2.3 on 2 cores); another job on the machine
+    pushes it higher and slows the run (time only: budgets are in epochs). :func:`quiet` uses the mean.
+    """
+
+    def __init__(self, every: float = 5.0):
+        self.every, self.samples, self._stop = every, [], threading.Event()
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def mean(self) -> Optional[float]:
+        return round(statistics.mean(self.samples), 2) if self.samples else None
+
+
+def quiet(r: dict) -> bool:
+    """Whether a run's time was measured with nothing else on the machine (an unrecorded load counts as quiet,
+    unless the run is in :data:`CONTENDED`: another job was seen running beside it)."""
+    load = r.get("load_mean")
+    if (r["name"], r["seed"], r.get("git")) in CONTENDED:
+        return False
+    return load is None or load <= QUIET_LOAD
 
 
 def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_root: Optional[str]) -> dict:
@@ -57,13 +103,24 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
     cfg = load_config(ROOT / config, overrides)
     overrides.append(f"eval.every={cfg.train.epochs}")  # score once, at the end
     cfg = load_config(ROOT / config, overrides)
-    summary = run(cfg, log=lambda *a: None)
+    with LoadSampler() as load:
+        summary = run(cfg, log=lambda *a: None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     info = json.loads((run_dir / "run_info.json").read_text())
     return {"config": config, "name": name, "seed": seed, "epochs": cfg.train.epochs, "val_acc": rows[-1]["val_acc"],
             "train_seconds": sum(r["epoch_seconds"] for r in rows),
             "images_per_s": statistics.mean(r["images_per_s"] for r in rows), "parameters": info["parameters"],
-            "eval_split": summary["eval_split"], "git": info["git"]}
+            "eval_split": summary["eval_split"], "git": info["git"], "load_mean": load.mean, "cpu": cpu_name()}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def default_epochs(config: str) -> Optional[int]:
@@ -104,6 +161,11 @@ def verdict(d: Optional[Tuple[float, float, int]]) -> str:
     return "no difference resolved" if h <= 0.5 else "undecided (interval too wide)"
 
 
+def timing(rs: List[dict], key: str) -> float:
+    """Median of ``key`` over the runs timed on a quiet machine (all runs if none was)."""
+    return statistics.median(r[key] for r in ([r for r in rs if quiet(r)] or rs))
+
+
 def table(results: List[dict]) -> str:
     lines = ["| config | params | epochs | seeds | val acc % (mean ± std) | difference to none, points (95% CI) | "
              "verdict | train time s (median) | images/s (median) |", "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
@@ -112,17 +174,17 @@ def table(results: List[dict]) -> str:
         by.setdefault(r["name"], []).append(r)
     for name, rs in by.items():
         accs = [100 * r["val_acc"] for r in rs]
+        busy = "" if any(quiet(r) for r in rs) else " (busy)"  # no run of this config was timed on a quiet machine
         acc = f"{statistics.mean(accs):.2f} ± {statistics.stdev(accs):.2f}" if len(accs) > 1 else f"{accs[0]:.2f}"
-        d = paired(results, name) if name.startswith("resnet_fast") and name != BASELINE else None
+        d = paired(results, name) if name != BASELINE else None
         if d is None:
             diff = "—"
         else:
             diff = f"{d[0]:+.2f} ± {d[1]:.2f} ({d[2]} pairs)" if d[2] > 1 else f"{d[0]:+.2f} (1 pair, no interval)"
         lines.append(f"| `{name}` | {rs[0]['parameters'] / 1e6:.2f}M | {rs[0]['epochs']} | {len(rs)} | "
                      f"{acc} | {diff} | "
-                     f"{verdict(d) if name.startswith('resnet_fast') and name != BASELINE else '—'} | "
-                     f"{statistics.median(r['train_seconds'] for r in rs):.0f} | "
-                     f"{statistics.median(r['images_per_s'] for r in rs):.0f} |")
+                     f"{verdict(d) if name != BASELINE else '—'} | "
+                     f"{timing(rs, 'train_seconds'):.0f}{busy} | {timing(rs, 'images_per_s'):.0f}{busy} |")
     return "\n".join(lines)
 
 
@@ -139,12 +201,13 @@ def plot(results: List[dict], path: Path) -> None:
         ts, accs = [r["train_seconds"] for r in rs], [100 * r["val_acc"] for r in rs]
         ax.scatter(ts, accs, color=cmap(i % 20), s=12, alpha=0.5)
         m, h = mean_ci(accs)
-        ax.errorbar([statistics.median(ts)], [m], yerr=[0 if math.isinf(h) else h], fmt="o", ms=6, capsize=3,
+        ax.errorbar([timing(rs, "train_seconds")], [m], yerr=[0 if math.isinf(h) else h], fmt="o", ms=6, capsize=3,
                     color=cmap(i % 20), label=f"{name} (n={len(rs)})")
     ax.set_xlabel("training time (s) on 2 CPU cores")
     ax.set_ylabel("validation accuracy (%)")
     ax.set_title("CIFAR-10, 5,000-image validation split held out from train; 45,000 training images,\n"
-                 "fixed epochs per config. Dots: seeds; markers: mean with its 95% interval", fontsize=9)
+                 "fixed epochs per config. Dots: seeds; markers: mean with its 95% interval at the median time\n"
+                 "of the runs timed with nothing else on the machine", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
