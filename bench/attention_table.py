@@ -36,6 +36,8 @@ from typing import Dict, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from visattn.runtime import write_atomic  # noqa: E402
+
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
 CNN_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ATTENTION]
 TRANSFORMER_CONFIGS = ["configs/vit_tiny.yaml", "configs/vit_tiny_lsa_spt.yaml", "configs/cct_2.yaml"]
@@ -230,10 +232,12 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=None, help="default: each config's own train.epochs")
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--runs", default=str(ROOT / "runs" / "attention_table"))
+    ap.add_argument("--results", default=str(RESULTS), help="the results file, read and appended to")
     ap.add_argument("--report", action="store_true", help="print the table (and plot) from the results file only")
     ap.add_argument("--plot", default=None, help="write the accuracy-vs-time plot here (PNG)")
     args = ap.parse_args()
-    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
+    out = Path(args.results)
+    results = json.loads(out.read_text()) if out.is_file() else []
     seeds = args.seeds if args.seeds is not None else list(range(args.max_seeds))
     for seed in [] if args.report else seeds:  # seed-major: a partial sweep still pairs every config
         if args.seeds is None and seed >= 3 and tight_enough(results, args.configs, args.target):
@@ -243,8 +247,7 @@ def main() -> None:
                 continue
             r = run_one(config, seed, args.epochs or default_epochs(config), Path(args.runs), args.data_root)
             results.append(r)
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            RESULTS.write_text(json.dumps(results, indent=1))
+            write_atomic(out, json.dumps(results, indent=1))  # a kill mid-write keeps the old file
             print(f"{r['name']} seed {seed}: val {100 * r['val_acc']:.2f}% in {r['train_seconds']:.0f}s", flush=True)
     print(table(results))
     if args.plot and results:

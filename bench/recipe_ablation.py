@@ -21,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from visattn.runtime import write_atomic  # noqa: E402
+
 CONFIG = ROOT / "configs" / "cifar10_cpu.yaml"
 RESULTS = ROOT / "bench" / "results" / "recipe_ablation.json"
 
@@ -98,8 +100,7 @@ def main() -> None:
                     continue
                 print(f"== {variant} seed {seed}", flush=True)
                 results.append(run_one(variant, seed, Path(args.runs), args.data_root))
-                RESULTS.parent.mkdir(parents=True, exist_ok=True)
-                RESULTS.write_text(json.dumps(results, indent=1))
+                write_atomic(RESULTS, json.dumps(results, indent=1))  # a kill mid-write keeps the old file
     print(table(results))
 
 

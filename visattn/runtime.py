@@ -179,9 +179,17 @@ def trim_metrics(path: Path, epochs_done: int) -> None:
         if line.endswith("\n") and isinstance(row, dict) and int(row.get("epoch", 0)) <= epochs_done:
             keep.append(line)
     if keep != lines:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(keep))
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path``'s text in one step (a temporary file beside it, then a rename): a kill mid-write leaves
+    the old file, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _finite(v: Any, bad: List[str], key: str) -> Any:

@@ -1,0 +1,80 @@
+"""The attention table's statistics and bookkeeping (``bench/attention_table.py``): pairing by seed, the t
+intervals, the verdicts, which runs' times are quoted, and a resumable sweep that never loses a result."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import statistics
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+table = _load("attention_table")
+
+
+def _r(name: str, seed: int, acc: float, seconds: float = 100.0, load=None) -> dict:
+    return {"config": f"configs/{name}.yaml", "name": name, "seed": seed, "epochs": 4, "val_acc": acc,
+            "train_seconds": seconds, "images_per_s": 180000 / seconds, "parameters": 2_000_000,
+            "eval_split": "validation", "git": "x", "load_mean": load}
+
+
+def test_t_quantiles_are_students():
+    stats = pytest.importorskip("scipy.stats")
+    for df, q in enumerate(table.T95, start=1):
+        assert q == pytest.approx(stats.t.ppf(0.975, df), abs=1e-3)
+
+
+def test_differences_pair_by_seed_and_skip_unpaired_seeds():
+    base = [_r("resnet_fast_none", s, a) for s, a in [(0, 0.860), (1, 0.870), (2, 0.865)]]
+    other = [_r("resnet_fast_se", s, a) for s, a in [(0, 0.865), (2, 0.875), (5, 0.99)]]  # seed 5 has no pair
+    m, h, n = table.paired(base + other, "resnet_fast_se")
+    diffs = [0.5, 1.0]
+    assert n == 2 and m == pytest.approx(statistics.mean(diffs))
+    assert h == pytest.approx(12.706 * statistics.stdev(diffs) / math.sqrt(2))
+    assert table.paired(base, "resnet_fast_eca") is None
+
+
+@pytest.mark.parametrize("d,word", [(None, "too few seeds"), ((1.0, math.inf, 1), "too few seeds"),
+                                    ((0.8, 0.3, 5), "better"), ((-0.8, 0.3, 5), "worse"),
+                                    ((0.1, 0.4, 5), "no difference resolved"),
+                                    ((0.1, 0.9, 3), "undecided (interval too wide)")])
+def test_verdicts(d, word):
+    assert table.verdict(d) == word
+
+
+def test_times_come_from_runs_on_a_quiet_machine():
+    rs = [_r("resnet_fast_none", 0, 0.86, 100, load=2.3), _r("resnet_fast_none", 1, 0.86, 300, load=3.4),
+          _r("resnet_fast_none", 2, 0.86, 110, load=None)]
+    assert [table.quiet(r) for r in rs] == [True, False, True]
+    assert table.timing(rs, "train_seconds") == 105
+    busy = [_r("resnet_fast_se", 0, 0.86, 300, load=3.5)]
+    assert table.timing(busy, "train_seconds") == 300  # none quiet: all of them, and the table says so
+    assert "300 (busy)" in table.table(rs + busy)
+
+
+def test_a_sweep_runs_records_and_resumes_without_repeating(tmp_path):
+    out, runs = tmp_path / "results.json", tmp_path / "runs"
+    argv = [sys.executable, str(ROOT / "bench" / "attention_table.py"), "--configs", "configs/smoke.yaml",
+            "--seeds", "0", "--epochs", "1", "--results", str(out), "--runs", str(runs)]
+    env_opts = dict(capture_output=True, text=True, timeout=300, cwd=ROOT)
+    first = subprocess.run(argv, **env_opts)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (r,) = json.loads(out.read_text())
+    assert r["name"] == "smoke" and r["seed"] == 0 and r["epochs"] == 1 and 0 <= r["val_acc"] <= 1
+    assert r["train_seconds"] > 0 and r["parameters"] > 0 and r["cpu"]
+    assert (runs / "smoke-s0" / "last.pt").is_file()
+    again = subprocess.run(argv, **env_opts)  # nothing left to run: the result is kept, not redone
+    assert again.returncode == 0 and "smoke seed 0" not in again.stdout
+    assert json.loads(out.read_text()) == [r]
+    assert not list(tmp_path.glob(".*.tmp"))
