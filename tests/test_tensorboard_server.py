@@ -15,6 +15,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any, Callable, Tuple
 
 import pytest
 from PIL import Image
@@ -49,17 +50,16 @@ def get(port: int, path: str, **params) -> tuple:
         return r.status, r.headers.get("Content-Type", ""), r.read()
 
 
-def wait_for_tags(proc: subprocess.Popen, port: int, run_name: str, log_path: Path) -> dict:
-    """Poll the images plugin until it lists ``run_name``'s tags; fail if the server exits or time runs out."""
+def poll(proc: subprocess.Popen, log_path: Path, what: str, probe: Callable[[], Tuple[Any, str]]) -> Any:
+    """Call ``probe`` (-> (value or None, what it saw)) every 0.5 s until it returns a value; fail at once if the
+    server exits, or after ``DEADLINE_S`` naming the last thing seen."""
     deadline = time.monotonic() + DEADLINE_S
     last = "no answer"
     while time.monotonic() < deadline:
         try:
-            status, _, body = get(port, "/data/plugin/images/tags")
-            tags = json.loads(body).get(run_name, {})
-            if status == 200 and tags:
-                return tags
-            last = f"HTTP {status}, runs {sorted(json.loads(body))}"
+            found, last = probe()
+            if found is not None:
+                return found
         except (urllib.error.URLError, ConnectionError, OSError) as e:
             last = f"{e.__class__.__name__}: {e}"
         try:  # the pause between polls; returns at once if the server has died
@@ -67,27 +67,32 @@ def wait_for_tags(proc: subprocess.Popen, port: int, run_name: str, log_path: Pa
         except subprocess.TimeoutExpired:
             continue
         pytest.fail(f"tensorboard exited with {proc.returncode}: {log_path.read_text()[-2000:]}")
-    pytest.fail(f"tensorboard served no image tags for run {run_name!r} within {DEADLINE_S:.0f} s ({last})")
+    pytest.fail(f"tensorboard served no {what} within {DEADLINE_S:.0f} s ({last})")
 
 
-def text_of(proc: subprocess.Popen, port: int, run_name: str, prefix: str) -> str:
+def wait_for_tags(proc: subprocess.Popen, port: int, run_name: str, log_path: Path) -> dict:
+    """The images plugin's tags of ``run_name``, once it lists any."""
+    def probe():
+        status, _, body = get(port, "/data/plugin/images/tags")
+        tags = json.loads(body).get(run_name, {})
+        return (tags if status == 200 and tags else None), f"HTTP {status}, runs {sorted(json.loads(body))}"
+
+    return poll(proc, log_path, f"image tags for run {run_name!r}", probe)
+
+
+def text_of(proc: subprocess.Popen, port: int, run_name: str, prefix: str, log_path: Path) -> str:
     """The latest text summary whose tag starts with ``prefix`` (SummaryWriter appends "/text_summary"), as the
     text plugin serves it; polled like the images, since plugins load independently."""
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
+    def probe():
         _, _, body = get(port, "/data/plugin/text/tags")
         tags = [t for t in json.loads(body).get(run_name, []) if t.startswith(prefix)]
-        if tags:
-            _, _, body = get(port, "/data/plugin/text/text", run=run_name, tag=tags[0])
-            entries = json.loads(body)
-            if entries:
-                return entries[-1]["text"]
-        try:  # the pause between polls; returns at once if the server has died
-            proc.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            continue
-        pytest.fail(f"tensorboard exited with {proc.returncode}")
-    pytest.fail(f"tensorboard served no text for {prefix!r} within {DEADLINE_S:.0f} s")
+        if not tags:
+            return None, f"text tags {sorted(json.loads(body).get(run_name, []))}"
+        _, _, body = get(port, "/data/plugin/text/text", run=run_name, tag=tags[0])
+        entries = json.loads(body)
+        return (entries[-1]["text"] if entries else None), f"{len(entries)} entries for {tags[0]}"
+
+    return poll(proc, log_path, f"text for {prefix!r}", probe)
 
 
 def test_tensorboard_serves_overlay_png(tmp_path):
@@ -124,7 +129,7 @@ def test_tensorboard_serves_overlay_png(tmp_path):
         assert 2 * 128 < image.height < 2 * 128 + 2 * 60 + 60
 
         # the text tab: one line per tag, saying what the map is and its scale
-        text = text_of(proc, port, "tb", "maps/descriptions")
+        text = text_of(proc, port, "tb", "maps/descriptions", log_path)
         for tag in overlays:
             assert tag in text
         assert "gate value, fixed 0-1" in text
