@@ -45,7 +45,9 @@ BASELINE = "resnet_fast_none"
 QUIET_LOAD = 2.8  # mean 1-minute load average above which a run's time is not quoted (2 cores, 2 threads)
 # runs seen sharing the machine before the load was recorded: (name, seed, git) -> what was seen
 CONTENDED = {("resnet_fast_se", 0, "53cd2e228a6a1089310ef9ac33078045ac623bbd"):
-             "test runs beside it in epochs 2-4: 583-644 images/s there against 899 in epoch 1"}
+             "test runs beside it in epochs 2-4: 583-644 images/s there against 899 in epoch 1",
+             ("resnet_fast_eca", 0, "feaa354f522fdb76dc7fbcd1d97b38149e788c35-dirty"):
+             "benchmarks beside it in epochs 2-4: 321-610 images/s there against 870 in epoch 1"}
 RESULTS = ROOT / "bench" / "results" / "attention_table.json"
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
