@@ -176,7 +176,8 @@ def table(results: List[dict]) -> str:
     by: Dict[str, List[dict]] = {}
     for r in results:
         by.setdefault(r["name"], []).append(r)
-    for name, rs in by.items():
+    canon = [Path(c).stem for c in CNN_CONFIGS + TRANSFORMER_CONFIGS]
+    for name, rs in sorted(by.items(), key=lambda kv: canon.index(kv[0]) if kv[0] in canon else len(canon)):
         accs = [100 * r["val_acc"] for r in rs]
         busy = "" if any(quiet(r) for r in rs) else " (busy)"  # no run of this config was timed on a quiet machine
         acc = f"{statistics.mean(accs):.2f} ± {statistics.stdev(accs):.2f}" if len(accs) > 1 else f"{accs[0]:.2f}"
