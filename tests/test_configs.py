@@ -22,3 +22,25 @@ def test_config_trains_a_few_steps(path, tmp_path):
     summary = run(cfg, log=lambda *a: None)
     assert summary["epochs"] == 1 and summary["final"]["images_per_s"] > 0
     assert (tmp_path / "run" / "best.pt").is_file()
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+ATTENTION_CONFIGS = sorted(ROOT.glob("configs/attention/resnet_fast_*.yaml"))
+
+
+@pytest.mark.parametrize("path", ATTENTION_CONFIGS, ids=[p.stem for p in ATTENTION_CONFIGS])
+def test_attention_configs_are_the_cpu_recipe_with_one_block(path):
+    """The attention table compares like with like: each config is configs/cifar10_cpu.yaml but for its block
+    (and its name, run folder and map logging), so ``resnet_fast_none`` is the CPU recipe itself."""
+    recipe = _flat(load_config(ROOT / "configs" / "cifar10_cpu.yaml").to_dict())
+    cfg = _flat(load_config(path).to_dict())
+    differ = {k for k in recipe.keys() | cfg.keys() if recipe.get(k) != cfg.get(k)}
+    allowed = {"name", "run_dir", "model.attention"} | {k for k in differ if k.startswith("log.")}
+    assert differ <= allowed, sorted(differ - allowed)
+    assert cfg["model.attention"] == path.stem.removeprefix("resnet_fast_")
