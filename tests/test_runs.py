@@ -538,6 +538,23 @@ def test_out_of_range_values_are_refused_before_any_data_is_read(tmp_path, overr
     assert not (tmp_path / "run").exists()
 
 
+TRANSFORMER_BAD = [
+    ("vit_tiny", ["model.num_heads=5"], "num_heads must be a positive int (192 must be divisible by it), got 5"),
+    ("vit_tiny", ["model.patch_size=7"], "img_size (32, 32) must be divisible by patch_size 7"),
+    ("vit_tiny", ["model.dim=120000"], "parameters; the limit is 2,000,000,000"),
+    ("cct_2", ["model.kernel_size=0"], "need n_conv_layers >= 1 and an odd kernel_size, got 2, 0"),
+]
+
+
+@pytest.mark.parametrize("name,overrides,fragment", TRANSFORMER_BAD, ids=[f"{b[0]}-{b[1][0]}" for b in TRANSFORMER_BAD])
+def test_transformer_options_are_refused_before_any_data_is_read(tmp_path, name, overrides, fragment):
+    """The meta-device build covers the transformers too (no tensor values are read while they are built)."""
+    rc, _, err = _cli(["--config", str(ROOT / "configs" / f"{name}.yaml"), f"run_dir={tmp_path / 'run'}",
+                       "data.source=auto", f"data.root={tmp_path / 'nowhere'}", "device=cpu", *overrides])
+    assert rc == 2 and fragment in _one_error_line(err)
+    assert not (tmp_path / "run").exists()
+
+
 def test_size_preserving_albumentations_extra_is_accepted():
     from visattn.data import check_augment
 

@@ -111,7 +111,7 @@ class TokenClassifier(nn.Module):
 
         tap_info = {"grid": grid_size, "num_prefix_tokens": self.num_prefix_tokens}
         attn_opts = {"num_heads": num_heads, "attn_drop": attn_drop_rate, "proj_drop": drop_rate, **attn_kwargs}
-        rates = torch.linspace(0, drop_path_rate, depth).tolist()  # stochastic depth grows with depth
+        rates = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # stochastic depth grows with depth
         self.blocks = nn.Sequential(
             *[
                 Block(dim, create_attention(attn, dim, **attn_opts, **tap_info), mlp_ratio, drop_rate, rate)
