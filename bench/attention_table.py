@@ -47,7 +47,9 @@ QUIET_LOAD = 2.8  # mean 1-minute load average above which a run's time is not q
 CONTENDED = {("resnet_fast_se", 0, "53cd2e228a6a1089310ef9ac33078045ac623bbd"):
              "test runs beside it in epochs 2-4: 583-644 images/s there against 899 in epoch 1",
              ("resnet_fast_eca", 0, "feaa354f522fdb76dc7fbcd1d97b38149e788c35-dirty"):
-             "benchmarks beside it in epochs 2-4: 321-610 images/s there against 870 in epoch 1"}
+             "benchmarks beside it in epochs 2-4: 321-610 images/s there against 870 in epoch 1",
+             ("resnet_fast_mhsa2d", 0, "8541bc54ca57037ce451fa928061a7f72d0e5dbd-dirty"):
+             "tests beside it in epoch 1: 164 images/s there against 233-234 in epochs 2-3"}
 RESULTS = ROOT / "bench" / "results" / "attention_table.json"
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -170,9 +172,21 @@ def timing(rs: List[dict], key: str) -> float:
     return statistics.median(r[key] for r in ([r for r in rs if quiet(r)] or rs))
 
 
+def pairs_needed(results: List[dict], name: str, target: float = 0.5) -> Optional[int]:
+    """Pairs at which the 95% half-width would reach ``target`` if the differences' spread stays as measured
+    (None below 2 pairs; capped at 31, past the t table)."""
+    base = {r["seed"]: r["val_acc"] for r in results if r["name"] == BASELINE}
+    diffs = [100 * (r["val_acc"] - base[r["seed"]]) for r in results if r["name"] == name and r["seed"] in base]
+    if len(diffs) < 2:
+        return None
+    sd = statistics.stdev(diffs)
+    return next((n for n in range(2, 31) if T95[n - 2] * sd / math.sqrt(n) <= target), 31)
+
+
 def table(results: List[dict]) -> str:
     lines = ["| config | params | epochs | seeds | val acc % (mean ± std) | difference to none, points (95% CI) | "
-             "verdict | train time s (median) | images/s (median) |", "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "verdict | pairs for ±0.5 (est.) | train time s (median) | images/s (median) |",
+             "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     by: Dict[str, List[dict]] = {}
     for r in results:
         by.setdefault(r["name"], []).append(r)
@@ -188,7 +202,7 @@ def table(results: List[dict]) -> str:
             diff = f"{d[0]:+.2f} ± {d[1]:.2f} ({d[2]} pairs)" if d[2] > 1 else f"{d[0]:+.2f} (1 pair, no interval)"
         lines.append(f"| `{name}` | {rs[0]['parameters'] / 1e6:.2f}M | {rs[0]['epochs']} | {len(rs)} | "
                      f"{acc} | {diff} | "
-                     f"{verdict(d) if name != BASELINE else '—'} | "
+                     f"{verdict(d) if name != BASELINE else '—'} | {(pairs_needed(results, name) if name != BASELINE else None) or '—'} | "
                      f"{timing(rs, 'train_seconds'):.0f}{busy} | {timing(rs, 'images_per_s'):.0f}{busy} |")
     return "\n".join(lines)
 

@@ -53,6 +53,17 @@ def test_verdicts(d, word):
     assert table.verdict(d) == word
 
 
+def test_pairs_needed_follows_the_t_interval():
+    base = [_r("resnet_fast_none", s, 0.86) for s in range(3)]
+    tight = [_r("resnet_fast_se", s, 0.86 + d) for s, d in enumerate([0.001, 0.002, 0.0015])]  # sd 0.05 points
+    wide = [_r("resnet_fast_eca", s, 0.86 + d) for s, d in enumerate([0.0, 0.01, -0.005])]  # sd 0.76 points
+    n = table.pairs_needed(base + wide, "resnet_fast_eca")
+    sd = statistics.stdev([0.0, 1.0, -0.5])
+    assert table.T95[n - 2] * sd / math.sqrt(n) <= 0.5 < table.T95[n - 3] * sd / math.sqrt(n - 1)
+    assert table.pairs_needed(base + tight, "resnet_fast_se") == 2
+    assert table.pairs_needed(base[:1] + tight[:1], "resnet_fast_se") is None
+
+
 def test_times_come_from_runs_on_a_quiet_machine():
     rs = [_r("resnet_fast_none", 0, 0.86, 100, load=2.3), _r("resnet_fast_none", 1, 0.86, 300, load=3.4),
           _r("resnet_fast_none", 2, 0.86, 110, load=None)]
