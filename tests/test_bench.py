@@ -89,3 +89,24 @@ def test_a_sweep_runs_records_and_resumes_without_repeating(tmp_path):
     assert again.returncode == 0 and "smoke seed 0" not in again.stdout
     assert json.loads(out.read_text()) == [r]
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_time_to_accuracy_reads_the_first_epoch_at_each_target(tmp_path, capsys):
+    tta = _load("time_to_accuracy")
+    rd = tmp_path / "run"
+    rd.mkdir()
+    lines = [{"epoch": 1, "epoch_seconds": 10.0, "wall_seconds": 10.0, "val_acc": 0.90},
+             {"epoch": 2, "epoch_seconds": 11.0, "wall_seconds": 22.0},  # not evaluated
+             {"epoch": 3, "epoch_seconds": 12.0, "wall_seconds": 35.0, "val_acc": 0.945},
+             {"epoch": 4, "epoch_seconds": 10.0, "wall_seconds": 46.0, "val_acc": 0.951}]
+    (rd / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"epoch": 5, "ep')
+    rs = tta.rows(rd)
+    assert len(rs) == 4  # the torn last line of a running run is skipped
+    assert tta.time_to(rs, 0.94) == {"epoch": 3, "train_seconds": 33.0, "wall_seconds": 35.0, "val_acc": 0.945}
+    assert tta.time_to(rs, 0.95)["epoch"] == 4 and tta.time_to(rs, 0.96) is None
+    assert tta.main([str(rd), "--targets", "0.94", "0.96"]) == 0
+    out = capsys.readouterr().out
+    assert "94.0%: epoch 3 (94.50%), training 33.0 s, wall 35.0 s" in out and "96.0%: not reached" in out
+    assert tta.main([str(tmp_path / "nowhere")]) == 2
+    assert tta.main([str(rd), "--targets", "94"]) == 2
+    assert capsys.readouterr().err.count("error: ") == 2
