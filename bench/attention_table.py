@@ -156,8 +156,13 @@ def paired(results: List[dict], name: str) -> Optional[Tuple[float, float, int]]
     return m, h, len(diffs)
 
 
+MIN_PAIRS = 3  # two pairs give a t interval on a spread estimated from two numbers: no verdict from that
+
+
 def verdict(d: Optional[Tuple[float, float, int]]) -> str:
-    if d is None or d[2] < 2:
+    """better / worse (the 95% interval excludes 0), no difference resolved (it holds 0 and is at most ±0.5
+    wide), undecided (wider), or too few seeds (under :data:`MIN_PAIRS` pairs)."""
+    if d is None or d[2] < MIN_PAIRS:
         return "too few seeds"
     m, h, _ = d
     if m - h > 0:

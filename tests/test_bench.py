@@ -46,6 +46,7 @@ def test_differences_pair_by_seed_and_skip_unpaired_seeds():
 
 
 @pytest.mark.parametrize("d,word", [(None, "too few seeds"), ((1.0, math.inf, 1), "too few seeds"),
+                                    ((-0.43, 0.13, 2), "too few seeds"),
                                     ((0.8, 0.3, 5), "better"), ((-0.8, 0.3, 5), "worse"),
                                     ((0.1, 0.4, 5), "no difference resolved"),
                                     ((0.1, 0.9, 3), "undecided (interval too wide)")])
