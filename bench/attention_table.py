@@ -146,10 +146,21 @@ def mean_ci(xs: List[float]) -> Tuple[float, float]:
     return m, T95[min(len(xs) - 1, len(T95)) - 1] * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
+def differences(results: List[dict], name: str) -> List[float]:
+    """``name``'s accuracy minus the baseline's, in points, for each seed both have."""
+    base = {r["seed"]: r["val_acc"] for r in results if r["name"] == BASELINE}
+    return [100 * (r["val_acc"] - base[r["seed"]]) for r in results if r["name"] == name and r["seed"] in base]
+
+
+def ordered(names) -> List[str]:
+    """Config names in the table's fixed order (blocks, then transformers, then anything else)."""
+    canon = [Path(c).stem for c in CNN_CONFIGS + TRANSFORMER_CONFIGS]
+    return sorted(dict.fromkeys(names), key=lambda n: canon.index(n) if n in canon else len(canon))
+
+
 def paired(results: List[dict], name: str) -> Optional[Tuple[float, float, int]]:
     """(mean difference to the baseline in points, 95% half-width, pairs) over the seeds both have."""
-    base = {r["seed"]: r["val_acc"] for r in results if r["name"] == BASELINE}
-    diffs = [100 * (r["val_acc"] - base[r["seed"]]) for r in results if r["name"] == name and r["seed"] in base]
+    diffs = differences(results, name)
     if not diffs:
         return None
     m, h = mean_ci(diffs)
@@ -180,8 +191,7 @@ def timing(rs: List[dict], key: str) -> float:
 def pairs_needed(results: List[dict], name: str, target: float = 0.5) -> Optional[int]:
     """Pairs at which the 95% half-width would reach ``target`` if the differences' spread stays as measured
     (None below 2 pairs; capped at 31, past the t table)."""
-    base = {r["seed"]: r["val_acc"] for r in results if r["name"] == BASELINE}
-    diffs = [100 * (r["val_acc"] - base[r["seed"]]) for r in results if r["name"] == name and r["seed"] in base]
+    diffs = differences(results, name)
     if len(diffs) < 2:
         return None
     sd = statistics.stdev(diffs)
@@ -195,8 +205,8 @@ def table(results: List[dict]) -> str:
     by: Dict[str, List[dict]] = {}
     for r in results:
         by.setdefault(r["name"], []).append(r)
-    canon = [Path(c).stem for c in CNN_CONFIGS + TRANSFORMER_CONFIGS]
-    for name, rs in sorted(by.items(), key=lambda kv: canon.index(kv[0]) if kv[0] in canon else len(canon)):
+    for name in ordered(by):
+        rs = by[name]
         accs = [100 * r["val_acc"] for r in rs]
         busy = "" if any(quiet(r) for r in rs) else " (busy)"  # no run of this config was timed on a quiet machine
         acc = f"{statistics.mean(accs):.2f} ± {statistics.stdev(accs):.2f}" if len(accs) > 1 else f"{accs[0]:.2f}"
@@ -219,8 +229,7 @@ def plot(results: List[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    canon = [Path(c).stem for c in CNN_CONFIGS + TRANSFORMER_CONFIGS]
-    names = sorted(dict.fromkeys(r["name"] for r in results), key=lambda n: canon.index(n) if n in canon else len(canon))
+    names = ordered(r["name"] for r in results)
     colour = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), dpi=100)
     for ax, shown in zip(axes, ([n for n in names if n.startswith("resnet_fast")], names)):

@@ -17,18 +17,14 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from visattn.runtime import complete_rows  # noqa: E402
+
 
 def rows(run_dir: Path) -> List[dict]:
     """The complete rows of ``metrics.jsonl`` (a torn last line of a running or killed run is skipped)."""
-    out = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True):
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if line.endswith("\n") and isinstance(row, dict):
-            out.append(row)
-    return out
+    return complete_rows(run_dir / "metrics.jsonl")
 
 
 def time_to(rs: List[dict], target: float) -> Optional[dict]:

@@ -14,7 +14,6 @@ branches a checkpoint of another run into a new folder (:func:`check_branch`): t
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from .errors import ConfigError
+from .runtime import complete_rows
 
 try:
     import fcntl
@@ -223,16 +223,8 @@ def check_rewind(run_dir: Path, checkpoint: Path, epoch: int) -> None:
 def _finished_epochs(run_dir: Path) -> List[int]:
     """The epochs of ``metrics.jsonl``'s complete rows (a torn last line of a killed run does not count)."""
     p = run_dir / "metrics.jsonl"
-    lines = p.read_text(errors="replace").splitlines(keepends=True) if p.is_file() else []
-    epochs = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if line.endswith("\n") and isinstance(row, dict):
-            epochs.append(int(row["epoch"]) if isinstance(row.get("epoch"), int) else 0)
-    return epochs
+    rows = complete_rows(p) if p.is_file() else []
+    return [r["epoch"] if isinstance(r.get("epoch"), int) else 0 for r in rows]
 
 
 def _has_rows(run_dir: Path) -> bool:

@@ -182,6 +182,19 @@ def trim_metrics(path: Path, epochs_done: int) -> None:
         write_atomic(path, "".join(keep))
 
 
+def complete_rows(path: Path) -> List[Dict[str, Any]]:
+    """The complete rows of a ``metrics.jsonl`` (a torn last line of a running or killed run is skipped)."""
+    rows = []
+    for line in Path(path).read_text(errors="replace").splitlines(keepends=True):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if line.endswith("\n") and isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Replace ``path``'s text in one step (a temporary file beside it, then a rename): a kill mid-write leaves
     the old file, never a torn one."""
