@@ -14,9 +14,10 @@ the times in the table and plot are medians over the runs timed with nothing els
 ``QUIET_LOAD``; a training run alone keeps it near 2.3 on 2 cores).
 
 Seeds: runs go seed-major (seed 0 of every config, then seed 1, ...), so a partial sweep still pairs every
-config with ``resnet_fast_none`` on the same seeds. By default it keeps adding seeds (up to ``--max-seeds``)
-until the 95% interval of every ``resnet_fast`` config's paired difference to ``none`` is at most
-``--target`` (0.5) points wide on each side. Results are appended to ``bench/results/attention_table.json`` after
+config with ``resnet_fast_none`` on the same seeds. By default (no ``--seeds``) every config gets 3 seeds, and
+after that only the configs whose 95% interval on the paired difference to ``none`` is still wider than
+``--target`` (0.5) points on each side get more, with ``none`` alongside, up to ``--max-seeds`` (see
+:func:`plan`). Results are appended to ``bench/results/attention_table.json`` after
 every run (runs already there are skipped), so an interrupted sweep continues where it stopped.
 """
 from __future__ import annotations
@@ -254,10 +255,27 @@ def plot(results: List[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-def tight_enough(results: List[dict], configs: List[str], target: float) -> bool:
-    names = [Path(c).stem for c in configs if Path(c).stem.startswith("resnet_fast") and Path(c).stem != BASELINE]
-    ds = [paired(results, n) for n in names]
-    return all(d is not None and d[1] <= target for d in ds)
+def ran(results: List[dict], config: str, seed: int) -> bool:
+    return any(r["config"] == config and r["seed"] == seed for r in results)
+
+
+def plan(results: List[dict], configs: List[str], seed: int, target: float) -> List[str]:
+    """The configs of ``configs`` still to run at ``seed`` in an adaptive sweep.
+
+    Every config gets the first :data:`MIN_PAIRS` seeds. From then on a config gets another seed only while its
+    paired difference to the baseline is wider than ``target`` (or has fewer than :data:`MIN_PAIRS` pairs), and
+    the baseline runs at a seed only when some other config does, so the hours go to the undecided configs.
+    Runs already in ``results`` are never repeated.
+    """
+    def open_(config: str) -> bool:
+        d = paired(results, Path(config).stem)
+        return d is None or d[2] < MIN_PAIRS or d[1] > target
+
+    others = [c for c in configs if Path(c).stem != BASELINE]
+    wanted = others if seed < MIN_PAIRS else [c for c in others if open_(c)]
+    if wanted:
+        wanted = [c for c in configs if Path(c).stem == BASELINE] + wanted
+    return [c for c in wanted if not ran(results, c, seed)]
 
 
 def main() -> None:
@@ -277,11 +295,11 @@ def main() -> None:
     results = json.loads(out.read_text()) if out.is_file() else []
     seeds = args.seeds if args.seeds is not None else list(range(args.max_seeds))
     for seed in [] if args.report else seeds:  # seed-major: a partial sweep still pairs every config
-        if args.seeds is None and seed >= 3 and tight_enough(results, args.configs, args.target):
-            break
-        for config in args.configs:
-            if any(r["config"] == config and r["seed"] == seed for r in results):
-                continue
+        if args.seeds is not None:  # exactly these seeds, every config
+            todo = [c for c in args.configs if not ran(results, c, seed)]
+        else:
+            todo = plan(results, args.configs, seed, args.target)
+        for config in todo:
             r = run_one(config, seed, args.epochs or default_epochs(config), Path(args.runs), args.data_root)
             results.append(r)
             write_atomic(out, json.dumps(results, indent=1))  # a kill mid-write keeps the old file

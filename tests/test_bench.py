@@ -75,6 +75,19 @@ def test_times_come_from_runs_on_a_quiet_machine():
     assert "300 (busy)" in table.table(rs + busy)
 
 
+def test_an_adaptive_sweep_adds_seeds_only_where_the_interval_is_still_wide():
+    none, tight, wide = "resnet_fast_none", "resnet_fast_se", "resnet_fast_gc"
+    configs = [f"configs/{n}.yaml" for n in (none, tight, wide)]
+    accs = {none: [0.860, 0.862, 0.858], tight: [0.861, 0.863, 0.859], wide: [0.850, 0.870, 0.852]}
+    rs = [_r(n, s, a) for n, a_s in accs.items() for s, a in enumerate(a_s)]
+    assert table.paired(rs, tight)[1] <= 0.5 < table.paired(rs, wide)[1]
+    assert table.plan(rs[:1], configs, 0, 0.5) == configs[1:]  # what already ran is never repeated
+    assert table.plan(rs, configs, 1, 0.5) == []
+    assert table.plan(rs, configs, 3, 0.5) == [configs[0], configs[2]]  # the baseline pairs the wide one
+    assert table.plan(rs, configs[:2], 3, 0.5) == []  # every interval tight: the sweep stops
+    assert table.plan(rs[:4], configs, 3, 0.5) == configs  # seeds under MIN_PAIRS: every config runs
+
+
 def test_a_sweep_runs_records_and_resumes_without_repeating(tmp_path):
     out, runs = tmp_path / "results.json", tmp_path / "runs"
     argv = [sys.executable, str(ROOT / "bench" / "attention_table.py"), "--configs", "configs/smoke.yaml",
