@@ -1,6 +1,8 @@
 """Images/s of visattn's training loop against a bare PyTorch loop, and bf16 against fp32, in one process.
 
-    python bench/train_overhead.py [--model resnet_fast] [--batch 512] [--steps 12] [--repeats 3]
+    python bench/train_overhead.py [--config configs/cifar10_cpu.yaml] [--batch 512] [--steps 12] [--repeats 3]
+
+The model is the config's (default: the CPU recipe's network, with its options).
 
 Baseline ("bare"): a plain loop over batches already in memory — autocast forward, cross-entropy,
 zero_grad, backward, SGD step — on the same model, batch size and precision. "visattn" is
@@ -45,7 +47,7 @@ def visattn_loop(model, loader, opt, sched, precision):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="resnet_fast")
+    ap.add_argument("--config", default="configs/cifar10_cpu.yaml", help="the model (and its options) to time")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3)
@@ -57,11 +59,12 @@ def main() -> None:
     n = args.batch * args.steps
     rng = np.random.default_rng(0)
     images = ImageSet(rng.integers(0, 255, (n, 32, 32, 3), dtype=np.uint8), rng.integers(0, 10, n), tuple("abcdefghij"))
-    dcfg = load_config(None, []).data
+    cfg = load_config(args.config, [])
+    dcfg = cfg.data
     mean, std = dcfg.mean, dcfg.std
 
     def make(precision):
-        model = create_model(args.model, num_classes=10).to(memory_format=torch.channels_last)
+        model = create_model(cfg.model.name, num_classes=10, **cfg.model.options()).to(memory_format=torch.channels_last)
         opt = engine.build_optimizer(model, "sgd", 0.05, 5e-4)
         return model, opt
 
@@ -85,7 +88,7 @@ def main() -> None:
         results[precision] = {k: n / statistics.median(v) for k, v in times.items() if v}
 
     b = results["bf16"]
-    print(f"model {args.model}, batch {args.batch}, {args.steps} steps x {args.repeats} interleaved repeats, "
+    print(f"model {cfg.model.name} ({args.config}), batch {args.batch}, {args.steps} steps x {args.repeats} interleaved repeats, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"{'loop':<26}{'images/s':>10}{'ratio vs bare':>16}")
     for k in ("bare", "visattn", "visattn+aug"):
