@@ -50,7 +50,9 @@ CONTENDED = {("resnet_fast_se", 0, "53cd2e228a6a1089310ef9ac33078045ac623bbd"):
              ("resnet_fast_eca", 0, "feaa354f522fdb76dc7fbcd1d97b38149e788c35-dirty"):
              "benchmarks beside it in epochs 2-4: 321-610 images/s there against 870 in epoch 1",
              ("resnet_fast_mhsa2d", 0, "8541bc54ca57037ce451fa928061a7f72d0e5dbd-dirty"):
-             "tests beside it in epoch 1: 164 images/s there against 233-234 in epochs 2-3"}
+             "tests beside it in epoch 1: 164 images/s there against 233-234 in epochs 2-3",
+             ("cct_2", 3, "d2f3e67a0e704d16ede6b842651cb1e4f1c95322-dirty"):
+             "a benchmark beside it in epoch 1: 362 images/s there against 990-1002 in epochs 2-4"}
 RESULTS = ROOT / "bench" / "results" / "attention_table.json"
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
