@@ -32,7 +32,7 @@ import statistics
 import sys
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -96,15 +96,21 @@ def quiet(r: dict) -> bool:
     return load is None or load <= QUIET_LOAD
 
 
-def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_root: Optional[str]) -> dict:
+def run_name(config: str, tag: str = "") -> str:
+    """A run's name in the table: the config's stem, then ``/tag`` for a variant (``resnet_fast_se/group_act``)."""
+    return Path(config).stem + (f"/{tag}" if tag else "")
+
+
+def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_root: Optional[str],
+            tag: str = "", extra: Sequence[str] = ()) -> dict:
     from visattn.config import load_config
     from visattn.trainer import run
 
-    name = Path(config).stem
-    run_dir = run_root / f"{name}-s{seed}"
+    name = run_name(config, tag)
+    run_dir = run_root / f"{name.replace('/', '-')}-e{epochs or 'cfg'}-s{seed}"
     if run_dir.exists():  # a run killed part-way: start it again from scratch
         shutil.rmtree(run_dir)
-    overrides = [f"seed={seed}", f"run_dir={run_dir}", "log.progress=false", "log.maps_every=0"]
+    overrides = [f"seed={seed}", f"run_dir={run_dir}", "log.progress=false", "log.maps_every=0", *extra]
     if epochs:
         overrides.append(f"train.epochs={epochs}")
     if data_root:
@@ -117,6 +123,7 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     info = json.loads((run_dir / "run_info.json").read_text())
     return {"config": config, "name": name, "seed": seed, "epochs": cfg.train.epochs, "val_acc": rows[-1]["val_acc"],
+            "overrides": list(extra), "model": cfg.model.options(),
             "train_seconds": sum(r["epoch_seconds"] for r in rows),
             "images_per_s": statistics.mean(r["images_per_s"] for r in rows), "parameters": info["parameters"],
             "eval_split": summary["eval_split"], "git": info["git"], "load_mean": load.mean, "cpu": cpu_name()}
@@ -149,21 +156,35 @@ def mean_ci(xs: List[float]) -> Tuple[float, float]:
     return m, T95[min(len(xs) - 1, len(T95)) - 1] * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
-def differences(results: List[dict], name: str) -> List[float]:
-    """``name``'s accuracy minus the baseline's, in points, for each seed both have."""
-    base = {r["seed"]: r["val_acc"] for r in results if r["name"] == BASELINE}
-    return [100 * (r["val_acc"] - base[r["seed"]]) for r in results if r["name"] == name and r["seed"] in base]
+def at_budget(results: List[dict], epochs: Optional[int]) -> List[dict]:
+    """The runs trained for ``epochs`` (all runs for ``None``)."""
+    return [r for r in results if epochs is None or r["epochs"] == epochs]
+
+
+def differences(results: List[dict], name: str, epochs: Optional[int] = None) -> List[float]:
+    """``name``'s accuracy minus the baseline's, in points, for each seed both have at the same epochs
+    (``epochs``: only that budget)."""
+    rs = at_budget(results, epochs)
+    base = {(r["seed"], r["epochs"]): r["val_acc"] for r in rs if r["name"] == BASELINE}
+    return [100 * (r["val_acc"] - base[r["seed"], r["epochs"]]) for r in rs
+            if r["name"] == name and (r["seed"], r["epochs"]) in base]
 
 
 def ordered(names) -> List[str]:
-    """Config names in the table's fixed order (blocks, then transformers, then anything else)."""
+    """Config names in the table's fixed order (blocks, then transformers, then anything else), each
+    config's variants (``name/tag``) after it."""
     canon = [Path(c).stem for c in CNN_CONFIGS + TRANSFORMER_CONFIGS]
-    return sorted(dict.fromkeys(names), key=lambda n: canon.index(n) if n in canon else len(canon))
+
+    def key(n: str):
+        stem, _, tag = n.partition("/")
+        return (canon.index(stem) if stem in canon else len(canon), stem, tag)
+
+    return sorted(dict.fromkeys(names), key=key)
 
 
-def paired(results: List[dict], name: str) -> Optional[Tuple[float, float, int]]:
+def paired(results: List[dict], name: str, epochs: Optional[int] = None) -> Optional[Tuple[float, float, int]]:
     """(mean difference to the baseline in points, 95% half-width, pairs) over the seeds both have."""
-    diffs = differences(results, name)
+    diffs = differences(results, name, epochs)
     if not diffs:
         return None
     m, h = mean_ci(diffs)
@@ -257,27 +278,31 @@ def plot(results: List[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-def ran(results: List[dict], config: str, seed: int) -> bool:
-    return any(r["config"] == config and r["seed"] == seed for r in results)
+def ran(results: List[dict], config: str, seed: int, epochs: Optional[int] = None, tag: str = "") -> bool:
+    """Whether ``results`` hold the run (its name, seed and, where given, epochs)."""
+    name = run_name(config, tag)
+    return any(r["name"] == name and r["seed"] == seed and (epochs is None or r["epochs"] == epochs) for r in results)
 
 
-def plan(results: List[dict], configs: List[str], seed: int, target: float) -> List[str]:
+def plan(results: List[dict], configs: List[str], seed: int, target: float, epochs: Optional[int] = None,
+         tag: str = "") -> List[str]:
     """The configs of ``configs`` still to run at ``seed`` in an adaptive sweep.
 
     Every config gets the first :data:`MIN_PAIRS` seeds. From then on a config gets another seed only while its
     paired difference to the baseline is wider than ``target`` (or has fewer than :data:`MIN_PAIRS` pairs), and
     the baseline runs at a seed only when some other config does, so the hours go to the undecided configs.
-    Runs already in ``results`` are never repeated.
+    Runs already in ``results`` are never repeated. ``epochs``: the budget (pairs are counted at it);
+    ``tag``: the variant of the non-baseline configs (the baseline runs untagged).
     """
     def open_(config: str) -> bool:
-        d = paired(results, Path(config).stem)
+        d = paired(results, run_name(config, tag), epochs)
         return d is None or d[2] < MIN_PAIRS or d[1] > target
 
     others = [c for c in configs if Path(c).stem != BASELINE]
     wanted = others if seed < MIN_PAIRS else [c for c in others if open_(c)]
     if wanted:
         wanted = [c for c in configs if Path(c).stem == BASELINE] + wanted
-    return [c for c in wanted if not ran(results, c, seed)]
+    return [c for c in wanted if not ran(results, c, seed, epochs, "" if Path(c).stem == BASELINE else tag)]
 
 
 def main() -> None:
@@ -287,28 +312,49 @@ def main() -> None:
     ap.add_argument("--max-seeds", type=int, default=10)
     ap.add_argument("--target", type=float, default=0.5, help="95%% half-width to reach on every difference")
     ap.add_argument("--epochs", type=int, default=None, help="default: each config's own train.epochs")
+    ap.add_argument("--tag", default="", help="a variant's name: its runs are named CONFIG/TAG (the baseline keeps "
+                    "its own name and runs without --set)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides of the variant, e.g. model.attn_position=group_act (needs --tag)")
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--runs", default=str(ROOT / "runs" / "attention_table"))
     ap.add_argument("--results", default=str(RESULTS), help="the results file, read and appended to")
     ap.add_argument("--report", action="store_true", help="print the table (and plot) from the results file only")
     ap.add_argument("--plot", default=None, help="write the accuracy-vs-time plot here (PNG)")
     args = ap.parse_args()
+    if args.set and not args.tag:
+        ap.error("--set changes the runs: name the variant with --tag")
     out = Path(args.results)
     results = json.loads(out.read_text()) if out.is_file() else []
     seeds = args.seeds if args.seeds is not None else list(range(args.max_seeds))
     for seed in [] if args.report else seeds:  # seed-major: a partial sweep still pairs every config
+        epochs_of = {c: args.epochs or default_epochs(c) or config_epochs(c) for c in args.configs}
         if args.seeds is not None:  # exactly these seeds, every config
-            todo = [c for c in args.configs if not ran(results, c, seed)]
+            todo = [c for c in args.configs if not ran(results, c, seed, epochs_of[c], variant(c, args.tag))]
         else:
-            todo = plan(results, args.configs, seed, args.target)
+            todo = plan(results, args.configs, seed, args.target, args.epochs, args.tag)
         for config in todo:
-            r = run_one(config, seed, args.epochs or default_epochs(config), Path(args.runs), args.data_root)
+            tag = variant(config, args.tag)
+            r = run_one(config, seed, epochs_of[config], Path(args.runs), args.data_root, tag,
+                        args.set if tag else ())
             results.append(r)
             write_atomic(out, json.dumps(results, indent=1))  # a kill mid-write keeps the old file
             print(f"{r['name']} seed {seed}: val {100 * r['val_acc']:.2f}% in {r['train_seconds']:.0f}s", flush=True)
-    print(table(results))
+    for epochs in sorted({r["epochs"] for r in results}):
+        print(f"\n{epochs} epochs\n" + table(at_budget(results, epochs)))
     if args.plot and results:
         plot(results, Path(args.plot))
+
+
+def variant(config: str, tag: str) -> str:
+    """The tag a config runs under: none for the baseline, which has no block to vary."""
+    return "" if Path(config).stem == BASELINE else tag
+
+
+def config_epochs(config: str) -> int:
+    from visattn.config import load_config
+
+    return load_config(ROOT / config).train.epochs
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def test_a_sweep_runs_records_and_resumes_without_repeating(tmp_path):
     (r,) = json.loads(out.read_text())
     assert r["name"] == "smoke" and r["seed"] == 0 and r["epochs"] == 1 and 0 <= r["val_acc"] <= 1
     assert r["train_seconds"] > 0 and r["parameters"] > 0 and r["cpu"]
-    assert (runs / "smoke-s0" / "last.pt").is_file()
+    assert (runs / "smoke-e1-s0" / "last.pt").is_file()
     again = subprocess.run(argv, **env_opts)  # nothing left to run: the result is kept, not redone
     assert again.returncode == 0 and "smoke seed 0" not in again.stdout
     assert json.loads(out.read_text()) == [r]

@@ -488,7 +488,11 @@ CONFIG_FILES = [
     ("alias-bomb", _bomb(9), "expands to more than 100,000 values"),
     ("small-alias-bomb", _bomb(4) + "seed: *e\n", "expands to more than 100,000 values"),
     ("recursive-alias", "a: &a [*a]\n", "recursive alias"),
+    # 5,000 levels: past the limit PyYAML >= 6.0.3 keeps itself; 70 (block and flow): below it, the walk's own
     ("deep-nesting", "seed: " + "[" * 5000 + "]" * 5000 + "\n", "nested more than 64 levels deep"),
+    ("deep-nesting-70", "seed: " + "[" * 70 + "]" * 70 + "\n", "nested more than 64 levels deep"),
+    ("deep-block-nesting", "".join("  " * i + f"k{i}:\n" for i in range(70)) + "  " * 70 + "v: 1\n",
+     "nested more than 64 levels deep"),
     ("duplicate-section", "optim:\n  lr: 0.05\ntrain:\n  epochs: 2\noptim:\n  momentum: 0.8\n",
      "key 'optim' is given twice (lines 1 and 5)"),
     ("duplicate-key", "optim:\n  lr: 0.05\n  lr: 0.5\n", "key 'lr' is given twice (lines 2 and 3)"),

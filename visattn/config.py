@@ -304,6 +304,19 @@ def _check_yaml_shape(text: str, what: str) -> None:
     :data:`MAX_YAML_VALUES` values, before the loader builds anything."""
     sizes: List[List[Any]] = [[0, None]]  # per open collection: [values so far, its anchor]
     done: Dict[str, int] = {}  # anchor -> the number of values it stands for
+    try:
+        _walk_yaml_events(text, what, sizes, done)
+    except yaml.YAMLError as e:
+        # A parser with its own depth limit (PyYAML >= 6.0.3 stops flow nesting past a fixed depth) says so in
+        # its own words: give the same message as the walk below, whichever limit is met first.
+        if "nesting depth" not in str(e):
+            raise
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"{what}: nested more than {MAX_YAML_DEPTH} levels deep{where}") from None
+
+
+def _walk_yaml_events(text: str, what: str, sizes: List[List[Any]], done: Dict[str, int]) -> None:
     for ev in yaml.parse(text, Loader=_BaseLoader):
         if isinstance(ev, yaml.CollectionStartEvent):
             if len(sizes) > MAX_YAML_DEPTH:

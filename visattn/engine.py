@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import ConfigError, TrainingError
+from .registry import backbone_modules
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -62,7 +63,8 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     With ``no_decay_norm_bias`` (the default) norm weights, biases (all 1-d tensors) and every parameter the
     model lists in ``no_weight_decay()`` (a ViT's ``pos_embed`` and ``cls_token``) get no weight decay.
     ``norm_bias_lr_scale`` puts the biases of the norm layers in a group of their own whose learning rate is
-    that many times ``lr`` (airbench trains BatchNorm biases 64x faster); the schedulers honour it.
+    that many times ``lr`` (airbench trains BatchNorm biases 64x faster); the schedulers honour it. That rule
+    is the backbone's: the norms inside attention blocks train at ``lr``.
     """
     from timm.optim import create_optimizer_v2
 
@@ -87,7 +89,8 @@ def _groups_with_norm_bias_scale(model: nn.Module, weight_decay: float, no_decay
     from timm.optim import param_groups_weight_decay
 
     norm_types = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
-    norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, norm_types) and m.bias is not None}
+    # the backbone's norms only: a block's own norms (a gate's BN, a residual block's output BN) keep lr
+    norm_biases = {id(m.bias) for m in backbone_modules(model) if isinstance(m, norm_types) and m.bias is not None}
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
     if no_decay_1d:
         groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=skip)

@@ -158,8 +158,36 @@ def attention_options(name: str) -> List[str]:
 
 
 def create_attention(name: str, channels: int, **kwargs: Any) -> nn.Module:
-    """Build block ``name`` for ``channels`` input channels (or token dim); ``"none"`` gives an identity."""
-    return ATTENTION.create(name, channels, **kwargs)
+    """Build block ``name`` for ``channels`` input channels (or token dim); ``"none"`` gives an identity.
+
+    The block is marked as an attention block (see :func:`backbone_modules`): a model's own initialisation
+    and norm options leave its parameters as the block made them."""
+    block = ATTENTION.create(name, channels, **kwargs)
+    block._visattn_attention = name
+    return block
+
+
+def is_attention_block(module: nn.Module) -> bool:
+    """Whether ``module`` was built by :func:`create_attention`."""
+    return isinstance(getattr(module, "_visattn_attention", None), str)
+
+
+def backbone_modules(model: nn.Module) -> List[nn.Module]:
+    """``model.modules()`` less the attention blocks inside it and everything they hold.
+
+    What a model's weight initialisation, norm options (frozen scales, momentum, eps) and optimizer-wide
+    norm-layer rules walk: a block keeps its own initialisation and trainability wherever it is inserted."""
+    out: List[nn.Module] = []
+
+    def walk(m: nn.Module) -> None:
+        if m is not model and is_attention_block(m):
+            return
+        out.append(m)
+        for child in m.children():
+            walk(child)
+
+    walk(model)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- models

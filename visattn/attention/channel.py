@@ -6,6 +6,14 @@
 * ``gc``: Cao, Xu, Lin, Wei, Hu, 2019, "GCNet: Non-local Networks Meet Squeeze-Excitation Networks and
   Beyond", arXiv 1904.11492.
 
+**Initialisation** (``init``, the same rule for every feature-map block in visattn): ``"default"`` is the
+paper's block (and timm's, weight for weight); ``"identity"`` zero-initialises the layer that makes the
+block's last logits (a gate's) or its residual output, and reads a gate as ``gain * gate(z)`` with
+``gain = 1 / gate(0)`` (2 for a sigmoid), so the block returns its input exactly at initialisation and learns
+from there: the gradient of that zeroed layer is not zero. Its gates then span 0-2, 1 meaning "unchanged",
+and its taps carry that multiplier on the ``"gain"`` scale (:mod:`visattn.attention.tap`). Use it to put a
+block into a network tuned or trained without it.
+
 Every block here is plain differentiable PyTorch (no custom ``autograd.Function``), so it composes with
 ``torch.compile(fullgraph=True)``, ``torch.export``, ONNX export, ``torch.jit.trace``, double backward and
 ``torch.func`` transforms. Numerics: the pooled statistics are taken in fp32 (or the input's dtype if that
@@ -28,7 +36,7 @@ from timm.layers import make_divisible
 from torch import nn
 
 from ..registry import register_attention
-from .functional import positive_int
+from .functional import check_init, gate_gain, positive_int, zero_
 from .tap import AttentionTap
 
 __all__ = [
@@ -39,6 +47,8 @@ __all__ = [
     "check_feature_map",
     "check_norm_batch",
     "GC_MIN_HIDDEN",
+    "gain_scale",
+    "gained",
 ]
 
 
@@ -90,13 +100,24 @@ def autocast_off(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
+def gain_scale(init: str) -> Optional[str]:
+    """The value scale of a gate's tap: the kind's default (``"gate"``, 0-1) or ``"gain"`` (0-2, identity init)."""
+    return "gain" if init == "identity" else None
+
+
+def gained(gate: torch.Tensor, gain: float) -> torch.Tensor:
+    """``gate * gain`` (no op for the paper's gain of 1; exact for the identity gain of 2)."""
+    return gate if gain == 1.0 else gate * gain
+
+
 @register_attention("se", layout="feature", kind="channel")
 class SqueezeExcite(nn.Module):
     """Squeeze-and-excitation (Hu, Shen, Sun, 2018, arXiv 1709.01507).
 
     Global average pool, bottleneck MLP ``C -> C * rd_ratio -> C`` (1x1 convs with bias, ReLU), sigmoid gate
     per channel. The paper's reduction ratio is 16. Parameter names match timm's ``SEModule``, so its weights
-    load directly. Input ``(B, channels, H, W)``. Tap: the ``(B, C)`` gate.
+    load directly. Input ``(B, channels, H, W)``. Tap: the ``(B, C)`` gate. ``init="identity"``: ``fc2``
+    starts at zero and the gate is ``2 * sigmoid``, so the block starts as the identity (module docstring).
     """
 
     def __init__(
@@ -108,21 +129,26 @@ class SqueezeExcite(nn.Module):
         act_layer: Type[nn.Module] = nn.ReLU,
         gate_layer: Type[nn.Module] = nn.Sigmoid,
         bias: bool = True,
+        init: str = "default",
     ):
         super().__init__()
         self.channels = check_channels(channels)
         rd = reduced_channels(channels, rd_ratio, rd_channels, rd_divisor)
+        self.init = check_init(init)
         self.fc1 = nn.Conv2d(channels, rd, kernel_size=1, bias=bias)
         self.act = act_layer()
         self.fc2 = nn.Conv2d(rd, channels, kernel_size=1, bias=bias)
         self.gate = gate_layer()
-        self.tap = AttentionTap("channel")
+        self.gain = gate_gain(self.gate, init)
+        self.tap = AttentionTap("channel", scale=gain_scale(init))
+        if init == "identity":
+            zero_(self.fc2.weight, self.fc2.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
         with autocast_off(x):
             s = x.mean((2, 3), keepdim=True, dtype=compute_dtype(x)).to(self.fc1.weight.dtype)  # squeeze
-            w = self.gate(self.fc2(self.act(self.fc1(s))))  # (B, C, 1, 1) excitation
+            w = gained(self.gate(self.fc2(self.act(self.fc1(s)))), self.gain)  # (B, C, 1, 1) excitation
         self.tap(w.flatten(1))
         return x * w.to(x.dtype)
 
@@ -144,7 +170,8 @@ class EfficientChannelAttention(nn.Module):
     :func:`eca_kernel_size`) unless ``kernel_size`` is given, then a sigmoid gate. Parameter names and
     kernel sizes match timm's ``EcaModule`` for every C. Works for any channel count: the 1D conv slides
     over the channels, so ``channels`` only picks the kernel size and a block built for one width also
-    runs on another. Tap: the ``(B, C)`` gate.
+    runs on another. Tap: the ``(B, C)`` gate. ``init="identity"``: the 1D conv starts at zero and the gate
+    is ``2 * sigmoid`` (module docstring).
     """
 
     def __init__(
@@ -154,6 +181,7 @@ class EfficientChannelAttention(nn.Module):
         gamma: float = 2.0,
         b: float = 1.0,
         gate_layer: Type[nn.Module] = nn.Sigmoid,
+        init: str = "default",
     ):
         super().__init__()
         self.channels = check_channels(channels)
@@ -161,15 +189,19 @@ class EfficientChannelAttention(nn.Module):
             kernel_size = eca_kernel_size(channels, gamma, b)
         positive_int("kernel_size", kernel_size, odd=True)
         self.kernel_size = kernel_size
+        self.init = check_init(init)
         self.conv = nn.Conv1d(1, 1, kernel_size=kernel_size, padding=(kernel_size - 1) // 2, bias=False)
         self.gate = gate_layer()
-        self.tap = AttentionTap("channel")
+        self.gain = gate_gain(self.gate, init)
+        self.tap = AttentionTap("channel", scale=gain_scale(init))
+        if init == "identity":
+            zero_(self.conv.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x)  # any channel count
         with autocast_off(x):
             s = x.mean((2, 3), dtype=compute_dtype(x)).to(self.conv.weight.dtype)  # (B, C)
-            w = self.gate(self.conv(s[:, None, :])[:, 0])  # channels as a 1D sequence: (B, C)
+            w = gained(self.gate(self.conv(s[:, None, :])[:, 0]), self.gain)  # channels as a 1D sequence: (B, C)
         self.tap(w)
         return x * w.to(x.dtype)[:, :, None, None]
 
@@ -191,7 +223,9 @@ class GlobalContext(nn.Module):
     LayerNorm over a single feature outputs only its bias, so at the default ratio every C <= 23 would
     otherwise have a dead context path. An explicit ``rd_channels`` below 3 is kept but warned about.
     Fusion: broadcast add (the paper's default), a sigmoid scale, or both. As in the paper's code the last
-    transform layer of the add branch is zero-initialised, so the block starts as the identity. Input
+    transform layer of the add branch is zero-initialised, so with ``fusion="add"`` the block starts as the
+    identity in either ``init``; ``init="identity"`` also zero-initialises the scale branch's last layer and
+    reads its gate as ``2 * sigmoid`` (module docstring), so every fusion starts as the identity. Input
     ``(B, channels, H, W)``. Tap (kind ``"spatial"``): the context softmax as a ``(B, 1, H, W)`` map (it
     sums to one over H, W).
     """
@@ -205,9 +239,11 @@ class GlobalContext(nn.Module):
         fusion: str = "add",
         act_layer: Type[nn.Module] = nn.ReLU,
         gate_layer: Type[nn.Module] = nn.Sigmoid,
+        init: str = "default",
     ):
         super().__init__()
         self.channels = check_channels(channels)
+        self.init = check_init(init)
         if fusion not in FUSIONS:
             raise ValueError(f"unknown fusion {fusion!r}; valid: {', '.join(FUSIONS)}")
         rd = reduced_channels(channels, rd_ratio, rd_channels, rd_divisor)
@@ -228,6 +264,7 @@ class GlobalContext(nn.Module):
         self.mlp_add = transform() if fusion in ("add", "both") else None
         self.mlp_scale = transform() if fusion in ("scale", "both") else None
         self.gate = gate_layer() if self.mlp_scale is not None else None
+        self.gain = gate_gain(self.gate, init) if self.gate is not None else 1.0
         self.tap = AttentionTap("spatial", scale="relative")  # a softmax over positions, not a gate
         self.reset_parameters()
 
@@ -237,6 +274,8 @@ class GlobalContext(nn.Module):
         if self.mlp_add is not None:  # the paper's "last_zero_init": the add branch starts at zero
             nn.init.zeros_(self.mlp_add[-1].weight)
             nn.init.zeros_(self.mlp_add[-1].bias)
+        if self.mlp_scale is not None and self.init == "identity":
+            zero_(self.mlp_scale[-1].weight, self.mlp_scale[-1].bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
@@ -249,7 +288,7 @@ class GlobalContext(nn.Module):
             context = torch.matmul(feats, p.to(x.dtype).transpose(1, 2)).flatten(1)  # (B, C)
             out = x
             if self.mlp_scale is not None:
-                scale = self.gate(self.mlp_scale(context.to(self.mlp_scale[0].weight.dtype)))  # (B, C)
+                scale = gained(self.gate(self.mlp_scale(context.to(self.mlp_scale[0].weight.dtype))), self.gain)
                 out = out * scale.to(x.dtype)[:, :, None, None]
             if self.mlp_add is not None:
                 add = self.mlp_add(context.to(self.mlp_add[0].weight.dtype))  # (B, C)

@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def positive_int(name: str, value: object, *, odd: bool = False, divides: Optional[int] = None) -> int:
@@ -40,3 +41,43 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[
         return out.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale,
                                           is_causal=is_causal)
+
+
+def init_linears(module: nn.Module) -> None:
+    """Every ``nn.Linear`` in ``module``: truncated-normal weights (std 0.02, as ViTs and timm do), zero biases."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+
+INITS = ("default", "identity")
+
+
+def check_init(init: object) -> str:
+    """``init`` if it is one of :data:`INITS`, else a one-line ValueError."""
+    if init not in INITS:
+        raise ValueError(f"init must be one of {', '.join(INITS)}, got {init!r}")
+    return str(init)
+
+
+def gate_gain(gate: nn.Module, init: str) -> float:
+    """What a block multiplies its gate by: 1 for ``init="default"``; for ``init="identity"`` the reciprocal
+    of the gate's value at 0 (2 for a sigmoid), so a gate whose logits start at exactly zero passes its input
+    through unchanged (``x * 2 * sigmoid(0) == x``)."""
+    if check_init(init) == "default":
+        return 1.0
+    with torch.no_grad():
+        g0 = float(gate(torch.zeros(1)).reshape(-1)[0])
+    if not (g0 > 0 and g0 == g0 and g0 != float("inf")):
+        raise ValueError(f"init='identity' needs a gate that is positive and finite at 0; {type(gate).__name__} gives {g0}")
+    return 1.0 / g0
+
+
+def zero_(*tensors: Optional[torch.Tensor]) -> None:
+    """Zero every given parameter (``None`` skipped)."""
+    with torch.no_grad():
+        for t in tensors:
+            if t is not None:
+                t.zero_()

@@ -239,11 +239,18 @@ def insert_attention(model: nn.Module, name: str, **kwargs: Any) -> int:
     the module docstring for the exact slot per family; the model's parameter names are kept except in
     torchvision ResNets, whose last BN becomes ``bnX.norm``, so load pretrained weights before inserting).
 
+    Blocks are built with ``init="identity"`` unless ``kwargs`` say otherwise: each starts by returning its
+    input unchanged, so a trained network's residual blocks compute what they computed before and training
+    moves the blocks from there (``init="default"`` gives the paper's block, whose sigmoid gates start near
+    0.5 and halve the signal they gate).
+
     New blocks are trainable, on the device and dtype of the layer they follow or replace, in the host
     block's train/eval mode. Raises ``ValueError`` (and leaves the model unchanged) if the model holds none
     of these blocks, or already holds a visattn block or another attention block in the slot.
     """
     _check_feature_block(name, kwargs)
+    if "init" in attention_options(name):
+        kwargs.setdefault("init", "identity")
     held = [p for p, m in model.named_modules() if isinstance(m, _visattn_classes()) and p]
     if held:
         raise ValueError(

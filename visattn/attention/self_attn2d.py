@@ -6,7 +6,9 @@
   Shlens, Abbeel, Vaswani, 2021, "Bottleneck Transformers for Visual Recognition", arXiv 2101.11605).
 
 Both are residual blocks whose output path ends in a BatchNorm with zero-initialised scale, so they start
-as the identity and can be dropped into a trained network. Both attend over all ``N = H * W`` positions:
+as the identity and can be dropped into a trained network: ``init="default"`` and ``init="identity"`` (the
+rule of :mod:`visattn.attention.channel`) are the same here, except that with a ``norm_layer`` that has no
+scale (``nn.Identity``) ``"identity"`` zero-initialises the output projection instead. Both attend over all ``N = H * W`` positions:
 time and (on the explicit paths) memory grow as ``N**2``, so they suit the later, smaller stages.
 
 Composability: plain PyTorch (compile with ``fullgraph=True``, ``torch.export``, ONNX, ``torch.jit.trace``,
@@ -27,7 +29,7 @@ from torch import nn
 
 from ..registry import register_attention
 from .channel import check_channels, check_feature_map, check_norm_batch, reduced_channels
-from .functional import positive_int, sdpa
+from .functional import check_init, positive_int, sdpa, zero_
 from .tap import AttentionTap
 
 __all__ = ["NonLocal2d", "MHSA2d", "rel_pos_embed"]
@@ -51,6 +53,15 @@ def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         y = y.transpose(1, 2).clone(memory_format=torch.contiguous_format)  # (B, N, heads, d)
         return y.view(B, H, W, n * d).permute(0, 3, 1, 2)  # channels-last strided
     return y.transpose(2, 3).clone(memory_format=torch.contiguous_format).view(B, n * d, H, W)
+
+
+def zero_output(block: nn.Module) -> None:
+    """The residual output path starts at zero: the norm's scale and shift where it has them (both inits),
+    else, with ``init="identity"``, the output projection."""
+    if getattr(block.norm, "weight", None) is not None:
+        zero_(block.norm.weight, getattr(block.norm, "bias", None))  # the block starts as the identity
+    elif block.init == "identity":
+        zero_(block.proj.weight, block.proj.bias)
 
 
 def _attend(block: nn.Module, q, k, v, H: int, W: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -90,9 +101,11 @@ class NonLocal2d(nn.Module):
         rd_channels: Optional[int] = None,
         use_scale: bool = True,
         norm_layer: Type[nn.Module] = nn.BatchNorm2d,
+        init: str = "default",
     ):
         super().__init__()
         check_channels(channels)
+        self.init = check_init(init)
         inter = reduced_channels(channels, rd_ratio, rd_channels, 1)
         self.channels = channels
         self.inter_channels = inter
@@ -107,9 +120,7 @@ class NonLocal2d(nn.Module):
         for layer in (self.qkv, self.proj):
             nn.init.kaiming_normal_(layer.weight, mode="fan_out", nonlinearity="relu")
             nn.init.zeros_(layer.bias)
-        if getattr(self.norm, "weight", None) is not None:
-            nn.init.zeros_(self.norm.weight)  # the block starts as the identity
-            nn.init.zeros_(self.norm.bias)
+        zero_output(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
@@ -164,9 +175,11 @@ class MHSA2d(nn.Module):
         qkv_bias: bool = False,
         max_size: int = 32,
         norm_layer: Type[nn.Module] = nn.BatchNorm2d,
+        init: str = "default",
     ):
         super().__init__()
         check_channels(channels)
+        self.init = check_init(init)
         positive_int("num_heads", num_heads, divides=channels)
         positive_int("max_size", max_size)
         self.channels = channels
@@ -184,9 +197,7 @@ class MHSA2d(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.rel_h, std=self.scale)
         nn.init.normal_(self.rel_w, std=self.scale)
-        if getattr(self.norm, "weight", None) is not None:
-            nn.init.zeros_(self.norm.weight)  # the block starts as the identity
-            nn.init.zeros_(self.norm.bias)
+        zero_output(self)
 
     def rel_logits(self, q: torch.Tensor, H: int, W: int) -> torch.Tensor:
         """``(B, n, N, d)`` scaled queries -> ``(B, n, N, N)`` relative-position logits."""

@@ -12,6 +12,11 @@ backward and ``torch.func`` all work). Compared with the straightforward version
 CBAM runs the shared MLP once on the stacked avg/max vectors (and ``fc2`` once, on the sum of the two hidden
 vectors: ``fc2`` is linear) and feeds the 2-channel 7x7 conv a channels-last map, the layout in which
 oneDNN runs that conv (forward and backward) far faster on CPU.
+
+``init="identity"`` follows the rule of :mod:`visattn.attention.channel`: the layer that makes each gate's
+logits starts at zero (the spatial gate's BatchNorm scale and shift, or its conv without a norm; the channel
+gate's ``fc2``; coordinate attention's ``conv_h`` and ``conv_w``) and each gate is read as ``2 * sigmoid``, so
+the block returns its input exactly at initialisation; taps then carry the 0-2 multiplier (scale ``"gain"``).
 """
 from __future__ import annotations
 
@@ -27,9 +32,11 @@ from .channel import (
     check_feature_map,
     check_norm_batch,
     compute_dtype,
+    gain_scale,
+    gained,
     reduced_channels,
 )
-from .functional import positive_int
+from .functional import check_init, gate_gain, positive_int, zero_
 from .tap import AttentionTap
 
 __all__ = ["ChannelGate", "SpatialGate", "CBAM", "CoordAttention", "coord_mip"]
@@ -49,15 +56,20 @@ class ChannelGate(nn.Module):
         act_layer: Type[nn.Module] = nn.ReLU,
         gate_layer: Type[nn.Module] = nn.Sigmoid,
         mlp_bias: bool = False,
+        init: str = "default",
     ):
         super().__init__()
         self.channels = check_channels(channels)
         rd = reduced_channels(channels, rd_ratio, rd_channels, rd_divisor)
+        self.init = check_init(init)
         self.fc1 = nn.Conv2d(channels, rd, kernel_size=1, bias=mlp_bias)
         self.act = act_layer()
         self.fc2 = nn.Conv2d(rd, channels, kernel_size=1, bias=mlp_bias)
         self.gate = gate_layer()
-        self.tap = AttentionTap("channel")
+        self.gain = gate_gain(self.gate, init)
+        self.tap = AttentionTap("channel", scale=gain_scale(init))
+        if init == "identity":
+            zero_(self.fc2.weight, self.fc2.bias)
 
     def channel_weights(self, x: torch.Tensor) -> torch.Tensor:
         """The ``(B, C)`` gate of ``x`` (in the parameters' dtype; call with autocast off)."""
@@ -69,7 +81,7 @@ class ChannelGate(nn.Module):
         logits = self.fc2(h)  # fc2(h_avg) + fc2(h_max) == fc2(h_avg + h_max) ...
         if self.fc2.bias is not None:
             logits = logits + self.fc2.bias[:, None, None]  # ... plus the bias once more
-        return self.tap(self.gate(logits.flatten(1)))  # (B, C)
+        return self.tap(gained(self.gate(logits.flatten(1)), self.gain))  # (B, C)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
@@ -85,7 +97,8 @@ class SpatialGate(nn.Module):
     ``sigmoid(BN(conv7x7([mean_c(x); max_c(x)])))`` multiplies every position. Works for any channel count:
     the gate pools over the channels, so its parameters are the same for every width and ``channels`` is
     only checked to be a positive int. Training mode needs more than one value for the BN (not batch 1
-    with a 1x1 map). Tap: the ``(B, 1, H, W)`` gate.
+    with a 1x1 map). Tap: the ``(B, 1, H, W)`` gate. ``init="identity"``: the BN's scale and shift (or the
+    conv, without a norm) start at zero and the gate is ``2 * sigmoid`` (module docstring).
     """
 
     def __init__(
@@ -94,15 +107,21 @@ class SpatialGate(nn.Module):
         kernel_size: int = 7,
         gate_layer: Type[nn.Module] = nn.Sigmoid,
         norm_layer: Optional[Type[nn.Module]] = nn.BatchNorm2d,
+        init: str = "default",
     ):
         super().__init__()
         check_channels(channels)
         positive_int("kernel_size", kernel_size, odd=True)
         self.kernel_size = kernel_size
+        self.init = check_init(init)
         self.conv = nn.Conv2d(2, 1, kernel_size, padding=kernel_size // 2, bias=False)
         self.bn = norm_layer(1) if norm_layer is not None else nn.Identity()
         self.gate = gate_layer()
-        self.tap = AttentionTap("spatial")
+        self.gain = gate_gain(self.gate, init)
+        self.tap = AttentionTap("spatial", scale=gain_scale(init))
+        if init == "identity":
+            affine = getattr(self.bn, "weight", None) is not None
+            zero_(*((self.bn.weight, getattr(self.bn, "bias", None)) if affine else (self.conv.weight,)))
 
     def spatial_weights(self, x: torch.Tensor) -> torch.Tensor:
         """The ``(B, 1, H, W)`` gate of ``x`` (in the parameters' dtype; call with autocast off)."""
@@ -111,7 +130,7 @@ class SpatialGate(nn.Module):
         # in which oneDNN runs the 2-channel 7x7 conv (forward + backward) an order of magnitude faster on CPU
         maps = torch.stack([x.mean(1, dtype=acc), x.amax(1).to(acc)], dim=-1).permute(0, 3, 1, 2)
         z = self.bn(self.conv(maps.to(self.conv.weight.dtype)))  # (B, 1, H, W)
-        return self.tap(self.gate(z))
+        return self.tap(gained(self.gate(z), self.gain))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x)  # any channel count
@@ -131,6 +150,7 @@ class CBAM(nn.Module):
     training mode needs more than one value for the spatial gate's BN (not batch 1 with a 1x1 map). Two
     taps: ``channel.tap`` with the ``(B, C)`` gate and ``spatial.tap`` with the ``(B, 1, H, W)`` gate.
     Forward hooks on the sub-gates do not fire (the block calls their gate functions directly); their taps do.
+    ``init`` goes to both gates (module docstring).
     """
 
     def __init__(
@@ -143,10 +163,12 @@ class CBAM(nn.Module):
         act_layer: Type[nn.Module] = nn.ReLU,
         gate_layer: Type[nn.Module] = nn.Sigmoid,
         mlp_bias: bool = False,
+        init: str = "default",
     ):
         super().__init__()
-        self.channel = ChannelGate(channels, rd_ratio, rd_channels, rd_divisor, act_layer, gate_layer, mlp_bias)
-        self.spatial = SpatialGate(channels, spatial_kernel_size, gate_layer)
+        self.init = check_init(init)
+        self.channel = ChannelGate(channels, rd_ratio, rd_channels, rd_divisor, act_layer, gate_layer, mlp_bias, init)
+        self.spatial = SpatialGate(channels, spatial_kernel_size, gate_layer, init=init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channel.channels)
@@ -172,7 +194,9 @@ class CoordAttention(nn.Module):
     both strips with one shared 1x1 conv ``C -> mip`` + BN + h-swish (``mip = max(8, C // 32)``), then splits
     them into two sigmoid gates ``a_h (B, C, H, 1)`` and ``a_w (B, C, 1, W)``; ``out = x * a_h * a_w``.
     Input ``(B, channels, H, W)``. Tap (kind ``"spatial"``): the channel mean of ``a_h * a_w`` as a
-    ``(B, 1, H, W)`` map, computed only on recording passes.
+    ``(B, 1, H, W)`` map, computed only on recording passes. ``init="identity"``: ``conv_h`` and ``conv_w``
+    start at zero and both gates are ``2 * sigmoid`` (module docstring); the tap then carries the channel
+    mean of the 0-4 product ``a_h * a_w`` on the 0-2 ``"gain"`` scale (values above 2 saturate).
     """
 
     def __init__(
@@ -183,9 +207,11 @@ class CoordAttention(nn.Module):
         act_layer: Type[nn.Module] = nn.Hardswish,  # the paper's h_swish
         norm_layer: Optional[Type[nn.Module]] = nn.BatchNorm2d,
         gate_layer: Type[nn.Module] = nn.Sigmoid,
+        init: str = "default",
     ):
         super().__init__()
         self.channels = check_channels(channels)
+        self.init = check_init(init)
         positive_int("reduction", reduction)
         if mip is None:
             mip = coord_mip(channels, reduction)
@@ -197,7 +223,10 @@ class CoordAttention(nn.Module):
         self.conv_h = nn.Conv2d(mip, channels, kernel_size=1)
         self.conv_w = nn.Conv2d(mip, channels, kernel_size=1)
         self.gate = gate_layer()
-        self.tap = AttentionTap("spatial")
+        self.gain = gate_gain(self.gate, init)
+        self.tap = AttentionTap("spatial", scale=gain_scale(init))
+        if init == "identity":
+            zero_(self.conv_h.weight, self.conv_h.bias, self.conv_w.weight, self.conv_w.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
@@ -206,8 +235,8 @@ class CoordAttention(nn.Module):
         strips = torch.cat([x.mean(3), x.mean(2)], dim=2)[..., None]
         y = self.act(self.bn1(self.conv1(strips)))  # (B, mip, H + W, 1)
         y_h, y_w = y.split([H, W], dim=2)
-        a_h = self.gate(self.conv_h(y_h))  # (B, C, H, 1)
-        a_w = self.gate(self.conv_w(y_w)).transpose(2, 3)  # (B, C, 1, W)
+        a_h = gained(self.gate(self.conv_h(y_h)), self.gain)  # (B, C, H, 1)
+        a_w = gained(self.gate(self.conv_w(y_w)), self.gain).transpose(2, 3)  # (B, C, 1, W)
         if self.tap.active:
             # mean over channels of the outer product a_h * a_w: (B, 1, H, W)
             self.tap((a_h.float() * a_w.float()).mean(1, keepdim=True))

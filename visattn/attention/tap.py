@@ -15,7 +15,8 @@ A block may hold several taps (CBAM: one for its channel gate, one for its spati
 by the tap's module path with a trailing ``.tap`` removed.
 
 **Value scale.** Every record says how its values are to be read (``AttentionRecord.scale``):
-``"gate"`` (an absolute value in [0, 1], drawn on that fixed range) or ``"relative"`` (weights that sum to
+``"gate"`` (an absolute value in [0, 1], drawn on that fixed range), ``"gain"`` (a multiplier in [0, 2] where
+1 leaves the input unchanged: the gates of blocks built with ``init="identity"``) or ``"relative"`` (weights that sum to
 one over their keys, drawn relative to uniform attention: weight x number of keys). The default follows the
 kind (channel and spatial: ``"gate"``; token and pool: ``"relative"``); a block whose spatial map is a
 softmax declares ``AttentionTap("spatial", scale="relative")`` (or sets ``tap.scale`` after construction).
@@ -39,7 +40,7 @@ import torch
 from torch import nn
 
 KINDS = ("channel", "spatial", "token", "pool")
-SCALES = ("gate", "relative")
+SCALES = ("gate", "gain", "relative")
 DEFAULT_SCALE = {"channel": "gate", "spatial": "gate", "token": "relative", "pool": "relative"}
 
 
@@ -50,12 +51,13 @@ class AttentionRecord:
     weights: torch.Tensor  # fp32, detached; shapes as in the module docstring
     grid: Optional[Tuple[int, int]] = None  # (H, W) of the spatial grid the weights refer to
     num_prefix_tokens: int = 0  # tokens before the grid tokens (token kind only)
-    scale: Optional[str] = None  # "gate" | "relative"; None: the kind's default (DEFAULT_SCALE)
+    scale: Optional[str] = None  # "gate" | "gain" | "relative"; None: the kind's default (DEFAULT_SCALE)
     pass_index: int = 0  # which forward pass of the recorded model made it (0, 1, ...)
 
     @property
     def value_scale(self) -> str:
-        """How the values are read: ``"gate"`` (absolute, [0, 1]) or ``"relative"`` (x uniform)."""
+        """How the values are read: ``"gate"`` (absolute, [0, 1]), ``"gain"`` (multiplier, [0, 2]) or
+        ``"relative"`` (x uniform)."""
         return self.scale or DEFAULT_SCALE.get(self.kind, "gate")
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..registry import register_attention
-from .functional import positive_int, sdpa
+from .functional import init_linears, positive_int, sdpa
 from .tap import AttentionTap
 
 __all__ = ["MultiHeadSelfAttention", "LocalitySelfAttention", "SequencePooling", "SCORES"]
@@ -173,6 +173,12 @@ class MultiHeadSelfAttention(nn.Module):
         elif score == "additive":
             self.additive_v = nn.Parameter(torch.randn(num_heads, self.head_dim) / math.sqrt(self.head_dim))
         self.tap = AttentionTap("token")
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The ViT initialisation of the projections (truncated normal, std 0.02; zero biases), the block's
+        own: a model that holds it leaves it as it is."""
+        init_linears(self)
 
     # -- score functions -------------------------------------------------------------------------------
     def _logits(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -346,6 +352,7 @@ class SequencePooling(nn.Module):
         self.num_prefix_tokens = int(num_prefix_tokens)
         self.attention_pool = nn.Linear(dim, 1)
         self.tap = AttentionTap("pool")
+        init_linears(self)  # ViT's rule, the block's own
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.dim:

@@ -7,7 +7,7 @@
         m.name, m.kind, m.heat, m.scale, m.keys, m.geometry, m.description
 
 Each :class:`LayerMap` is one map per image, ``(B, h, w)``, on the record's grid, with what is needed to draw
-it honestly: its value scale (``"gate"`` or ``"relative"``, :mod:`visattn.maps.scale`), the number of keys its
+it honestly: its value scale (``"gate"``, ``"gain"`` or ``"relative"``, :mod:`visattn.maps.scale`), the number of keys its
 weights are spread over (uniform = 1 / keys), where its cells lie on the input (:mod:`visattn.maps.geometry`)
 and a one-line description. Names are the TensorBoard tags without ``maps/``: the block's module path, ``@1``,
 ``@2`` for its later calls in one pass, ``<layer>/cls_head<i>`` for single heads, ``rollout`` for the attention
@@ -39,7 +39,7 @@ class LayerMap:
     name: str  # tag without "maps/": "layers.0.units.0.attn.spatial", "blocks.1.attn/cls_head0", "rollout"
     kind: str  # "spatial" | "token" | "pool" | "head" | "rollout" (or a baseline's name)
     heat: torch.Tensor  # (B, h, w) fp32, raw values (gates, or weights summing to <= 1 over the keys)
-    scale: str  # "gate" | "relative"
+    scale: str  # "gate" | "gain" | "relative"
     keys: int  # tokens / positions the weights are spread over (uniform weight = 1 / keys); 0 for gates
     geometry: GridGeometry
     description: str
@@ -98,7 +98,8 @@ def _owner(model: Optional[nn.Module], name: str) -> str:
 def _describe(kind: str, owner: str, scale: str, geometry: GridGeometry, extra: str = "") -> str:
     what = {
         "spatial": f"spatial map of {owner}"
-        + (" (softmax over positions)" if scale == "relative" else " (sigmoid gate per position)"),
+        + {"relative": " (softmax over positions)", "gain": " (gain per position, 2 x sigmoid: 1 = unchanged)"}.get(
+            scale, " (sigmoid gate per position)"),
         "token": f"attention of {owner}{extra}",
         "pool": f"attention-pooling weights of {owner} over the tokens",
         "head": f"class-token attention of one head of {owner}",

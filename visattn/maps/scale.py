@@ -3,6 +3,8 @@ layer and training step.
 
 * ``"gate"``: sigmoid gates on their absolute range [0, 1], linear. A gate that varies from 0.48 to 0.53
   covers 5% of the colour map; a flat gate looks flat.
+* ``"gain"``: the gates of blocks built with ``init="identity"``, read as multipliers on their range [0, 2],
+  linear, with 1 (the input passed through unchanged) in the middle of the colour map.
 * ``"relative"``: attention rows, pooling weights, GC's context softmax and rollout, as weight x number of
   keys (uniform attention = 1), on a log2 scale from 1/8x to 8x uniform that saturates at both ends;
   uniform attention sits exactly in the middle of the colour map (the "uniform colour").
@@ -23,6 +25,7 @@ import torch
 
 NORMS = ("fixed", "per_image")
 RELATIVE_RANGE = 8.0  # relative maps span 1/8x .. 8x uniform
+GAIN_RANGE = 2.0  # gain maps span 0 .. 2x (identity-initialised gates: 2 * sigmoid)
 
 
 @dataclass(frozen=True)
@@ -46,9 +49,9 @@ def display_values(heat: torch.Tensor, scale: str, keys: int = 0) -> torch.Tenso
         if keys < 1:
             raise ValueError("a relative map needs its number of keys")
         return heat.float() * float(keys)
-    if scale == "gate":
+    if scale in ("gate", "gain"):
         return heat.float()
-    raise ValueError(f"unknown value scale {scale!r}; valid: gate, relative")
+    raise ValueError(f"unknown value scale {scale!r}; valid: gate, gain, relative")
 
 
 def to_unit(heat: torch.Tensor, scale: str, keys: int = 0, norm: str = "fixed") -> torch.Tensor:
@@ -64,6 +67,8 @@ def to_unit(heat: torch.Tensor, scale: str, keys: int = 0, norm: str = "fixed") 
         return flat.reshape(v.shape)
     if scale == "gate":
         return v.clamp(0, 1)
+    if scale == "gain":
+        return (v / GAIN_RANGE).clamp(0, 1)
     top = math.log2(RELATIVE_RANGE)
     return ((torch.log2(v.clamp_min(1e-30)) + top) / (2 * top)).clamp(0, 1)
 
@@ -79,6 +84,8 @@ def ticks(scale: str, norm: str = "fixed") -> List[Tuple[float, str]]:
         return [(0.0, "min"), (0.5, "mid"), (1.0, "max")]
     if scale == "gate":
         return [(t, f"{t:g}") for t in (0.0, 0.25, 0.5, 0.75, 1.0)]
+    if scale == "gain":
+        return [(t / GAIN_RANGE, f"{t:g}" + ("x" if t == GAIN_RANGE else "")) for t in (0.0, 0.5, 1.0, 1.5, 2.0)]
     top = int(math.log2(RELATIVE_RANGE))
     labels = {-3: "1/8", -2: "1/4", -1: "1/2", 0: "1", 1: "2", 2: "4", 3: "8"}
     return [((e + top) / (2 * top), labels.get(e, f"2^{e}") + ("x" if e == top else "")) for e in range(-top, top + 1)]
@@ -89,6 +96,8 @@ def scale_title(scale: str, norm: str = "fixed") -> str:
         return "stretched per image (see captions)"
     if scale == "gate":
         return "gate value, fixed 0-1"
+    if scale == "gain":
+        return "gain, fixed 0-2 (1 = unchanged)"
     return "x uniform attention, log 1/8-8"
 
 
@@ -131,5 +140,5 @@ def caption(stats: Stats, scale: str, norm: str = "fixed") -> str:
     return text + (" (str.)" if norm == "per_image" else "")
 
 
-__all__ = ["NORMS", "RELATIVE_RANGE", "Stats", "caption", "display_values", "map_stats", "scale_title", "ticks",
+__all__ = ["GAIN_RANGE", "NORMS", "RELATIVE_RANGE", "Stats", "caption", "display_values", "map_stats", "scale_title", "ticks",
            "to_unit", "uniform_position"]

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..attention import create_attention, list_attention
-from ..registry import register_model
+from ..registry import backbone_modules, register_model
 
 AttnSpec = Union[str, Sequence[str]]
 
@@ -95,32 +95,48 @@ class CifarResNet(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-class FastUnit(nn.Module):
-    """One residual unit of ``resnet_fast``: ``GELU(x + attn(BN(conv(x))))``, starting as identity."""
+# Where a resnet_fast block sits (``attn_position``); every position keeps the module path ``...attn``
+POSITIONS = {
+    "unit_bn": "in each unit, after its BN: before the GELU (plain) or before the residual add (residual)",
+    "unit_act": "in each unit, after its GELU (after the residual add): the group's output",
+    "group_act": "after the group's conv-pool-BN-GELU, before its unit(s)",
+}
 
-    def __init__(self, width: int, attention: str, attn_kwargs: Dict[str, Any]):
+
+class FastUnit(nn.Module):
+    """One residual unit of ``resnet_fast``: ``GELU(x + attn(BN(conv(x))))``, starting as identity
+    (``post_act``: ``attn(GELU(x + BN(conv(x))))``)."""
+
+    def __init__(self, width: int, attention: str, attn_kwargs: Dict[str, Any], post_act: bool = False):
         super().__init__()
         self.conv = conv3x3(width, width)
         self.bn = nn.BatchNorm2d(width)
         nn.init.zeros_(self.bn.weight)  # the branch starts at zero: the unit is an identity at init
         self.attn = create_attention(attention, width, **attn_kwargs)
         self.act = nn.GELU()
+        self.post_act = post_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.post_act:
+            return self.attn(self.act(x + self.bn(self.conv(x))))
         return self.act(x + self.attn(self.bn(self.conv(x))))
 
 
 class PlainUnit(nn.Module):
-    """airbench's second conv of a group, no residual: ``GELU(attn(BN(conv(x))))`` (``block="plain"``)."""
+    """airbench's second conv of a group, no residual: ``GELU(attn(BN(conv(x))))`` (``block="plain"``;
+    ``post_act``: ``attn(GELU(BN(conv(x))))``)."""
 
-    def __init__(self, width: int, attention: str, attn_kwargs: Dict[str, Any]):
+    def __init__(self, width: int, attention: str, attn_kwargs: Dict[str, Any], post_act: bool = False):
         super().__init__()
         self.conv = conv3x3(width, width)
         self.bn = nn.BatchNorm2d(width)
         self.attn = create_attention(attention, width, **attn_kwargs)
         self.act = nn.GELU()
+        self.post_act = post_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.post_act:
+            return self.attn(self.act(self.bn(self.conv(x))))
         return self.act(self.attn(self.bn(self.conv(x))))
 
 
@@ -128,19 +144,24 @@ UNITS = {"residual": FastUnit, "plain": PlainUnit}
 
 
 class FastGroup(nn.Module):
-    """conv3x3 -> max-pool 2 -> BN -> GELU -> unit(s); halves the resolution."""
+    """conv3x3 -> max-pool 2 -> BN -> GELU -> unit(s); halves the resolution. The attention block goes where
+    ``position`` says (:data:`POSITIONS`): into each unit, or (``"group_act"``) once, as ``self.attn``, between
+    the GELU and the units."""
 
     def __init__(self, cin: int, cout: int, units: int, attention: str, attn_kwargs: Dict[str, Any],
-                 block: str = "residual"):
+                 block: str = "residual", position: str = "unit_bn"):
         super().__init__()
         self.conv = conv3x3(cin, cout)
         self.pool = nn.MaxPool2d(2)
         self.bn = nn.BatchNorm2d(cout)
         self.act = nn.GELU()
-        self.units = nn.Sequential(*[UNITS[block](cout, attention, attn_kwargs) for _ in range(units)])
+        in_group = position == "group_act"
+        self.attn = create_attention(attention if in_group else "none", cout, **attn_kwargs)
+        unit_attn, post = ("none" if in_group else attention), position == "unit_act"
+        self.units = nn.Sequential(*[UNITS[block](cout, unit_attn, attn_kwargs, post) for _ in range(units)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.units(self.act(self.bn(self.pool(self.conv(x)))))
+        return self.units(self.attn(self.act(self.bn(self.pool(self.conv(x))))))
 
 
 class WhiteningStem(nn.Module):
@@ -186,19 +207,25 @@ class FastResNet(nn.Module):
     every BatchNorm (airbench: 0.4 in PyTorch's convention, 1e-12), ``bn_scale="frozen"`` (BN scales fixed at 1,
     only the biases train), ``conv_init="dirac"`` (each 3x3 conv starts as the identity on its first input
     channels), ``whiten_bias_epochs=N`` (the whitening stem's bias trains for the first N epochs only) and
-    ``head_scale`` (airbench: 1/9).
+    ``head_scale`` (airbench: 1/9). These options reach the backbone's layers only: attention blocks keep
+    their own initialisation, norms and trainability.
+
+    ``attn_position`` says where each group's block sits (:data:`POSITIONS`): ``"unit_bn"`` (the default: after
+    the unit's BN, before its GELU or residual add), ``"unit_act"`` (after the unit's GELU) or ``"group_act"``
+    (after the group's first conv-pool-BN-GELU). ``attention`` as a list puts blocks in some groups only.
+    ``attn_kwargs`` go to every block, e.g. ``{"init": "identity"}``.
     """
 
     def __init__(self, widths: Sequence[int] = (64, 256, 256), units: Sequence[int] = (1, 1, 1), stem_width: int = 32,
                  num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
                  in_chans: int = 3, head_scale: float = 1.0, stem: str = "conv", block: str = "residual",
                  bn_momentum: float = 0.1, bn_eps: float = 1e-5, bn_scale: str = "learn", conv_init: str = "kaiming",
-                 whiten_bias_epochs: int = 0):
+                 whiten_bias_epochs: int = 0, attn_position: str = "unit_bn"):
         super().__init__()
         _check_counts("widths", widths, 1)
         _check_counts("units", units, 0, 64)
         _check_counts("stem_width", stem_width, 1, one=True)
-        _check_fast_options(widths, units, stem, block, bn_scale, conv_init)
+        _check_fast_options(widths, units, stem, block, bn_scale, conv_init, attn_position)
         names = _per_stage(attention, len(widths))
         kw = dict(attn_kwargs or {})
         if stem == "whiten":
@@ -210,7 +237,7 @@ class FastResNet(nn.Module):
         self.whiten_bias_epochs = whiten_bias_epochs if stem == "whiten" else 0
         groups, cin = [], stem_width
         for w, u, name in zip(widths, units, names):
-            groups.append(FastGroup(cin, w, u, name, kw, block))
+            groups.append(FastGroup(cin, w, u, name, kw, block, attn_position))
             cin = w
         self.layers = nn.Sequential(*groups)
         self.pool = nn.AdaptiveMaxPool2d(1)
@@ -237,17 +264,19 @@ class FastResNet(nn.Module):
 
 
 def _check_fast_options(widths: Sequence[int], units: Sequence[int], stem: str, block: str, bn_scale: str,
-                        conv_init: str) -> None:
+                        conv_init: str, attn_position: str = "unit_bn") -> None:
     if len(widths) != len(units):
         raise ValueError(f"widths has {len(widths)} entries but units has {len(units)}")
     for what, value, valid in (("stem", stem, ("conv", "whiten")), ("block", block, tuple(UNITS)),
-                               ("bn_scale", bn_scale, ("learn", "frozen")), ("conv_init", conv_init, ("kaiming", "dirac"))):
+                               ("bn_scale", bn_scale, ("learn", "frozen")), ("conv_init", conv_init, ("kaiming", "dirac")),
+                               ("attn_position", attn_position, tuple(POSITIONS))):
         if value not in valid:
             raise ValueError(f"{what} must be one of {', '.join(valid)}, not {value!r}")
 
 
 def _configure_norms(model: nn.Module, momentum: float, eps: float, frozen_scale: bool) -> None:
-    for m in model.modules():
+    """The backbone's BatchNorms (not those inside attention blocks, which keep their own)."""
+    for m in backbone_modules(model):
         if isinstance(m, nn.BatchNorm2d):
             m.momentum, m.eps = momentum, eps
             if frozen_scale:
@@ -257,8 +286,9 @@ def _configure_norms(model: nn.Module, momentum: float, eps: float, frozen_scale
 
 def _init_weights(model: nn.Module, dirac: bool = False) -> None:
     """Kaiming-normal convs; with ``dirac``, each 3x3 conv's first ``in_channels`` filters pass their input
-    channel through unchanged (airbench's identity initialisation)."""
-    for m in model.modules():
+    channel through unchanged (airbench's identity initialisation). Attention blocks keep their own
+    initialisation (:func:`visattn.registry.backbone_modules`)."""
+    for m in backbone_modules(model):
         if isinstance(m, nn.Conv2d) and m.weight.requires_grad and not hasattr(m, "_visattn_keep_init"):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
             if dirac and m.kernel_size == (3, 3) and m.out_channels >= m.in_channels and m.groups == 1:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from timm.layers import DropPath, Mlp, PatchEmbed, trunc_normal_
 from torch import nn
 
-from ..registry import attention_info, create_attention, register_model
+from ..registry import attention_info, backbone_modules, create_attention, register_model
 
 __all__ = ["Block", "TokenClassifier", "ShiftedPatchTokenizer", "VisionTransformer", "vit_tiny", "vit_small"]
 
@@ -125,7 +125,8 @@ class TokenClassifier(nn.Module):
         trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             trunc_normal_(self.cls_token, std=0.02)
-        self.apply(self._init_weights)
+        for m in backbone_modules(self):  # the attention blocks keep their own initialisation
+            self._init_weights(m)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
