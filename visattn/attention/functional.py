@@ -69,7 +69,7 @@ def gate_gain(gate: nn.Module, init: str) -> float:
     if check_init(init) == "default":
         return 1.0
     with torch.no_grad():
-        g0 = float(gate(torch.zeros(1)).reshape(-1)[0])
+        g0 = float(gate(torch.zeros(1, device="cpu")).reshape(-1)[0])  # CPU even under a meta-device build
     if not (g0 > 0 and g0 == g0 and g0 != float("inf")):
         raise ValueError(f"init='identity' needs a gate that is positive and finite at 0; {type(gate).__name__} gives {g0}")
     return 1.0 / g0
