@@ -8,7 +8,7 @@ CONFIG ?= configs/smoke.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv train test lint bench clean
+.PHONY: venv train test lint docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -29,9 +29,12 @@ test: venv
 lint: venv
 	$(PY) -m ruff check .
 
+docs: venv
+	$(PY) -m mkdocs build --strict --site-dir site
+
 bench: venv
 	$(PY) bench/train_overhead.py
 	$(PY) bench/blocks.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site

@@ -141,7 +141,12 @@ class SqueezeExcite(nn.Module):
         self.gate = gate_layer()
         self.gain = gate_gain(self.gate, init)
         self.tap = AttentionTap("channel", scale=gain_scale(init))
-        if init == "identity":
+        self.zero_init_last()
+
+    def zero_init_last(self) -> None:
+        """With ``init="identity"``, zero the layer that makes the gate's logits. Also timm's hook: a timm
+        ResNet calls it after its own weight init, so ``attn_layer(..., init="identity")`` stays the identity."""
+        if self.init == "identity":
             zero_(self.fc2.weight, self.fc2.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,7 +199,12 @@ class EfficientChannelAttention(nn.Module):
         self.gate = gate_layer()
         self.gain = gate_gain(self.gate, init)
         self.tap = AttentionTap("channel", scale=gain_scale(init))
-        if init == "identity":
+        self.zero_init_last()
+
+    def zero_init_last(self) -> None:
+        """With ``init="identity"``, zero the layer that makes the gate's logits. Also timm's hook: a timm
+        ResNet calls it after its own weight init, so ``attn_layer(..., init="identity")`` stays the identity."""
+        if self.init == "identity":
             zero_(self.conv.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,9 +281,13 @@ class GlobalContext(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.kaiming_normal_(self.conv_attn.weight, mode="fan_in", nonlinearity="relu")
         nn.init.zeros_(self.conv_attn.bias)
-        if self.mlp_add is not None:  # the paper's "last_zero_init": the add branch starts at zero
-            nn.init.zeros_(self.mlp_add[-1].weight)
-            nn.init.zeros_(self.mlp_add[-1].bias)
+        self.zero_init_last()
+
+    def zero_init_last(self) -> None:
+        """The paper's "last_zero_init" of the add branch; with ``init="identity"`` the scale branch's last
+        layer too. Also timm's hook, called by a timm ResNet after its own weight init."""
+        if self.mlp_add is not None:
+            zero_(self.mlp_add[-1].weight, self.mlp_add[-1].bias)
         if self.mlp_scale is not None and self.init == "identity":
             zero_(self.mlp_scale[-1].weight, self.mlp_scale[-1].bias)
 

@@ -120,6 +120,10 @@ class NonLocal2d(nn.Module):
         for layer in (self.qkv, self.proj):
             nn.init.kaiming_normal_(layer.weight, mode="fan_out", nonlinearity="relu")
             nn.init.zeros_(layer.bias)
+        self.zero_init_last()
+
+    def zero_init_last(self) -> None:
+        """The residual output path starts at zero (:func:`zero_output`); timm's hook too."""
         zero_output(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,6 +201,10 @@ class MHSA2d(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.rel_h, std=self.scale)
         nn.init.normal_(self.rel_w, std=self.scale)
+        self.zero_init_last()
+
+    def zero_init_last(self) -> None:
+        """The residual output path starts at zero (:func:`zero_output`); timm's hook too."""
         zero_output(self)
 
     def rel_logits(self, q: torch.Tensor, H: int, W: int) -> torch.Tensor:

@@ -68,7 +68,12 @@ class ChannelGate(nn.Module):
         self.gate = gate_layer()
         self.gain = gate_gain(self.gate, init)
         self.tap = AttentionTap("channel", scale=gain_scale(init))
-        if init == "identity":
+        self.zero_init_last()
+
+    def zero_init_last(self) -> None:
+        """With ``init="identity"``, zero the layer that makes the gate's logits. Also timm's hook: a timm
+        ResNet calls it after its own weight init, so ``attn_layer(..., init="identity")`` stays the identity."""
+        if self.init == "identity":
             zero_(self.fc2.weight, self.fc2.bias)
 
     def channel_weights(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +124,12 @@ class SpatialGate(nn.Module):
         self.gate = gate_layer()
         self.gain = gate_gain(self.gate, init)
         self.tap = AttentionTap("spatial", scale=gain_scale(init))
-        if init == "identity":
+        self.zero_init_last()
+
+    def zero_init_last(self) -> None:
+        """With ``init="identity"``, zero the layer that makes the gate's logits. Also timm's hook: a timm
+        ResNet calls it after its own weight init, so ``attn_layer(..., init="identity")`` stays the identity."""
+        if self.init == "identity":
             affine = getattr(self.bn, "weight", None) is not None
             zero_(*((self.bn.weight, getattr(self.bn, "bias", None)) if affine else (self.conv.weight,)))
 
@@ -169,6 +179,11 @@ class CBAM(nn.Module):
         self.init = check_init(init)
         self.channel = ChannelGate(channels, rd_ratio, rd_channels, rd_divisor, act_layer, gate_layer, mlp_bias, init)
         self.spatial = SpatialGate(channels, spatial_kernel_size, gate_layer, init=init)
+
+    def zero_init_last(self) -> None:
+        """Both gates' (timm's hook; see :meth:`SpatialGate.zero_init_last`)."""
+        self.channel.zero_init_last()
+        self.spatial.zero_init_last()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channel.channels)
@@ -225,7 +240,12 @@ class CoordAttention(nn.Module):
         self.gate = gate_layer()
         self.gain = gate_gain(self.gate, init)
         self.tap = AttentionTap("spatial", scale=gain_scale(init))
-        if init == "identity":
+        self.zero_init_last()
+
+    def zero_init_last(self) -> None:
+        """With ``init="identity"``, zero the layer that makes the gate's logits. Also timm's hook: a timm
+        ResNet calls it after its own weight init, so ``attn_layer(..., init="identity")`` stays the identity."""
+        if self.init == "identity":
             zero_(self.conv_h.weight, self.conv_h.bias, self.conv_w.weight, self.conv_w.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
