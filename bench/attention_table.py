@@ -91,8 +91,8 @@ def quiet(r: dict) -> bool:
     """Whether a run's time was measured with nothing else on the machine (an unrecorded load counts as quiet,
     unless the run is in :data:`CONTENDED`: another job was seen running beside it)."""
     load = r.get("load_mean")
-    if (r["name"], r["seed"], r.get("git")) in CONTENDED:
-        return False
+    if (r["name"], r["seed"], r.get("git")) in CONTENDED or (r.get("threads") or 2) < 2:
+        return False  # seen sharing the machine, or trained on one thread to share it (time not comparable)
     return load is None or load <= QUIET_LOAD
 
 
@@ -103,6 +103,8 @@ def run_name(config: str, tag: str = "") -> str:
 
 def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_root: Optional[str],
             tag: str = "", extra: Sequence[str] = ()) -> dict:
+    import torch
+
     from visattn.config import load_config
     from visattn.trainer import run
 
@@ -126,7 +128,8 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
             "overrides": list(extra), "model": cfg.model.options(),
             "train_seconds": sum(r["epoch_seconds"] for r in rows),
             "images_per_s": statistics.mean(r["images_per_s"] for r in rows), "parameters": info["parameters"],
-            "eval_split": summary["eval_split"], "git": info["git"], "load_mean": load.mean, "cpu": cpu_name()}
+            "eval_split": summary["eval_split"], "git": info["git"], "load_mean": load.mean, "cpu": cpu_name(),
+            "threads": torch.get_num_threads()}
 
 
 def cpu_name() -> str:
@@ -321,7 +324,14 @@ def main() -> None:
     ap.add_argument("--results", default=str(RESULTS), help="the results file, read and appended to")
     ap.add_argument("--report", action="store_true", help="print the table (and plot) from the results file only")
     ap.add_argument("--plot", default=None, help="write the accuracy-vs-time plot here (PNG)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's own); 1 lets a run share the 2 cores with other work "
+                         "without the 2-thread slowdown; its time is then left out of the table's medians")
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.set and not args.tag:
         ap.error("--set changes the runs: name the variant with --tag")
     out = Path(args.results)
