@@ -8,14 +8,15 @@ CONFIG ?= configs/smoke.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv train test lint docs bench clean
+.PHONY: venv train test lint docs bench lock clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch and torchvision first, as a matched pair (the x86_64 wheels of this version lie on the local disk)
 	$(PY) -m pip install -q "torch==2.14.1" "torchvision==0.29.1" || $(PY) -m pip install -q "torch>=2.4" "torchvision>=0.19"
-	$(PY) -m pip install -q -e ".[dev]"
+	# everything else at the versions CI tested (constraints.txt; pyproject.toml keeps the ranges)
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	@touch $@
 
 venv: $(VENV)/.installed
@@ -31,6 +32,9 @@ lint: venv
 
 docs: venv
 	$(PY) -m mkdocs build --strict --site-dir site
+
+lock: venv
+	$(PY) tools/lock.py
 
 bench: venv
 	$(PY) bench/train_overhead.py
