@@ -3,11 +3,11 @@ which the Makefile installs first), each pin inside the declared range, and CI r
 from __future__ import annotations
 
 import os
-import tomllib
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
