@@ -462,14 +462,9 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, finis
     assert rc == 3, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: 4 consecutive non-finite losses at step 10")
     assert "last good checkpoint kept" in err
-    after = _snapshot(rd)
-    assert after["best.pt"] == kept["best.pt"] and after["metrics.jsonl"] == kept["metrics.jsonl"]
-    # periodic checkpoints kept being written, but only of weights the skipped steps never touched
-    ck = load_checkpoint(rd / "last.pt")
-    assert ck["step"] == 9  # the check at step 10 stops the run before its checkpoint
-    good = load_checkpoint(finished_run / "last.pt")["model"]
-    params = [n for n, _ in create_model("resnet_fast", num_classes=10, widths=[8, 16, 16], stem_width=8).named_parameters()]
-    assert params and all(torch.equal(ck["model"][k], good[k]) for k in params)
+    # every step of the epoch so far was non-finite: no periodic checkpoint replaced the finished epoch's last.pt
+    assert {k: v for k, v in _snapshot(rd).items() if k in kept} == kept
+    assert load_checkpoint(rd / "last.pt")["step"] == 6
 
 
 def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch):
@@ -501,3 +496,34 @@ def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch
     ck = load_checkpoint(rd / "last.pt")
     assert ck["step"] == 3
     assert all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
+
+
+def test_nonfinite_state_at_an_epoch_end_is_never_committed(tmp_path, monkeypatch):
+    """NaN normalisation statistics after the epoch's last step (no step left to see a NaN loss; on a GPU, steps
+    between two loss checks): the epoch is neither evaluated into a row nor saved; one error line, exit 3, and
+    last.pt stays the last finite one (step 5)."""
+    import visattn.engine as engine
+
+    real = engine.train_one_epoch
+
+    def poisoning(model, *a, hooks, **k):
+        inner = hooks.after_step
+
+        def after_step(step: int) -> bool:
+            if step == 6:
+                bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+                bn.running_mean.fill_(float("nan"))
+            return inner(step)
+
+        return real(model, *a, hooks=engine.StepHooks(after_step=after_step, on_check=hooks.on_check), **k)
+
+    monkeypatch.setattr(engine, "train_one_epoch", poisoning)
+    rd = tmp_path / "run"
+    rc, err = _cli(["--config", str(SMOKE), f"run_dir={rd}", *TINY, "train.batch_size=50", "train.epochs=1",
+                    "train.ckpt_every_steps=1", "log.tensorboard=false"])
+    assert rc == 3 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("error: the weights or normalisation statistics are not finite after epoch 1")
+    assert err.strip().endswith("; last good checkpoint kept")
+    assert not (rd / "metrics.jsonl").exists() and not (rd / "best.pt").exists()
+    ck = load_checkpoint(rd / "last.pt")
+    assert ck["step"] == 5 and all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())

@@ -101,13 +101,14 @@ def test_trainer_logs_every_layer_each_epoch(cnn_run):
     kinds = tap_kinds(CNN)
     assert sorted(set(kinds.values())) == ["channel", "spatial", "token"]
 
-    expected_images = {"maps/rollout"}  # the non-local layer is a run of token layers on one grid
+    # the non-local layer is a run of token layers on one grid; gradient maps are on by default
+    expected_images = {"maps/rollout", "maps/rollout_grad"}
     expected_hists = set()
     for name, kind in kinds.items():
         if kind == "channel":
             expected_hists.add(f"channel/{name}")
         else:
-            expected_images.add(f"maps/{name}")
+            expected_images |= {f"maps/{name}", f"maps/{name}/grad"}
         if kind == "token":
             expected_images.add(f"matrix/{name}")
     assert set(tags["images"]) == expected_images
@@ -162,7 +163,7 @@ def test_vit_run_logs_class_token_maps_and_rollout(tmp_path):
     run_dir = tmp_path / "run"
     train(run_dir, VIT, faithfulness=True)  # log.head_maps defaults to "last"
     acc = read_events(run_dir)
-    scored = {"blocks.0.attn", "blocks.1.attn", "rollout"}  # maps, not single heads
+    scored = {"blocks.0.attn", "blocks.1.attn", "rollout", "blocks.1.attn/grad", "rollout_grad"}  # maps, not single heads
     faithful = {f"faithfulness/{m}/{w}" for m in scored for w in ("deletion", "insertion")}
     assert faithful <= set(acc.Tags()["scalars"])
     assert all([e.step for e in acc.Scalars(t)] == [1, 2] for t in faithful)
@@ -170,7 +171,8 @@ def test_vit_run_logs_class_token_maps_and_rollout(tmp_path):
     images = set(acc.Tags()["images"])
     blocks = sorted(tap_kinds(VIT))
     assert blocks == ["blocks.0.attn", "blocks.1.attn"]
-    expected = {"maps/rollout"} | {f"maps/{b}" for b in blocks} | {f"matrix/{b}" for b in blocks}
+    expected = {"maps/rollout", "maps/rollout_grad"} | {f"maps/{b}" for b in blocks} | {f"matrix/{b}" for b in blocks}
+    expected |= {f"maps/{b}/grad" for b in blocks}
     expected |= {f"maps/blocks.1.attn/cls_head{h}" for h in range(2)}  # the last class-token layer only
     assert images == expected
     assert not acc.Tags()["histograms"]
@@ -211,7 +213,7 @@ def test_visualize_cli_writes_maps_and_predictions(cnn_run, user_images, tmp_pat
     assert proc.returncode == 0, proc.stderr
 
     kinds = tap_kinds(CNN)
-    layers = [n for n, k in kinds.items() if k != "channel"] + ["rollout"]
+    layers = [m for n, k in kinds.items() if k != "channel" for m in (n, f"{n}/grad")] + ["rollout", "rollout_grad"]
     result = json.loads((out / "predictions.json").read_text())
     classes = list(load_checkpoint(ckpt)["classes"])
     assert result["classes"] == classes and result["image_size"] == 32
@@ -324,7 +326,8 @@ def test_faithfulness_command_prints_the_table(cnn_run, tmp_path, capsys):
             "--steps", "2", "--regions", "2", "--draws", "1", "--batch-size", "64"]
     assert visualize_main(args + ["--out", str(tmp_path / "f")]) == 0
     out = capsys.readouterr().out
-    maps = [n for n, k in tap_kinds(CNN).items() if k != "channel"] + ["rollout", "input_x_gradient", "gradcam"]
+    maps = [m for n, k in tap_kinds(CNN).items() if k != "channel" for m in (n, f"{n}/grad")]
+    maps += ["rollout", "rollout_grad", "input_x_gradient", "gradcam"]
     rows = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in maps]
     assert rows == maps  # one row per map, the baselines last
     doc = json.loads((tmp_path / "f" / "faithfulness.json").read_text())

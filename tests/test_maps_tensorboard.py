@@ -144,9 +144,10 @@ def test_logs_expected_tags_legibly(tmp_path):
 
     acc = read_events(tmp_path)
     image_tags = set(acc.Tags()["images"])
-    expected = {"maps/spatial", "maps/rollout"}
+    expected = {"maps/spatial", "maps/rollout", "maps/spatial/grad", "maps/rollout_grad"}  # gradient maps: default
     for blk in ("blocks.0", "blocks.1"):
-        expected |= {f"maps/{blk}", f"matrix/{blk}", f"maps/{blk}/cls_head0", f"maps/{blk}/cls_head1"}
+        expected |= {f"maps/{blk}", f"matrix/{blk}", f"maps/{blk}/cls_head0", f"maps/{blk}/cls_head1",
+                     f"maps/{blk}/grad"}
     assert image_tags == expected
     assert set(acc.Tags()["histograms"]) == {"channel/channel"}
     assert set(summary["images"]) == expected and summary["histograms"] == ["channel/channel"]

@@ -526,6 +526,8 @@ BAD_VALUES = [
     (["optim.betas=[2,3]"], "optim.betas: each beta must be in [0, 1)"),
     (["data.mean=[.nan,0,0]"], "data.mean: every value must be a finite number"),
     (["data.std=[.inf,1,1]"], "data.std: every value must be a finite number"),
+    (["data.std=[1.0e-300,1,1]"], "data.std: every value must be >= 0.001"),  # issue 22: every loss NaN
+    (["data.std=[0.2,0,0.2]"], "data.std: every value must be >= 0.001"),
     (["data.synthetic_size=100000000000"], "data.synthetic_size: Input should be less than or equal to 1000000"),
     (["data.loader=albumentations", "data.augment.extra=[{name: Resize, height: 64, width: 64}]"],
      "entry 0: Resize changes the image from 32x32x3 uint8 to 64x64x3"),
@@ -577,17 +579,119 @@ def test_metrics_line_is_strict_json_with_null_for_nonfinite():
     assert said == ["warning: epoch 3: val_loss=nan, train_loss=inf is not finite; written as null in metrics.jsonl"]
 
 
-def test_nonfinite_eval_loss_is_written_as_null(tmp_path, monkeypatch):
+def test_nonfinite_eval_loss_is_written_as_null_and_fails_the_run_at_its_end(tmp_path, monkeypatch):
+    """Before the end a non-finite validation loss is a null in its row (the epoch is never the best one) and the
+    run goes on; the last one is the run's result: one error line, exit 3, and that epoch is not committed."""
     import visattn.engine as engine
 
     real = engine.evaluate
     monkeypatch.setattr(engine, "evaluate", lambda *a, **k: {**real(*a, **k), "loss": float("nan")})
-    said = []
-    run(load_config(SMOKE, [f"run_dir={tmp_path / 'run'}", *TINY]), log=said.append)
-    rows = [json.loads(ln, parse_constant=lambda c: pytest.fail(f"bare {c}"))
-            for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["val_loss"] is None and rows[0]["train_loss"] is not None
-    assert any("val_loss=nan is not finite; written as null" in s for s in said)
+    rd = tmp_path / "run"
+    rc, out, err = _cli(_train(rd, "train.epochs=2", "log.tensorboard=false"))
+    assert rc == 3
+    line = _one_error_line(err)
+    assert "the validation loss after the last epoch (2) is nan, not a finite number" in line
+    assert line.endswith("; last good checkpoint kept")
+    assert "warning: epoch 1: val_loss=nan is not finite; written as null in metrics.jsonl" in out
+    rows = [json.loads(ln, parse_constant=lambda c: pytest.fail(f"bare {c}")) for ln in (rd / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1]  # epoch 2 is not committed ...
+    assert rows[0]["val_loss"] is None and rows[0]["train_loss"] > 0 and rows[0]["best_val_acc"] == -1.0
+    assert load_checkpoint(rd / "last.pt")["epoch"] == 1 and not (rd / "best.pt").exists()
+    assert "epoch 2/2: train loss " in out and "| val loss n/a acc " in out  # ... but its line is printed
+
+
+# every logit ~1e38: every loss is inf/NaN from the first step on (TINY: 6 steps an epoch)
+NAN_LOSS = ["model.head_scale=1.0e+38"]
+SHORT_NAN_RUNS = [  # (id, overrides, steps of epoch 1 run): all shorter than train.max_nonfinite_steps=10
+    ("one-epoch", [], 6),
+    ("max-steps", ["train.max_steps=2", "train.epochs=3"], 2),
+    ("ckpt-every-step", ["train.ckpt_every_steps=1"], 6),
+]
+
+
+@pytest.mark.parametrize("overrides,steps", [r[1:] for r in SHORT_NAN_RUNS], ids=[r[0] for r in SHORT_NAN_RUNS])
+def test_a_short_run_that_learns_nothing_fails(tmp_path, overrides, steps):
+    """Issue 22: every step non-finite ends in one error line and exit 3 however short the run, no row claims a
+    loss of 0, nothing is committed, and the folder is left as a run killed in its first epoch would be."""
+    rd = tmp_path / "run"
+    rc, out, err = _cli(_train(rd, *NAN_LOSS, *overrides))
+    assert rc == 3
+    assert _one_error_line(err) == (
+        f"error: all {steps} training steps of epoch 1 had a non-finite loss; nothing was learned; stopping (check "
+        "data.mean and data.std, lower optim.lr, use precision=bf16/fp32, or set optim.grad_clip); no checkpoint was "
+        "written")
+    assert "warning" not in out + err  # stopped before the evaluation: no NaN validation loss, no NaN maps
+    assert f"epoch 1/{3 if 'train.epochs=3' in overrides else 1}: train loss n/a acc n/a (non-finite loss: skipped " \
+           f"{steps}/{steps} steps)" in out
+    assert not (rd / "metrics.jsonl").exists() and not (rd / "last.pt").exists() and not (rd / "best.pt").exists()
+    rc, out, err = _cli(_train(rd, "resume=auto"))  # the corrected run starts afresh in the same folder
+    assert rc == 0, err
+    assert "starting a new run" in out and [r["epoch"] for r in metrics_rows(rd)] == [1]
+
+
+def test_a_resumed_tail_that_learns_nothing_fails_and_keeps_the_checkpoint(tmp_path):
+    rd = tmp_path / "run"
+    rc, _, err = _cli(_train(rd, "train.epochs=2", "train.max_steps=9"))  # stopped 3 steps into epoch 2
+    assert rc == 0, err
+    kept = _snapshot(rd)
+    assert load_checkpoint(rd / "last.pt")["step"] == 9
+    rc, out, err = _cli(_train(rd, "train.epochs=2", "resume=auto", "resume_allow_changes=true", *NAN_LOSS))
+    assert rc == 3
+    assert ("error: all 3 training steps of epoch 2 run since the resume had a non-finite loss (3/6 in the epoch); "
+            "nothing was learned; stopping (") in _one_error_line(err)
+    assert _one_error_line(err).endswith("; last good checkpoint kept")
+    assert "(non-finite loss: skipped 3/6 steps)" in out
+    after = _snapshot(rd)
+    assert {k: after[k] for k in ("last.pt", "best.pt", "metrics.jsonl")} == \
+           {k: kept[k] for k in ("last.pt", "best.pt", "metrics.jsonl")}
+
+
+def test_a_mid_epoch_checkpoint_of_five_statistics_still_resumes(tmp_path):
+    """Mid-epoch checkpoints written before the step counts were kept hold 5 statistics; the step count is then
+    the loader's position."""
+    rd = tmp_path / "run"
+    assert _cli(_train(rd, "train.epochs=2", "train.max_steps=9"))[0] == 0
+    state = load_checkpoint(rd / "last.pt")
+    assert state["epoch_stats"].shape == (7,) and state["epoch_stats"][5] == 3  # 3 steps into epoch 2
+    state["epoch_stats"] = state["epoch_stats"][:5]
+    save_checkpoint(state, rd / "last.pt")
+    rc, _, err = _cli(_train(rd, "train.epochs=2", "resume=auto"))
+    assert rc == 0, err
+    assert [(r["epoch"], r["epoch_steps"], r["nonfinite_steps"]) for r in metrics_rows(rd)] == [(1, 6, 0), (2, 6, 0)]
+
+
+def test_a_few_nonfinite_losses_are_skipped_counted_and_the_run_goes_on(tmp_path, monkeypatch):
+    """NaN losses injected at the 2nd, 3rd and 8th training steps: those steps are skipped and counted in the
+    epoch line and the metrics row; the loss and accuracy are means over the finite steps; the run ends in 0."""
+    import torch.nn.functional as F
+
+    import visattn.engine as engine
+
+    calls = []
+
+    class Functional:  # torch.nn.functional as the engine sees it, with the training loss poisoned at those steps
+        def __getattr__(self, name):
+            return getattr(F, name)
+
+        def cross_entropy(self, *a, **k):
+            loss = F.cross_entropy(*a, **k)
+            if "label_smoothing" in k:  # the training loss (the evaluation's sums instead)
+                calls.append(1)
+                if len(calls) in (2, 3, 8):
+                    return loss * float("nan")
+            return loss
+
+    monkeypatch.setattr(engine, "F", Functional())
+    rd = tmp_path / "run"
+    rc, out, err = _cli(_train(rd, "train.epochs=2", "log.tensorboard=false"))
+    assert rc == 0, err
+    assert "Traceback" not in err and "warning" not in out + err
+    rows = metrics_rows(rd)
+    assert [(r["nonfinite_steps"], r["epoch_steps"]) for r in rows] == [(2, 6), (1, 6)]
+    assert all(r["train_loss"] > 0.5 and 0 < r["train_acc"] <= 1 and r["val_loss"] > 0 for r in rows)
+    assert "epoch 1/2: train loss " in out and "(non-finite loss: skipped 2/6 steps)" in out
+    assert "(non-finite loss: skipped 1/6 steps)" in out
+    assert load_checkpoint(rd / "last.pt")["step"] == 12 and len(calls) == 12
 
 
 def test_nonfinite_attention_maps_are_skipped_with_a_warning(tmp_path):

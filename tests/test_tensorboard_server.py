@@ -133,6 +133,10 @@ def test_tensorboard_serves_overlay_png(tmp_path):
         for tag in overlays:
             assert tag in text
         assert "gate value, fixed 0-1" in text
+        # the gradient-weighted maps beside them, and (smoke.yaml: log.faithfulness) every map's line and card
+        # saying how faithful it is on the probe
+        assert {f"{t}/grad" for t in overlays} <= set(tags)
+        assert text.count("on the probe: deletion") == 2 * len(overlays)  # the text tab is served as an HTML table
     finally:
         proc.terminate()
         try:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,8 @@ def test_nonfinite_steps_are_skipped_then_stop():
     bad = [(x * float("nan"), y)] * 2
     policy = engine.StepPolicy(torch.device("cpu"), "fp32", max_nonfinite_steps=5)
     stats, _, _ = engine.train_one_epoch(model, bad, engine.Optimization(opt, sched), policy)
-    assert stats.nonfinite_steps == 2
+    assert stats.nonfinite_steps == stats.steps == 2 and stats.nothing_learned
+    assert math.isnan(stats.loss) and math.isnan(stats.acc)  # a mean over no finite step is not 0
     assert torch.equal(model[1].weight, w0)  # skipped: weights untouched
     from visattn.errors import TrainingError
 

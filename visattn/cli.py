@@ -1,10 +1,15 @@
-"""``python train.py --config CONFIG [key=value ...]``: train with a config; errors are one line."""
+"""``python train.py --config CONFIG [key=value ...]``: train with a config; errors are one line.
+
+Overrides (``key=value``) go anywhere on the line, before or after the flags:
+``train.py --config X --resume RUN/last.pt train.epochs=8``."""
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from .errors import VisattnError
@@ -14,19 +19,41 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train.py",
         description="Train a visattn model on CIFAR-10 (or any image folder) from a YAML config.",
-        epilog="Overrides use dotted keys, e.g.: optim.lr=0.05 data.val_size=5000 model.attention=cbam",
+        epilog="Overrides use dotted keys and go anywhere on the line, e.g.: optim.lr=0.05 data.val_size=5000 "
+               "model.attention=cbam; --resume RUN/last.pt train.epochs=8",
     )
     p.add_argument("--config", "-c", help="YAML config file (configs/*.yaml)")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue a run: a checkpoint path, or nothing for the run_dir's last.pt")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (anywhere on the line)")
     return p
+
+
+OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.\w+)*=")  # a dotted config key, then "="
+
+
+def bare_resume(argv: List[str]) -> List[str]:
+    """``--resume`` followed by an override (``--resume train.epochs=8``) means ``--resume`` with no path: argparse
+    would take the override for the checkpoint path (unless a file of that name exists)."""
+    out = list(argv)
+    for i, token in enumerate(out[:-1]):
+        if token == "--resume" and OVERRIDE.match(out[i + 1]) and not _is_file(out[i + 1]):
+            out[i] = "--resume=auto"
+    return out
+
+
+def _is_file(name: str) -> bool:
+    try:
+        return Path(name).exists()
+    except (OSError, ValueError):  # a name too long, or with a NUL: no such file
+        return False
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # intermixed: overrides may follow the flags (plain parse_args takes positionals only before them)
+    args = parser.parse_intermixed_args(bare_resume(sys.argv[1:] if argv is None else argv))
     try:
         from .config import load_config
 

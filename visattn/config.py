@@ -45,6 +45,9 @@ class AugmentConfig(_Section):
 
 
 MAX_SYNTHETIC_BYTES = 8 * 2**30  # synthetic images are made in memory
+# the smallest data.std accepted: pixels lie in [0, 1] (CIFAR-10's per-channel std is about 0.25), so a smaller
+# value is a typo that scales the inputs by over 1000x (1e-300 makes them inf and every loss NaN)
+MIN_STD = 1e-3
 
 
 class DataConfig(_Section):
@@ -75,14 +78,20 @@ class DataConfig(_Section):
             raise ValueError("every value must be a finite number")
         return v
 
+    @field_validator("std")
+    @classmethod
+    def _check_std(cls, v: Tuple[float, float, float]) -> Tuple[float, float, float]:
+        if not all(x >= MIN_STD for x in v):
+            raise ValueError(f"every value must be >= {MIN_STD:g} (a standard deviation of pixel values in [0, 1]; "
+                             "CIFAR-10's is about 0.25)")
+        return v
+
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
         if self.augment.hflip_mode == "alternate" and self.loader != "tensor":
             raise ValueError("augment.hflip_mode=alternate needs loader=tensor")
         if self.augment.extra and self.loader != "albumentations":
             raise ValueError("augment.extra needs loader=albumentations (the tensor loader runs only crop, flip and cutout)")
-        if any(s <= 0 for s in self.std):
-            raise ValueError("std: every value must be > 0")
         if self.source == "synthetic" and self.synthetic_size * self.image_size**2 * 3 > MAX_SYNTHETIC_BYTES:
             raise ValueError(f"synthetic_size={self.synthetic_size} images of {self.image_size}x{self.image_size} need "
                              f"{self.synthetic_size * self.image_size**2 * 3 / 2**30:.0f} GiB; the limit is "

@@ -162,7 +162,9 @@ class DistInfo:
 
 
 def all_finite(module: nn.Module) -> bool:
-    return bool(torch.stack([torch.isfinite(p).all() for p in module.parameters()]).all())
+    """Whether every parameter and floating-point buffer (BN running statistics) of ``module`` is finite."""
+    tensors = [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]
+    return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
 
 def trim_metrics(path: Path, epochs_done: int) -> None:

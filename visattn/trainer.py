@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import signal
 import sys
 import time
@@ -31,7 +32,8 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .config import Config
 from .data import Placement, Splits, build_loader, check_augment, load_splits, normalize, spread_indices
 from .data.loaders import EpochLoader
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, ConfigError, TrainingError
+from .hparams import finish_hparams, log_hparam_metrics, run_hparams, start_hparams
 from .models import create_model
 from .rundir import (
     RunLock,
@@ -65,6 +67,7 @@ RESUME_FIXED = ("optim.name", "optim.no_decay_norm_bias", "optim.norm_bias_lr_sc
 MAX_PARAMETERS = 2_000_000_000  # a model larger than this is a typo in model.widths, not a CIFAR model
 EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "nonfinite_steps",
                  "skipped_steps")
+NONFINITE_HINT = "check data.mean and data.std, lower optim.lr, use precision=bf16/fp32, or set optim.grad_clip"
 
 
 @dataclass
@@ -309,6 +312,8 @@ def fit(run: Run) -> Dict[str, Any]:
             if cfg.train.max_steps is not None and run.step >= cfg.train.max_steps:
                 break
             ep = _train_epoch(run, train_model, epoch)
+            if not run.stop:  # (a signal's stop saves the state to resume from, whatever the steps were)
+                _check_learned(run, ep, epoch + 1)
             if run.stop or 0 < run.train_loader.position < len(run.train_loader):  # stopped mid-epoch: saved
                 if run.stop:
                     _close(run)
@@ -318,6 +323,8 @@ def fit(run: Run) -> Dict[str, Any]:
             if run.stop:
                 _close(run)
                 raise Interrupted(run.stop.signum, run.run_dir / "last.pt")
+    if run.writer is not None:  # trained as asked: the HParams row's status is "success"
+        finish_hparams(run.run_dir / "tb")
     _close(run)
     if run.dist.enabled:
         dist.barrier()
@@ -356,6 +363,8 @@ def _open_outputs(run: Run) -> None:
     if cfg.log.tensorboard:
         from torch.utils.tensorboard import SummaryWriter
 
+        hparams = run_hparams(cfg, run.policy.precision, info["parameters"], run.dist.world_size)
+        start_hparams(run_dir / "tb", hparams, run.say)  # the HParams dashboard's row of this run
         run.writer = SummaryWriter(str(run_dir / "tb"), purge_step=run.step if run.resume_from else None)
     if cfg.log.maps_every and _has_taps(run.model):
         ev = run.splits.eval
@@ -393,7 +402,7 @@ def _train_epoch(run: Run, train_model: nn.Module, epoch: int) -> engine.EpochSt
         bar = tqdm(total=len(loader), initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
                    leave=False, dynamic_ncols=True, file=sys.stderr)
     device = run.device
-    run.live = torch.zeros(5, dtype=torch.float64, device=device) if run.carry is None else run.carry.to(device).double()
+    run.live = engine.epoch_stats_tensor(run.carry, loader.position, device)
     run.carry = None
     hooks = engine.StepHooks(after_step=functools.partial(_after_step, run, bar),
                              on_check=functools.partial(_on_check, run))
@@ -422,9 +431,12 @@ def _after_step(run: Run, bar: Any, step: int) -> bool:
         live = run.live
         if run.dist.enabled and live is not None:  # carry the partial epoch's totals over all ranks; rank 0 resumes
             live = run.dist.reduce(live.clone())
-        # a periodic save never replaces the last good checkpoint with non-finite weights (on a GPU the loss is
-        # checked only every train.check_every steps, after the weights have taken the step)
-        if run.dist.is_main and (halt or all_finite(run.model)):
+        # no save replaces the last good checkpoint with non-finite weights (on a GPU the loss is checked only
+        # every train.check_every steps, after the weights have taken the step), and only a signal's stop saves
+        # an epoch whose every step so far had a non-finite loss (nothing learned yet: either a later step is
+        # finite and a later save is made, or the run stops with the last good checkpoint in place)
+        nothing = live is not None and 0 < float(live[5]) <= float(live[3])
+        if run.dist.is_main and all_finite(run.model) and (bool(run.stop) or not nothing):
             save_checkpoint(_checkpoint_state(run, run.train_loader.epoch, live), run.run_dir / "last.pt")
     return halt
 
@@ -454,14 +466,15 @@ def _end_epoch(run: Run, ep: engine.EpochStats, done: int) -> None:
     cfg = run.cfg
     row: Dict[str, Any] = {"epoch": done, "step": run.step, "train_loss": ep.loss, "train_acc": ep.acc,
                            "images_per_s": ep.images_per_s,  # ep.images is already summed over ranks
-                           "epoch_seconds": ep.seconds, "nonfinite_steps": ep.nonfinite_steps,
+                           "epoch_seconds": ep.seconds, "epoch_steps": ep.steps, "nonfinite_steps": ep.nonfinite_steps,
                            "skipped_steps": ep.skipped_steps, "lr": run.opt.optimizer.param_groups[0]["lr"],
                            "wall_seconds": time.perf_counter() - run.t_start}
     if done == cfg.train.epochs and run.opt.lookahead is not None:
         run.opt.lookahead.finish()  # the averaged weights are the ones evaluated and saved
     if done % cfg.eval.every == 0 or done == cfg.train.epochs:
         row.update(_evaluate(run))
-    is_best = "val_acc" in row and row["val_acc"] > run.best_acc
+    _check_result(run, ep, row, done)
+    is_best = "val_acc" in row and math.isfinite(row["val_loss"]) and row["val_acc"] > run.best_acc
     if is_best:
         run.best_acc = row["val_acc"]
     row["best_val_acc"] = run.best_acc
@@ -479,10 +492,59 @@ def _end_epoch(run: Run, ep: engine.EpochStats, done: int) -> None:
     save_checkpoint(state, run.run_dir / "last.pt")
     if run.writer is not None:
         _log_scalars(run, row, done)
-    msg = f"epoch {done}/{cfg.train.epochs}: train loss {ep.loss:.4f} acc {ep.acc:.4f}"
+    run.say(_epoch_line(run, ep, row, done))
+
+
+def _epoch_line(run: Run, ep: engine.EpochStats, row: Dict[str, Any], done: int) -> str:
+    """The printed epoch summary; a mean over no steps (every loss non-finite) is "n/a", never 0."""
+    def num(x: float) -> str:
+        return f"{x:.4f}" if math.isfinite(x) else "n/a"
+
+    msg = f"epoch {done}/{run.cfg.train.epochs}: train loss {num(ep.loss)} acc {num(ep.acc)}"
+    if ep.nonfinite_steps:
+        msg += f" (non-finite loss: skipped {ep.nonfinite_steps}/{ep.steps} steps)"
     if "val_acc" in row:
-        msg += f" | val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}"
-    run.say(msg + f" | {row['images_per_s']:.0f} img/s | {row['wall_seconds']:.0f}s")
+        msg += f" | val loss {num(row['val_loss'])} acc {num(row['val_acc'])}"
+    wall = row.get("wall_seconds", time.perf_counter() - run.t_start)
+    return msg + f" | {ep.images_per_s:.0f} img/s | {wall:.0f}s"
+
+
+def _kept(run: Run) -> str:
+    return "last good checkpoint kept" if (run.run_dir / "last.pt").is_file() else "no checkpoint was written"
+
+
+def _check_learned(run: Run, ep: engine.EpochStats, done: int) -> None:
+    """An epoch (or the part of it run since a resume) whose every step had a non-finite loss learned nothing:
+    the run stops with :class:`TrainingError` before the epoch is evaluated or committed, however short it is
+    (``train.max_nonfinite_steps`` counts a run of such steps, which a short run never reaches)."""
+    if not ep.nothing_learned:
+        return
+    if 0 < ep.steps <= ep.nonfinite_steps:
+        what = f"all {ep.steps} training steps of epoch {done} had a non-finite loss"
+    else:
+        what = (f"all {ep.new_steps} training steps of epoch {done} run since the resume had a non-finite loss "
+                f"({ep.nonfinite_steps}/{ep.steps} in the epoch)")
+    run.say(_epoch_line(run, ep, {}, done))
+    _close(run)
+    raise TrainingError(f"{what}; nothing was learned; stopping ({NONFINITE_HINT}); {_kept(run)}")
+
+
+def _check_result(run: Run, ep: engine.EpochStats, row: Dict[str, Any], done: int) -> None:
+    """Nothing non-finite is committed: weights that are not finite after an epoch, or a validation loss that is
+    not finite at the run's end, stop the run with :class:`TrainingError` before the row and checkpoints are
+    written (a non-finite validation loss before the end is written as null and the run goes on)."""
+    last = done == run.cfg.train.epochs or (run.cfg.train.max_steps is not None and run.step >= run.cfg.train.max_steps)
+    models = [run.model] + ([run.eval_model] if run.opt.ema is not None else [])
+    if not all(all_finite(m) for m in models):
+        what = (f"the weights or normalisation statistics are not finite after epoch {done} (non-finite steps "
+                "reached them: on a GPU the loss is checked every train.check_every steps)")
+    elif last and not math.isfinite(row.get("val_loss", 0.0)):
+        what = f"the validation loss after the last epoch ({done}) is {row['val_loss']}, not a finite number"
+    else:
+        return
+    run.say(_epoch_line(run, ep, row, done))
+    _close(run)
+    raise TrainingError(f"{what}; stopping ({NONFINITE_HINT}); {_kept(run)}")
 
 
 def _evaluate(run: Run) -> Dict[str, Any]:
@@ -503,6 +565,7 @@ def _log_scalars(run: Run, row: Dict[str, Any], done: int) -> None:
         if k in row:
             tag = k.replace("_", "/", 1) if k.startswith(("train_", "val_")) else f"train/{k}"
             writer.add_scalar("train/lr_epoch" if k == "lr" else tag, row[k], done)
+    log_hparam_metrics(writer, row, done)
     if run.probe is not None and cfg.log.maps_every and done % cfg.log.maps_every == 0:
         skipped = log_maps(writer, run.eval_model, run.probe, done, cfg, run.splits.train.classes)
         if skipped:

@@ -5,14 +5,17 @@ Every image (any size; RGB, RGBA, greyscale, palette) is resized to the model's 
 (``data.image_size`` of the checkpoint's run), all of them go through one eval forward pass under
 :func:`visattn.maps.record_attention`, and for each image the tool writes one PNG per attention layer that
 has a spatial map (spatial gates, token attention, pooling weights; plus ``rollout`` for the last run of
-token layers on one grid): the picture beside its overlay, at its own aspect ratio, upscaled by ``--scale``,
+token layers on one grid; and, from one backward pass for the predicted class, each layer's gradient-weighted
+map ``<layer>/grad`` and the gradient-weighted rollout ``rollout_grad``, unless ``--no-gradient-maps``): the
+picture beside its overlay, at its own aspect ratio, upscaled by ``--scale``,
 with the predicted class and its confidence, the layer and the map's range and peakedness written above and
 the colour bar below. ``predictions.json`` lists every image's
 prediction and the files made from it. Channel attention (SE, ECA, CBAM's channel gate) has no spatial
 layout and draws nothing.
 
     DIR/predictions.json
-    DIR/<image stem>__<layer>.png       e.g. dog__layers.0.units.0.attn.spatial.png, dog__rollout.png
+    DIR/<image stem>__<layer>.png       e.g. dog__layers.0.units.0.attn.spatial.png, dog__rollout.png,
+                                        dog__layers.0.units.0.attn.spatial-grad.png, dog__rollout_grad.png
 
 ``--validation N`` instead of ``--images`` draws N images of the checkpoint's held-out split (from its
 ``data.root``, or ``--data``; one per class in turn, the trainer's probe batch, or the first N with
@@ -25,7 +28,8 @@ and predicted class above each image, and the tags' one-line descriptions (Tenso
 
 ``--faithfulness N`` prints the faithfulness table (:func:`visattn.faithfulness`) of N held-out images:
 per map, the deletion and insertion areas and scores against random orders with bootstrap intervals, the
-gradient baselines and the model-randomisation check; with ``--out`` also ``faithfulness.json``.
+gradient-weighted maps (for the true class), the gradient baselines and the model-randomisation check; with
+``--out`` also ``faithfulness.json``. ``--maps NAME ...`` scores only those maps (e.g. ``rollout rollout_grad``).
 
     python -m visattn.visualize --checkpoint RUN/best.pt --faithfulness 500 --data ../shared/data/...
 
@@ -56,7 +60,7 @@ from .errors import CheckpointError, ConfigError, DataError, VisattnError
 from .maps.draw import DIM, GAP, TEXT, cells_picture, colour_bar, fit_text
 from .maps.overlay import COLORMAPS, blend, to_uint8
 from .maps.readout import LayerMap, read_maps
-from .maps.record import find_taps, probe_mode, record_attention
+from .maps.record import find_taps, probe_pass
 from .maps.scale import NORMS, caption
 
 TOP_K = 3  # classes listed per image in predictions.json
@@ -141,10 +145,11 @@ def _map_file(original: np.ndarray, base: torch.Tensor, lm: LayerMap, i: int, si
     return cells_picture([cell], lambda w: colour_bar(w, lm.scale, norm, colormap))
 
 
-@torch.no_grad()
 def visualize(checkpoint: str, images: Sequence[str], out_dir: str, alpha: float = 0.5, scale: int = 4,
-              colormap: str = "jet", device: str = "auto", norm: str = "fixed") -> Dict[str, Any]:
+              colormap: str = "jet", device: str = "auto", norm: str = "fixed",
+              gradient_maps: bool = True) -> Dict[str, Any]:
     """Write the maps and ``predictions.json`` for ``images`` into ``out_dir``; returns the JSON's content.
+    ``gradient_maps``: also the gradient-weighted maps for each image's predicted class (one backward pass).
 
     Raises :class:`VisattnError` (after writing ``predictions.json``) when the model has no spatial maps.
     """
@@ -163,8 +168,7 @@ def visualize(checkpoint: str, images: Sequence[str], out_dir: str, alpha: float
     mean, std = tuple(cfg.data.mean), tuple(cfg.data.std)
     loaded = [load_image(p, size, fill=mean) for p in images]
     x = normalize(torch.stack([im.model_input for im in loaded]).to(dev), mean, std)  # (B, 3, S, S)
-    with probe_mode(model), record_attention(model, warn=False) as rec:
-        logits = model(x)
+    rec, logits = probe_pass(model, x, gradients=gradient_maps)  # explains the predicted classes
     probs = torch.softmax(logits.float(), dim=-1).cpu()  # (B, classes)
     maps = read_maps(rec.records, model, x.shape)
     out = Path(out_dir)
@@ -264,7 +268,8 @@ def heldout_batch(checkpoint: str, count: int, data: Optional[str] = None, devic
 
 def validation_grids(checkpoint: str, count: int, out_dir: str, data: Optional[str] = None, alpha: float = 0.5,
                      scale: int = 4, colormap: str = "jet", device: str = "auto",
-                     head_maps: str = "last", pick: str = "spread", norm: str = "fixed") -> Dict[str, str]:
+                     head_maps: str = "last", pick: str = "spread", norm: str = "fixed",
+                     gradient_maps: bool = True) -> Dict[str, str]:
     """TensorBoard's ``maps/`` and ``matrix/`` pictures of ``count`` held-out images (:func:`heldout_batch`),
     as PNG files, drawn by the training logger's own code; returns ``{tag: file name}``."""
     from .maps.tensorboard import log_attention_maps
@@ -275,7 +280,7 @@ def validation_grids(checkpoint: str, count: int, out_dir: str, data: Optional[s
     out.mkdir(parents=True, exist_ok=True)
     writer = _PngWriter(out)
     log_attention_maps(writer, model, x, y, 0, cfg.data.mean, cfg.data.std, classes, scale=scale,
-                       colormap=colormap, alpha=alpha, head_maps=head_maps, norm=norm)
+                       colormap=colormap, alpha=alpha, head_maps=head_maps, norm=norm, gradient_maps=gradient_maps)
     if not writer.files:
         why = "has no attention layers" if not find_taps(model) else "has no attention layer with a spatial map"
         raise VisattnError(f"model {cfg.model.name!r} {why}: no pictures written")
@@ -287,8 +292,8 @@ def faithfulness_table(checkpoint: str, count: int, data: Optional[str] = None, 
                        **options: Any) -> Any:
     """:func:`visattn.faithfulness` on ``count`` held-out images with their true labels, under the run's
     precision (or ``precision``); ``options`` go to it (``steps``, ``regions``, ``fill``, ``draws``,
-    ``batch_size``, ``seed``, ``names``). Writes ``faithfulness.json`` into ``out_dir`` when given. Returns
-    the report."""
+    ``batch_size``, ``seed``, ``names``, ``gradient_maps``). Writes ``faithfulness.json`` into ``out_dir``
+    when given. Returns the report."""
     from . import engine
     from .maps.faithful import faithfulness
 
@@ -379,6 +384,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=int, default=4, help="upscaling of the model's input size for display (32 px * 4)")
     p.add_argument("--colormap", default="jet", help=f"one of {', '.join(COLORMAPS)}")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--no-gradient-maps", dest="gradient_maps", action="store_false",
+                   help="leave out the gradient-weighted maps (<layer>/grad, rollout_grad) and their backward pass")
     f = p.add_argument_group("--faithfulness")
     f.add_argument("--steps", type=int, default=16, help="deletion/insertion steps")
     f.add_argument("--regions", type=int, default=8, help="the image is cut into regions x regions squares")
@@ -409,18 +416,20 @@ def _run(args: argparse.Namespace) -> int:
     if args.faithfulness is not None:
         report = faithfulness_table(args.checkpoint, args.faithfulness, args.data, args.device, args.pick, args.out,
                                     args.precision, steps=args.steps, regions=args.regions, fill=args.fill,
-                                    draws=args.draws, batch_size=args.batch_size, names=args.maps)
+                                    draws=args.draws, batch_size=args.batch_size, names=args.maps,
+                                    gradient_maps=args.gradient_maps)
         print(f"{args.checkpoint}:\n{report.table()}")
         return 0
     if args.out is None:
         raise ConfigError("--out is required with --images and --validation")
     if args.validation is not None:
         files = validation_grids(args.checkpoint, args.validation, args.out, args.data, args.alpha, args.scale,
-                                 args.colormap, args.device, args.head_maps, args.pick, args.map_norm)
+                                 args.colormap, args.device, args.head_maps, args.pick, args.map_norm,
+                                 args.gradient_maps)
         print(f"wrote {len(files)} picture(s) to {args.out}: {', '.join(sorted(files.values()))}")
         return 0
     result = visualize(args.checkpoint, args.images, args.out, args.alpha, args.scale, args.colormap, args.device,
-                       args.map_norm)
+                       args.map_norm, args.gradient_maps)
     n_maps = sum(len(e["maps"]) for e in result["images"])
     for e in result["images"]:
         print(f"{e['image']}: {e['pred']} ({e['confidence']:.1%})")

@@ -4,17 +4,20 @@ from .adapters import add_taps, remove_taps
 from .faithful import FaithfulnessReport, faithfulness
 from .geometry import ConvGeometry, GridGeometry, trace_geometry
 from .overlay import COLORMAPS, colorize, images_to_float, normalize_maps, overlay
-from .readout import LayerMap, read_maps
+from .readout import GRADIENT_KINDS, LayerMap, read_maps
 from .record import (
     AttentionRecorder,
+    GradientRecord,
     find_taps,
+    gradient_heatmap,
     infer_grid,
     probe_mode,
+    probe_pass,
     record_attention,
     spatial_heatmap,
     unwrap_model,
 )
-from .rollout import attention_rollout
+from .rollout import attention_rollout, gradient_rollout
 from .tensorboard import log_attention_maps
 
 __all__ = [
@@ -22,6 +25,8 @@ __all__ = [
     "COLORMAPS",
     "ConvGeometry",
     "FaithfulnessReport",
+    "GRADIENT_KINDS",
+    "GradientRecord",
     "GridGeometry",
     "LayerMap",
     "add_taps",
@@ -29,12 +34,15 @@ __all__ = [
     "colorize",
     "faithfulness",
     "find_taps",
+    "gradient_heatmap",
+    "gradient_rollout",
     "images_to_float",
     "infer_grid",
     "log_attention_maps",
     "normalize_maps",
     "overlay",
     "probe_mode",
+    "probe_pass",
     "read_maps",
     "record_attention",
     "remove_taps",

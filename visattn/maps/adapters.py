@@ -19,12 +19,20 @@ class token; otherwise a square grid after 0 or 1 prefix tokens, whichever fits.
 
 The hooks stay on the module (one attribute check each when not recording), so a compiled model is not
 recompiled by each new recording; :func:`remove_taps` takes them off.
+
+For gradients (``record_attention(..., gradients=True)``) the recorded weights must be the ones the module's
+output is computed from; :func:`own_attention` makes them so for the length of one recording: timm's
+``Attention`` runs its unfused path (``fused_attn=False``) and its tap is handed the softmax at the input of
+``attn_drop``, the tensor that multiplies the values; ``nn.MultiheadAttention`` is called with
+``need_weights=True, average_attn_weights=False`` and its tap is handed those per-head weights (its caller
+still gets what it asked for). Training and plain recordings keep the fused kernels.
 """
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +66,9 @@ class _Adapter:
         self.q: Optional[torch.Tensor] = None
         self.mask: Optional[torch.Tensor] = None
         self.causal = False
+        self.own = False  # own_attention(): the module hands its tap the weights it uses itself
+        self.asked: Optional[Tuple[bool, bool]] = None  # MultiheadAttention: what its caller asked for
+        self.pending: Optional[torch.Tensor] = None  # timm, own_attention(): recomputed weights not yet emitted
 
     def layout(self, n: int) -> Tuple[Optional[Tuple[int, int]], int]:
         """``(grid, num_prefix_tokens)`` for ``n`` tokens."""
@@ -117,6 +128,7 @@ def _timm_hooks(module: nn.Module, ad: _Adapter) -> None:
 
     def on_k(m, args, out):
         if not ad.tap.recording or ad.q is None:
+            ad.q = None
             return
         q, k = ad.q, out  # (B, heads, N, d), after q_norm / k_norm: what the forward attends with
         ad.q = None
@@ -127,7 +139,11 @@ def _timm_hooks(module: nn.Module, ad: _Adapter) -> None:
                 logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
             else:
                 logits = _masked(logits, ad.mask, allow_true=True)
-            ad.emit(logits.softmax(-1))
+            weights = logits.softmax(-1)
+        if ad.own:  # own_attention(): the module's own softmax is emitted instead, when its forward reaches it
+            ad.pending = weights
+        else:
+            ad.emit(weights)
         ad.mask = None
 
     ad.handles += [module.register_forward_pre_hook(pre, with_kwargs=True),
@@ -175,10 +191,93 @@ def _mha_weights(m: nn.MultiheadAttention, args: tuple, kwargs: dict) -> torch.T
 
 def _mha_hooks(module: nn.MultiheadAttention, ad: _Adapter) -> None:
     def post(m, args, kwargs, out):
-        if ad.tap.recording:
+        if ad.tap.recording and not ad.own:
             ad.emit(_mha_weights(m, args, kwargs))
 
     ad.handles.append(module.register_forward_hook(post, with_kwargs=True))
+
+
+_NEED_WEIGHTS, _AVERAGE = 4, 6  # positions of need_weights and average_attn_weights in MultiheadAttention.forward
+
+
+def _set_arg(args: list, kwargs: dict, pos: int, name: str, value: Any, default: Any) -> Any:
+    """Set one argument of a call given by position or keyword; returns what the caller had given."""
+    if len(args) > pos:
+        old, args[pos] = args[pos], value
+    else:
+        old, kwargs[name] = kwargs.get(name, default), value
+    return old
+
+
+def _mha_own(module: nn.MultiheadAttention, ad: _Adapter) -> List[Any]:
+    def pre(m, args, kwargs):
+        if not ad.tap.recording:
+            return None
+        args, kwargs = list(args), dict(kwargs)
+        asked = _set_arg(args, kwargs, _NEED_WEIGHTS, "need_weights", True, True)
+        average = _set_arg(args, kwargs, _AVERAGE, "average_attn_weights", False, True)
+        ad.asked = (bool(asked), bool(average))
+        return tuple(args), kwargs
+
+    def post(m, args, kwargs, out):
+        if ad.asked is None:
+            return None
+        (asked, average), ad.asked = ad.asked, None
+        attn_out, weights = out  # (B, heads, L, S): a view of the softmax that multiplied the values
+        ad.emit(weights if weights is not None else _mha_weights(m, args, kwargs))
+        if weights is None:
+            return None
+        return attn_out, ((weights.mean(1) if average else weights) if asked else None)
+
+    return [module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(post, with_kwargs=True)]
+
+
+def _timm_own(module: nn.Module, ad: _Adapter) -> List[Any]:
+    def pre(m, args):
+        if ad.tap.recording:
+            ad.pending = None
+            ad.emit(args[0])  # (B, heads, N, N): the softmax the unfused path multiplies the values by
+
+    def post(m, args, out):
+        if ad.tap.recording and ad.pending is not None:  # a forward that never reached attn_drop: the weights
+            ad.emit(ad.pending)  # recomputed from q and k (recorded, but with no gradient to give)
+        ad.pending = None
+
+    return [module.attn_drop.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+@contextmanager
+def own_attention(model: nn.Module) -> Iterator[None]:
+    """For the ``with`` block, the tapped foreign modules of ``model`` hand their taps the attention weights
+    their output is computed from (module docstring): timm ``Attention`` unfused, ``nn.MultiheadAttention``
+    with per-head weights. Everything is restored on exit."""
+    handles: List[Any] = []
+    saved: List[Tuple[nn.Module, Any]] = []
+    owned: List[_Adapter] = []
+    try:
+        for _, m in foreign_modules(model):
+            ad = _ADAPTERS.get(m)
+            if ad is None:
+                continue
+            if isinstance(m, nn.MultiheadAttention):
+                handles += _mha_own(m, ad)
+            elif hasattr(m, "fused_attn") and isinstance(getattr(m, "attn_drop", None), nn.Module):
+                saved.append((m, m.fused_attn))
+                m.fused_attn = False
+                handles += _timm_own(m, ad)
+            else:
+                continue
+            ad.own = True
+            owned.append(ad)
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for m, fused in saved:
+            m.fused_attn = fused
+        for ad in owned:
+            ad.own, ad.asked, ad.pending = False, None, None
 
 
 def foreign_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -227,4 +326,4 @@ def remove_taps(model: nn.Module) -> int:
     return n
 
 
-__all__ = ["SEARCHED", "add_taps", "adapter_taps", "foreign_modules", "remove_taps"]
+__all__ = ["SEARCHED", "add_taps", "adapter_taps", "foreign_modules", "own_attention", "remove_taps"]

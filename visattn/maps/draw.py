@@ -170,21 +170,33 @@ def hwc(batch: torch.Tensor) -> List[np.ndarray]:
     return list(batch.permute(0, 2, 3, 1).cpu().numpy())
 
 
+def notes_footer(notes: Sequence[Line], width: int) -> np.ndarray:
+    """Text lines ``width`` px wide (a picture's notes, e.g. its faithfulness), HWC uint8."""
+    canvas = _canvas(LINE_H * len(notes) + 2, width)
+    return _write(canvas, [(1, LINE_H * k, fit_text(t, width - 2), c, FONT_SIZE) for k, (t, c) in enumerate(notes)])
+
+
 def map_picture(base: torch.Tensor, layer_map, image_hw: Sequence[int], labels: Sequence[List[Line]],
                 norm: str = "fixed", colormap: str = "jet", alpha: float = 0.5,
-                max_width: int = MAX_WIDTH) -> np.ndarray:
+                max_width: int = MAX_WIDTH, notes: Sequence[Line] = ()) -> np.ndarray:
     """A :class:`~visattn.maps.readout.LayerMap` over ``base`` (float RGB in [0, 1], ``(B, 3, H', W')``, the
     pictures of ``image_hw`` inputs): per image, its caption ``labels`` and a line with the map's range and
-    peakedness above the original and its overlay; the colour bar below."""
+    peakedness above the original and its overlay; ``notes`` (lines about the whole map, e.g. how faithful it
+    is) and the colour bar below."""
     over = hwc(blend(base, layer_map.unit(norm), layer_map.geometry, image_hw, alpha, colormap))
     originals = hwc(to_uint8(base))
     cells = []
     for i, st in enumerate(layer_map.stats()):
         lines = list(labels[i]) + [(caption(st, layer_map.scale, norm), DIM)]
         cells.append((lines, [originals[i], over[i]]))
-    return cells_picture(cells, lambda w: colour_bar(w, layer_map.scale, norm, colormap), max_width)
+
+    def footer(w: int) -> np.ndarray:
+        bar = colour_bar(w, layer_map.scale, norm, colormap)
+        return np.concatenate([notes_footer(notes, w), bar]) if notes else bar
+
+    return cells_picture(cells, footer, max_width)
 
 
 __all__ = ["hwc", "map_picture", "BG", "COL_GAP", "DIM", "GAP", "LINE_H", "MAX_WIDTH", "RIGHT", "TEXT", "WRONG",
            "cells_picture",
-           "colour_bar", "fit_text", "font", "label_lines", "matrix_picture", "text_width"]
+           "colour_bar", "fit_text", "font", "label_lines", "matrix_picture", "notes_footer", "text_width"]

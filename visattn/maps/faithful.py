@@ -15,6 +15,10 @@ is random area - map area (a faithful map destroys the prediction sooner), the *
 - random area; both come with a bootstrap confidence interval over images. A map that is no better than
 random has scores whose interval contains zero.
 
+Maps from gradients (``gradient_maps=True``, the default): every layer's ``<layer>/grad`` (its gate or
+attention weighted by its gradient for the scored class) and ``rollout_grad`` (Chefer et al.'s
+gradient-weighted rollout), from one backward pass over the images (:func:`~visattn.maps.record.probe_pass`).
+
 Baselines, scored the same way: ``input_x_gradient`` (the input times the gradient of the true class's
 logit, summed over channels) and ``gradcam`` (Selvaraju et al. 2017, arXiv 1610.02391: the last
 convolution's activations weighted by their mean gradient, rectified). **Sanity check** (Adebayo et al.
@@ -37,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .geometry import GridGeometry, place, trace_geometry
-from .readout import LayerMap, read_maps
-from .record import probe_mode, record_attention, unwrap_model
+from .readout import GRADIENT_KINDS, LayerMap, read_maps
+from .record import probe_mode, probe_pass, unwrap_model
 
 FILLS = ("mean", "blur")
 BASELINES = ("input_x_gradient", "gradcam")
@@ -232,10 +236,11 @@ def _spearman(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(rho.mean()) if len(rho) else float("nan")
 
 
-def attention_maps(model: nn.Module, images: torch.Tensor, head_maps: str = "none") -> List[LayerMap]:
-    """The model's maps for ``images`` (one recorded eval pass, :func:`read_maps`)."""
-    with probe_mode(model), record_attention(model, warn=False) as rec:
-        model(images)
+def attention_maps(model: nn.Module, images: torch.Tensor, head_maps: str = "none",
+                   labels: Optional[torch.Tensor] = None, gradients: bool = True) -> List[LayerMap]:
+    """The model's maps for ``images`` (one recorded eval pass, :func:`read_maps`); with ``gradients`` also the
+    gradient maps for the ``labels`` classes (None: the predicted ones), from one backward pass."""
+    rec, _ = probe_pass(model, images, labels, gradients=gradients)
     return read_maps(rec.records, model, images.shape, head_maps=head_maps)
 
 
@@ -330,7 +335,7 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
                  steps: int = 16, regions: int = 8, fill: str = "mean", draws: int = 3,
                  baselines: Sequence[str] = BASELINES, sanity: bool = True, bootstrap_draws: int = 1000,
                  confidence: float = 0.95, batch_size: int = 256, seed: int = 0,
-                 names: Optional[Sequence[str]] = None) -> FaithfulnessReport:
+                 names: Optional[Sequence[str]] = None, gradient_maps: bool = True) -> FaithfulnessReport:
     """Deletion/insertion faithfulness of every attention map of ``model`` on ``images`` (normalised model
     input ``(B, C, H, W)``) for ``labels`` (``(B,)``; default: the model's own predictions).
 
@@ -339,8 +344,9 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
     ``baselines``: gradient baselines to add (:data:`BASELINES`); ``sanity``: run the model-randomisation
     check. ``steps`` deletion steps over ``regions x regions`` squares; ``draws`` random orders per image;
     ``fill``: ``"mean"`` (the images' mean colour) or ``"blur"``; ``names``: score only the maps with these
-    names (baselines aside). The model is run in eval mode (under the caller's autocast, if any); its
-    train/eval flags, weights and gradients are left as they were.
+    names (baselines aside); ``gradient_maps``: the default maps include the gradient-weighted ones
+    (``<layer>/grad``, ``rollout_grad``) for ``labels``. The model is run in eval mode (under the caller's
+    autocast, if any); its train/eval flags, weights and gradients are left as they were.
     """
     if fill not in FILLS:
         raise ValueError(f"unknown fill {fill!r}; valid: {', '.join(FILLS)}")
@@ -354,7 +360,9 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
         labels = (out[0] if isinstance(out, (tuple, list)) else out).argmax(-1)
     labels = labels.to(x.device).long()
     image_hw = tuple(x.shape[-2:])
-    maps = list(attention_maps(model, x) if maps is None else maps) + _as_maps(extra_maps, image_hw)
+    if maps is None:
+        maps = attention_maps(model, x, labels=labels, gradients=gradient_maps)
+    maps = list(maps) + _as_maps(extra_maps, image_hw)
     if names is not None:
         unknown = set(names) - {m.name for m in maps}
         if unknown:
@@ -386,7 +394,8 @@ def _sanity(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, maps: Seque
             seed: int) -> Dict[str, float]:
     """Spearman rho between each map and the same map of a re-initialised copy of the model."""
     twin = _reinitialised(model, seed + 1)
-    theirs = {m.name: m for m in attention_maps(twin, x)}
+    gradients = any(m.kind in GRADIENT_KINDS for m in maps)
+    theirs = {m.name: m for m in attention_maps(twin, x, labels=labels, gradients=gradients)}
     for b in {m.name for m in maps} & set(BASELINES):
         g = gradient_map(twin, x, labels, b)
         if g is not None:

@@ -13,22 +13,30 @@ and a one-line description. Names are the TensorBoard tags without ``maps/``: th
 ``@2`` for its later calls in one pass, ``<layer>/cls_head<i>`` for single heads, ``rollout`` for the attention
 rollout through the last run of token layers on one grid, read out the way the model pools (class token,
 mean, or its sequence-pooling weights).
+
+Records of a gradient recording (:class:`~visattn.maps.record.GradientRecord`, ``record_attention(...,
+gradients=True)``) also give ``<layer>/grad`` (kind ``"attention_gradient"``: the gate or attention weighted by
+its gradient for the target class, :func:`~visattn.maps.record.gradient_heatmap`) and ``rollout_grad`` (kind
+``"gradient_rollout"``: Chefer et al.'s gradient-weighted rollout, :func:`~visattn.maps.rollout.gradient_rollout`).
+They are shares of the positive evidence (sum 1 over positions), on the ``"relative"`` scale: x the uniform
+share.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..attention.tap import AttentionRecord
 from .geometry import GeometryTrace, GridGeometry, trace_geometry
-from .record import spatial_heatmap, unwrap_model
-from .rollout import attention_rollout
+from .record import gradient_heatmap, spatial_heatmap, unwrap_model
+from .rollout import attention_rollout, gradient_rollout
 from .scale import Stats, map_stats, scale_title, to_unit
 
 HEAD_MAPS = ("all", "last", "none")
+GRADIENT_KINDS = ("attention_gradient", "gradient_rollout")  # LayerMap kinds made from gradients
 _POOL_CLS = {"cls", "token"}
 _POOL_MEAN = {"mean", "avg", "gap"}
 _POOL_SEQ = {"seq", "sequence", "attn", "attention"}
@@ -37,8 +45,8 @@ _POOL_SEQ = {"seq", "sequence", "attn", "attention"}
 @dataclass
 class LayerMap:
     name: str  # tag without "maps/": "layers.0.units.0.attn.spatial", "blocks.1.attn/cls_head0", "rollout"
-    kind: str  # "spatial" | "token" | "pool" | "head" | "rollout" (or a baseline's name)
-    heat: torch.Tensor  # (B, h, w) fp32, raw values (gates, or weights summing to <= 1 over the keys)
+    kind: str  # "spatial" | "token" | "pool" | "head" | "rollout" | "attention_gradient" | "gradient_rollout" | ...
+    heat: torch.Tensor  # (B, h, w) fp32, raw values (gates, or weights / shares summing to <= 1 over the keys)
     scale: str  # "gate" | "gain" | "relative"
     keys: int  # tokens / positions the weights are spread over (uniform weight = 1 / keys); 0 for gates
     geometry: GridGeometry
@@ -96,7 +104,10 @@ def _owner(model: Optional[nn.Module], name: str) -> str:
 
 
 def _describe(kind: str, owner: str, scale: str, geometry: GridGeometry, extra: str = "") -> str:
+    share = "share of the positive evidence per position (sum 1)"
     what = {
+        "attention_gradient": f"{extra} of {owner} for the target class's logit; {share}",
+        "gradient_rollout": f"gradient-weighted attention rollout (Chefer, Gur, Wolf 2021){extra}; {share}",
         "spatial": f"spatial map of {owner}"
         + {"relative": " (softmax over positions)", "gain": " (gain per position, 2 x sigmoid: 1 = unchanged)"}.get(
             scale, " (sigmoid gate per position)"),
@@ -111,10 +122,11 @@ def _describe(kind: str, owner: str, scale: str, geometry: GridGeometry, extra: 
 class _Reader:
     """Turns records into :class:`LayerMap`s; holds the model, input size and geometry trace."""
 
-    def __init__(self, model: Optional[nn.Module], image_hw, trace: Optional[GeometryTrace]):
+    def __init__(self, model: Optional[nn.Module], image_hw, trace: Optional[GeometryTrace], gradients: bool = True):
         self.model = model
         self.image_hw = tuple(image_hw)
         self.trace = trace
+        self.gradients = gradients
         self.calls: Dict[str, int] = {}
 
     def geometry(self, grid, name: Optional[str], call: int) -> GridGeometry:
@@ -146,12 +158,26 @@ class _Reader:
                 hm = r.weights[:, h, 0, p:].reshape(heat.shape)
                 out.append(LayerMap(f"{name}/cls_head{h}", "head", hm, "relative", keys, geo,
                                     _describe("head", owner, "relative", geo), r))
+        if self.gradients and getattr(r, "relevance", None) is not None:
+            try:
+                out.append(self.gradient_map(r, name, geo, owner))
+            except ValueError:
+                pass  # a relevance with no map: the record's own maps stand
         return out
 
-    def rollout(self, records: Sequence[AttentionRecord]) -> Optional[LayerMap]:
-        layers = rollout_layers([r for r in records if r.kind == "token"])
-        if not layers:
-            return None
+    def gradient_map(self, r: AttentionRecord, name: str, geo: GridGeometry, owner: str) -> LayerMap:
+        heat = gradient_heatmap(r, image_hw=self.image_hw)
+        what = {"spatial": "gate x gradient (Grad-CAM's rule: positive part of gate * d logit / d gate, summed over "
+                           "the gate's channels)" + (" through the block's output" if getattr(r, "via", "") == "output" else ""),
+                "pool": "pooling weights x gradient (positive part of w * d logit / d w)"}.get(
+            r.kind, "attention x gradient (Chefer et al. 2021: E_h[(grad * A)^+], "
+            + ("the class token's row)" if r.num_prefix_tokens > 0 else "received per position, mean of the queries)"))
+        cells = int(heat.shape[-1] * heat.shape[-2])
+        return LayerMap(f"{name}/grad", "attention_gradient", heat, "relative", cells, geo,
+                        _describe("attention_gradient", owner, "relative", geo, what), r)
+
+    def readout(self, records: Sequence[AttentionRecord], layers: Sequence[AttentionRecord]) -> Tuple[Any, str]:
+        """How the rollout through ``layers`` is read out, as the model pools: ``(readout, words)``."""
         p, n = layers[0].num_prefix_tokens, layers[0].weights.shape[-1]
         pools = [r for r in records if r.kind == "pool" and r.weights.shape[-1] == n]
         mode = pool_mode(unwrap_model(self.model) if self.model is not None else None)
@@ -160,18 +186,34 @@ class _Reader:
         if mode == "cls" and p == 0:
             mode = "mean"
         readout: Any = pools[-1] if mode == "seq" and pools else ("mean" if mode == "seq" else mode)
-        try:
-            grid = layers[0].grid or tuple(spatial_heatmap(layers[0], image_hw=self.image_hw).shape[-2:])
-            heat = attention_rollout(layers, num_prefix_tokens=p, readout=readout, grid=grid)
-        except ValueError:
-            return None
         how = {"cls": "the class token", "mean": "the mean over tokens"}.get(
             readout if isinstance(readout, str) else "", "the sequence-pooling weights")
+        return readout, how
+
+    def rollout(self, records: Sequence[AttentionRecord], gradient: bool = False) -> Optional[LayerMap]:
+        layers = rollout_layers([r for r in records if r.kind == "token"])
+        if not layers or (gradient and any(getattr(r, "relevance", None) is None for r in layers)):
+            return None
+        p = layers[0].num_prefix_tokens
+        readout, how = self.readout(records, layers)
+        try:
+            grid = layers[0].grid or tuple(spatial_heatmap(layers[0], image_hw=self.image_hw).shape[-2:])
+            if gradient:
+                heat = gradient_rollout(layers, num_prefix_tokens=p, readout=readout, grid=grid)
+            else:
+                heat = attention_rollout(layers, num_prefix_tokens=p, readout=readout, grid=grid)
+        except ValueError:
+            return None
         geo = self.geometry(heat.shape[-2:], layers[0].name, 0)
         # the share of the flow that comes from the grid tokens (prefix tokens' own share left out), so a
         # model that attends uniformly gives exactly x1 everywhere
         heat = heat / heat.flatten(1).sum(1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
         cells = int(heat.shape[-1] * heat.shape[-2])
+        if gradient:
+            return LayerMap("rollout_grad", "gradient_rollout", heat, "relative", cells, geo,
+                            _describe("gradient_rollout", "", "relative", geo,
+                                      f": R = I + A_bar R with A_bar = E_h[(grad * A)^+] through {len(layers)} "
+                                      f"layer(s), read out by {how}"))
         return LayerMap("rollout", "rollout", heat, "relative", cells, geo,
                         _describe("rollout", "", "relative", geo,
                                   f" through {len(layers)} layer(s), read out by {how}; the grid's share of the flow"))
@@ -179,15 +221,17 @@ class _Reader:
 
 def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = None,
               input_shape: Optional[Sequence[int]] = None, head_maps: str = "none", rollout: bool = True,
-              geometry: Optional[GeometryTrace] = None) -> List[LayerMap]:
-    """Every drawable map of one recorded pass, in call order, then the rollout.
+              geometry: Optional[GeometryTrace] = None, gradients: bool = True) -> List[LayerMap]:
+    """Every drawable map of one recorded pass, in call order (each record's map, its heads, its ``/grad``
+    map), then the rollout and the gradient rollout.
 
     ``records``: one pass's records (``rec.records``, or ``rec.by_pass(i)``). ``model``: the recorded model;
     it names the blocks in the descriptions, says how the model pools (for the rollout) and gives the grid
     geometry (traced once per input shape, :func:`~visattn.maps.geometry.trace_geometry`; without a model
     each grid is stretched over the image). ``input_shape``: the model input's ``(B, C, H, W)`` or
     ``(C, H, W)`` (needed when ``geometry`` is not given). ``head_maps``: token layers with a class token
-    that also get one map per head: ``"all"``, ``"last"`` or ``"none"``. Channel records have no map
+    that also get one map per head: ``"all"``, ``"last"`` or ``"none"``. ``gradients``: also the gradient
+    maps of records that carry a relevance (a gradient recording). Channel records have no map
     (see :func:`channel_records`); records whose map cannot be formed are left out.
     """
     if head_maps not in HEAD_MAPS:
@@ -197,7 +241,7 @@ def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = N
     if geometry is None and model is not None:
         geometry = trace_geometry(model, input_shape)
     image_hw = geometry.image_hw if geometry is not None else tuple(input_shape[-2:])
-    reader = _Reader(model, image_hw, geometry)
+    reader = _Reader(model, image_hw, geometry, gradients)
     cls_layers = [r for r in records if r.kind == "token" and r.num_prefix_tokens > 0]
     with_heads = {"all": cls_layers, "last": cls_layers[-1:], "none": []}[head_maps]
     out: List[LayerMap] = []
@@ -207,9 +251,9 @@ def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = N
         except ValueError:
             continue
     if rollout:
-        ro = reader.rollout(records)
-        if ro is not None:
-            out.append(ro)
+        for ro in (reader.rollout(records), reader.rollout(records, gradient=True) if gradients else None):
+            if ro is not None:
+                out.append(ro)
     return out
 
 
@@ -235,5 +279,5 @@ def channel_records(records: Sequence[AttentionRecord]) -> List[tuple]:
     return named_records(records, "channel")
 
 
-__all__ = ["HEAD_MAPS", "LayerMap", "channel_records", "named_records", "pool_mode", "read_maps", "record_tag",
+__all__ = ["GRADIENT_KINDS", "HEAD_MAPS", "LayerMap", "channel_records", "named_records", "pool_mode", "read_maps", "record_tag",
            "rollout_layers"]

@@ -15,21 +15,65 @@ nothing when it is off.
 and the recorder keeps the last ``max_passes`` forward passes of the model (default 64; a pass is one
 call of the model given to ``record_attention``), dropping older ones with one warning. Its memory is at
 most ``max_passes`` times one pass's weights (fp32): ``bytes_per_pass`` and ``nbytes`` report both.
+
+**Gradients.** ``record_attention(model, gradients=True)`` also keeps, for every spatial, token and pool record,
+the very tensor the block used (the tap's input, still in the autograd graph) until
+:meth:`AttentionRecorder.backward` differentiates the target class's logit once for the whole batch; each record
+is then a :class:`GradientRecord` carrying its ``relevance``, ``weights * d logit / d weights``:
+
+    with record_attention(model, gradients=True) as rec:
+        logits = model(images.clone().requires_grad_())  # grad enabled, eval mode
+        rec.backward(logits, labels)              # one backward pass; None: the predicted classes
+
+The taps are not changed for this: forward hooks on them see the tensor they pass on. Blocks whose weights
+feed their output (every token block, the spatial gate and CBAM's, sequence pooling) get the gradient of that
+tensor; a tap handed a reshaped view of the weights (GC's softmax) gets the gradient of the tensor it views;
+a spatial tap handed a summary that is not used (coordinate attention's channel mean of ``a_h * a_w``) gets
+its block's ``output * d logit / d output`` summed over channels, which for a gate that multiplies its input
+equals ``gate * d logit / d gate`` summed over channels. timm ``Attention`` runs unfused and
+``nn.MultiheadAttention`` returns per-head weights for the pass (:func:`~visattn.maps.adapters.own_attention`),
+so their taps too see the weights on the path to the output. Fused attention is switched off for that pass
+only: the taps already compute explicit weights on every recording pass. Parameters' ``.grad`` are never
+touched (``torch.autograd.grad`` with the recorded tensors as the only inputs). :func:`probe_pass` does the
+whole eval pass (mode, RNG and flags restored after).
 """
 from __future__ import annotations
 
 import math
 import warnings
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, fields, replace
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..attention.tap import KINDS, AttentionRecord, AttentionTap
-from .adapters import SEARCHED, adapter_taps, add_taps
+from .adapters import SEARCHED, adapter_taps, add_taps, own_attention
 
 DEFAULT_MAX_PASSES = 64
+VIA = ("weights", "view", "output")  # how a GradientRecord's relevance was found (GradientRecord.via)
+
+
+@dataclass
+class GradientRecord(AttentionRecord):
+    """An :class:`AttentionRecord` of a gradient recording, with the relevance of every weight for the target
+    class: ``relevance = weights * d logit[target] / d weights`` (fp32, the weights' shape, on the recorder's
+    device). ``via`` says whose gradient it is: ``"weights"`` (the recorded tensor's own), ``"view"`` (the
+    tensor the tap was handed a reshaped view of) or ``"output"`` (the block's output times its gradient,
+    summed over channels: equal to the gate's for a gate that multiplies its input)."""
+
+    relevance: Optional[torch.Tensor] = None
+    via: str = "weights"
+
+
+@dataclass
+class _Live:
+    """One recorded tensor still in the autograd graph, waiting for the backward pass."""
+
+    record: AttentionRecord
+    tensor: torch.Tensor
+    output: Optional[torch.Tensor] = None  # the block's output (spatial taps), for the "output" route
 
 
 class AttentionRecorder:
@@ -52,6 +96,8 @@ class AttentionRecorder:
         self.dropped_passes = 0
         self.bytes_per_pass = 0  # the largest pass recorded so far, in bytes
         self._bytes_pass, self._bytes = -1, 0
+        self.target: Optional[torch.Tensor] = None  # (B,) classes the last backward explained
+        self._live: List[_Live] = []  # gradient recordings: tensors waiting for backward()
 
     def __len__(self) -> int:
         return len(self.records)
@@ -85,6 +131,66 @@ class AttentionRecorder:
                     RuntimeWarning, stacklevel=3)
             self.dropped_passes += len(dropped)
 
+    # -- gradients (record_attention(..., gradients=True)) -------------------------------------------------
+    def keep(self, tap: AttentionTap, tensor: Any) -> None:
+        """Called by a tap's forward hook with the tensor the tap passes on: keep it beside its record."""
+        last = self.records[-1] if self.records else None  # the record this very call of the tap just made
+        if (last is None or last.name != tap.record_name or not isinstance(tensor, torch.Tensor)
+                or any(lv.record is last for lv in self._live)):
+            return
+        self._live.append(_Live(last, tensor))
+
+    def keep_output(self, name: str, output: Any) -> None:
+        """Called by a spatial tap's block after its forward: its output, for the ``"output"`` route."""
+        live = next((lv for lv in reversed(self._live) if lv.record.name == name), None)
+        if live is not None and live.output is None and isinstance(output, torch.Tensor) and output.dim() == 4:
+            live.output = output
+
+    def backward(self, output: Any, target: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Differentiate ``sum_b logits[b, target[b]]`` once (the model's ``output``: logits ``(B, classes)``, or
+        a tuple whose first element they are; ``target``: ``(B,)`` classes, None: the predicted ones) with respect
+        to every tensor kept since the last call, and turn their records into :class:`GradientRecord`s. Each
+        image's relevance is its own logit's as long as the model treats images independently (eval mode).
+        Returns the target classes (also kept as ``target``)."""
+        logits = output[0] if isinstance(output, (tuple, list)) else output
+        target = (logits.detach().argmax(-1) if target is None else target).to(logits.device).long()
+        self.target = target
+        live = [lv for lv in self._live if lv.tensor.requires_grad]
+        self._live = []
+        if live and not logits.requires_grad:
+            warnings.warn("AttentionRecorder.backward: the logits do not require grad (run the model with gradients "
+                          "enabled, e.g. on an input with requires_grad); no relevance recorded", RuntimeWarning,
+                          stacklevel=2)
+        if not live or not logits.requires_grad:
+            return target
+        inputs: List[torch.Tensor] = []
+        slots = []
+        for lv in live:
+            routes = _routes(lv)
+            slots.append([(via, len(inputs) + i) for i, (via, _) in enumerate(routes)])
+            inputs += [t for _, t in routes]
+        score = logits.float().gather(1, target[:, None]).sum()
+        grads = torch.autograd.grad(score, inputs, allow_unused=True)
+        done = {}
+        for lv, routes in zip(live, slots):
+            via, g = next(((v, grads[i]) for v, i in routes if grads[i] is not None), (None, None))
+            if g is not None:
+                done[id(lv.record)] = self._relevant(lv, via, g)
+        self.records = [done.get(id(r), r) for r in self.records]
+        return target
+
+    def _relevant(self, lv: _Live, via: str, g: torch.Tensor) -> GradientRecord:
+        t = lv.tensor.detach()
+        if via == "output":
+            rel = (lv.output.detach().float() * g.float()).sum(1, keepdim=True)
+        elif via == "view":
+            rel = t.float() * g.contiguous().reshape(t.shape).float()
+        else:
+            rel = t.float() * g.float()
+        rel = rel.to(device=self.device or rel.device, copy=True)
+        base = {f.name: getattr(lv.record, f.name) for f in fields(AttentionRecord)}
+        return GradientRecord(**base, relevance=rel, via=via)
+
     # -- reading ------------------------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
@@ -111,6 +217,7 @@ class AttentionRecorder:
 
     def clear(self) -> None:
         self.records.clear()
+        self._live.clear()
 
     def __repr__(self) -> str:
         return f"AttentionRecorder({len(self.records)} records from {len(self.taps)} taps)"
@@ -125,6 +232,21 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def _routes(lv: _Live) -> List[Tuple[str, torch.Tensor]]:
+    """The tensors whose gradient can give a kept tensor's relevance, in order of preference."""
+    t = lv.tensor
+    out = [("weights", t)]
+    base = t._base
+    if (base is not None and base.requires_grad and base.numel() == t.numel() and base.is_contiguous()
+            and t.is_contiguous()):
+        out.append(("view", base))
+    o = lv.output
+    if (lv.record.kind == "spatial" and o is not None and o.requires_grad and t.dim() == 4 and t.shape[1] == 1
+            and o.shape[0] == t.shape[0] and o.shape[-2:] == t.shape[-2:]):
+        out.append(("output", o))
+    return out
 
 
 def _record_name(path: str) -> str:
@@ -160,7 +282,8 @@ def tap_sinks(model: nn.Module, sink: Any, taps: Optional[List[Tuple[str, Attent
 
 @contextmanager
 def record_attention(model: nn.Module, max_passes: Optional[int] = DEFAULT_MAX_PASSES,
-                     device: Optional[Any] = "cpu", warn: bool = True) -> Iterator[AttentionRecorder]:
+                     device: Optional[Any] = "cpu", warn: bool = True,
+                     gradients: bool = False) -> Iterator[AttentionRecorder]:
     """Record every tap of ``model`` while the ``with`` block runs; yields an :class:`AttentionRecorder`.
 
     The model's outputs, train/eval mode, parameters and buffers are not touched: taps are identities.
@@ -170,6 +293,8 @@ def record_attention(model: nn.Module, max_passes: Optional[int] = DEFAULT_MAX_P
 
     ``max_passes``: passes kept (None: all); ``device``: where records are copied to (None: where they were
     made). ``warn``: a model with nothing recordable gets a warning naming what was searched.
+    ``gradients``: also keep the recorded tensors in the autograd graph for one
+    :meth:`AttentionRecorder.backward` (module docstring); run the model with gradients enabled.
 
     Inside the block ``torch.compile``'d code runs eagerly (``torch.compiler.set_stance("force_eager")``), so
     recording a compiled model (``torch.compile(model)`` or ``model.compile()``) neither compiles a recording
@@ -185,12 +310,37 @@ def record_attention(model: nn.Module, max_passes: Optional[int] = DEFAULT_MAX_P
         warnings.warn(f"record_attention: {type(base).__name__} has nothing to record; searched for "
                       f"{', '.join(SEARCHED)} and found none", RuntimeWarning, stacklevel=3)
     recorder = AttentionRecorder({name: tap.kind for name, tap in taps}, max_passes, device)
-    handle = model.register_forward_pre_hook(lambda m, args: recorder.start_pass())
+    handles = [model.register_forward_pre_hook(lambda m, args: recorder.start_pass())]
     try:
-        with tap_sinks(model, recorder, taps), _eager():
+        if gradients:
+            handles += _keep_hooks(base, taps, recorder)
+        with tap_sinks(model, recorder, taps), _eager(), (own_attention(base) if gradients else nullcontext()):
             yield recorder
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
+
+
+def _keep_hooks(base: nn.Module, taps: List[Tuple[str, AttentionTap]], recorder: AttentionRecorder) -> List[Any]:
+    """Forward hooks that hand the recorder what each tap passes on, and each spatial tap's block output."""
+    handles = []
+    for name, tap in taps:
+        if tap.kind == "channel":
+            continue  # channel gates have no map
+        handles.append(tap.register_forward_hook(lambda m, args, out: recorder.keep(m, out)))
+        owner = _owner_module(base, name, tap)
+        if tap.kind == "spatial" and owner is not None:
+            handles.append(owner.register_forward_hook(lambda m, args, out, n=name: recorder.keep_output(n, out)))
+    return handles
+
+
+def _owner_module(base: nn.Module, name: str, tap: AttentionTap) -> Optional[nn.Module]:
+    """The block that owns ``tap`` (the module its record is named after), or None for a tap on the model."""
+    try:
+        owner = base.get_submodule(name)
+    except AttributeError:
+        return None
+    return owner if owner is not base and owner is not tap else None
 
 
 def _eager():
@@ -200,19 +350,39 @@ def _eager():
 
 
 @contextmanager
-def probe_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode, no gradients and a forked RNG for a look at the model; every module's train/eval flag
-    is restored afterwards (per module, so deliberately frozen submodules stay as they were)."""
+def probe_mode(model: nn.Module, grad: bool = False) -> Iterator[None]:
+    """Eval mode, no gradients (``grad=True``: gradients on) and a forked RNG for a look at the model; every
+    module's train/eval flag is restored afterwards (per module, so deliberately frozen submodules stay as
+    they were)."""
     modes = [(m, m.training) for m in model.modules()]
     param = next(model.parameters(), None)
     devices = [param.device] if param is not None and param.device.type == "cuda" else []
     try:
         model.eval()
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with (torch.enable_grad() if grad else torch.no_grad()), torch.random.fork_rng(devices=devices):
             yield
     finally:
         for m, training in modes:
             m.training = training
+
+
+def probe_pass(model: nn.Module, images: torch.Tensor, target: Optional[torch.Tensor] = None,
+               gradients: bool = True, device: Optional[Any] = "cpu") -> Tuple[AttentionRecorder, torch.Tensor]:
+    """One recorded eval pass of ``images`` (``probe_mode``), with ``gradients`` one backward pass for the
+    ``target`` classes (``(B,)``; None: the predicted ones), batched: every record that can carry one is a
+    :class:`GradientRecord`. Returns ``(recorder, logits)`` (logits detached; ``recorder.target``: the classes
+    explained). A compiled or (Distributed)DataParallel model is run unwrapped for the gradient pass (eagerly
+    either way while recording; no gradient reduction). Parameters' ``.grad`` are left as they were."""
+    net = unwrap_model(model) if gradients else model
+    with probe_mode(net, grad=gradients), record_attention(net, warn=False, device=device, gradients=gradients) as rec:
+        x = images.detach().requires_grad_(True) if gradients and images.is_floating_point() else images
+        out = net(x)
+        logits = out[0] if isinstance(out, (tuple, list)) else out
+        if gradients:
+            rec.backward(logits, target)
+        elif target is not None:
+            rec.target = target
+    return rec, logits.detach()
 
 
 def infer_grid(num_tokens: int, image_hw: Optional[Sequence[int]] = None) -> Tuple[int, int]:
@@ -300,3 +470,29 @@ def _token_heatmap(record: AttentionRecord, w: torch.Tensor, p: int, image_hw, q
         rows = w[:, :, p:, p:] if nq == nk else w[:, :, :, p:]
         row = rows.mean(dim=(1, 2))  # (B, h*w): attention received, averaged over heads and queries
     return row.reshape(b, h, gw)
+
+
+def gradient_heatmap(record: AttentionRecord, image_hw: Optional[Sequence[int]] = None,
+                     query: str = "auto") -> torch.Tensor:
+    """The map ``(B, h, w)`` of a :class:`GradientRecord`'s relevance: each image's positive evidence for the
+    target class, normalised to sum to 1 over the positions (all zeros where there is none).
+
+    * ``spatial`` (a gate, GC's context softmax): Grad-CAM's rule on the gate: ``gate * d logit / d gate``
+      summed over the gate's channels, positive part.
+    * ``token``: Chefer, Gur, Wolf 2021 (arXiv 2103.15679): ``E_h[(grad * A)^+]``, the positive part per head
+      averaged over heads, read out like :func:`spatial_heatmap` (the class token's row, or what each grid
+      position receives averaged over the grid queries).
+    * ``pool``: ``(w * d logit / d w)^+`` over the grid tokens.
+
+    The values are shares, not gates: a product with a gradient has no fixed range, so the map is drawn on
+    the ``"relative"`` scale (x the uniform share, 1 / positions), like the rollout.
+    """
+    rel = getattr(record, "relevance", None)
+    if rel is None:
+        raise ValueError(f"record {record.name!r} carries no relevance (record with gradients=True)")
+    rel = rel.float()
+    if record.kind == "spatial" and rel.dim() == 4:
+        rel = rel.sum(1, keepdim=True)
+    heat = spatial_heatmap(replace(record, weights=rel.clamp_min(0)), image_hw, query)
+    total = heat.flatten(1).sum(1).clamp_min(torch.finfo(torch.float32).tiny)
+    return heat / total[:, None, None]

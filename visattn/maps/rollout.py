@@ -6,6 +6,11 @@ re-normalised to rows summing to one, and the layers are multiplied in order:
 ``R = A_L @ ... @ A_1``. Row ``i`` of ``R`` says how much each input token flows into output token ``i``.
 The map is then read out for what the classifier looks at: the class token's row, the uniform mean over
 tokens (global average pooling), or the model's own pooling weights (CCT's sequence pooling).
+
+:func:`gradient_rollout` is the class-specific rule of Chefer, Gur, Wolf 2021 ("Generic Attention-model
+Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers", arXiv 2103.15679): each layer's
+attention weighted by its gradient for the target class, ``A_bar = E_h[(grad * A)^+]``, accumulated as
+``R = I; R = R + A_bar R`` layer by layer, then read out the same way.
 """
 from __future__ import annotations
 
@@ -20,11 +25,13 @@ HEAD_FUSIONS = ("mean", "max", "min")
 READOUTS = ("cls", "mean")
 
 
-def _as_weights(layer: Union[torch.Tensor, AttentionRecord], i: int) -> torch.Tensor:
+def _as_weights(layer: Union[torch.Tensor, AttentionRecord], i: int, attr: str = "weights") -> torch.Tensor:
     if isinstance(layer, AttentionRecord):
         if layer.kind != "token":
             raise ValueError(f"layer {i} ({layer.name!r}) is a {layer.kind!r} record; rollout needs token records")
-        layer = layer.weights
+        if getattr(layer, attr, None) is None:
+            raise ValueError(f"layer {i} ({layer.name!r}) carries no {attr} (record with gradients=True)")
+        layer = getattr(layer, attr)
     if not isinstance(layer, torch.Tensor):
         raise TypeError(f"layer {i}: expected a tensor or an AttentionRecord, got {type(layer).__name__}")
     if layer.dim() != 4 or layer.shape[-1] != layer.shape[-2]:
@@ -91,6 +98,21 @@ def _read_out(result: torch.Tensor, readout, p: int) -> torch.Tensor:
     raise ValueError(f"unknown readout {readout!r}; valid: cls, mean, or a (B, N) tensor of pooling weights")
 
 
+def _checked(attentions, attr: str, num_prefix_tokens, grid) -> Tuple[List[torch.Tensor], Tuple[int, int, int]]:
+    """The layers as ``(B, heads, N, N)`` fp32 tensors (``attr`` of records), checked, and ``(p, gh, gw)``."""
+    if isinstance(attentions, (torch.Tensor, AttentionRecord)) or len(attentions) == 0:
+        raise ValueError("attentions must be a non-empty list of (B, heads, N, N) tensors or token records")
+    layers = [_as_weights(a, i, attr) for i, a in enumerate(attentions)]
+    b, _, n, _ = layers[0].shape
+    for i, a in enumerate(layers[1:], start=1):
+        if a.shape[0] != b or a.shape[-1] != n:
+            raise ValueError(
+                f"layer {i}: attention shape {tuple(a.shape)} does not match layer 0's {tuple(layers[0].shape)} "
+                "(batch and token count must agree)"
+            )
+    return layers, _layout(attentions, layers, num_prefix_tokens, grid)
+
+
 def attention_rollout(
     attentions: Sequence[Union[torch.Tensor, AttentionRecord]],
     head_fusion: str = "mean",
@@ -115,21 +137,12 @@ def attention_rollout(
     all tokens (a tensor or a pool ``AttentionRecord``; CCT's sequence pooling). Prefix columns are dropped.
     ``grid``: ``(H, W)`` of the grid tokens; default: the records' grid, else a square.
     """
-    if isinstance(attentions, (torch.Tensor, AttentionRecord)) or len(attentions) == 0:
-        raise ValueError("attentions must be a non-empty list of (B, heads, N, N) tensors or token records")
     if head_fusion not in HEAD_FUSIONS:
         raise ValueError(f"unknown head_fusion {head_fusion!r}; valid: {', '.join(HEAD_FUSIONS)}")
     if not 0.0 <= float(discard_ratio) < 1.0:
         raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
-    layers = [_as_weights(a, i) for i, a in enumerate(attentions)]
+    layers, (p, gh, gw) = _checked(attentions, "weights", num_prefix_tokens, grid)
     b, _, n, _ = layers[0].shape
-    for i, a in enumerate(layers[1:], start=1):
-        if a.shape[0] != b or a.shape[-1] != n:
-            raise ValueError(
-                f"layer {i}: attention shape {tuple(a.shape)} does not match layer 0's {tuple(layers[0].shape)} "
-                "(batch and token count must agree)"
-            )
-    p, gh, gw = _layout(attentions, layers, num_prefix_tokens, grid)
     device = layers[0].device
     # Discarding never touches the prefix tokens' self-attention entries (p, p).
     protected = torch.zeros(n * n, dtype=torch.bool, device=device)
@@ -138,4 +151,31 @@ def attention_rollout(
     result = torch.eye(n, device=device).expand(b, n, n)
     for a in layers:
         result = _fused(a.to(device), head_fusion, num_discard, protected) @ result
+    return _read_out(result, readout, p)[:, p:].reshape(b, gh, gw)
+
+
+def gradient_rollout(
+    relevances: Sequence[Union[torch.Tensor, AttentionRecord]],
+    num_prefix_tokens: Optional[int] = None,
+    readout: Union[str, torch.Tensor, AttentionRecord] = "cls",
+    grid: Optional[Tuple[int, int]] = None,
+) -> torch.Tensor:
+    """Chefer et al.'s gradient-weighted rollout: a map ``(B, H, W)`` over the grid tokens (fp32, >= 0).
+
+    ``relevances``: per layer, first to last, ``A * d logit / d A`` ``(B, heads, N, N)`` as tensors or the
+    ``relevance`` of token :class:`~visattn.maps.record.GradientRecord`s (``record_attention(...,
+    gradients=True)``). Each layer gives ``A_bar = E_h[(grad * A)^+]`` and ``R = I; R = R + A_bar @ R``.
+    ``readout``, ``num_prefix_tokens`` and ``grid`` as for :func:`attention_rollout`. Under ``"mean"`` the
+    identity's share (the same for every position) is left out, so the map shows what attention
+    carried; under ``"cls"`` it never reaches the grid columns anyway.
+    """
+    layers, (p, gh, gw) = _checked(relevances, "relevance", num_prefix_tokens, grid)
+    b, _, n, _ = layers[0].shape
+    device = layers[0].device
+    eye = torch.eye(n, device=device)
+    result = eye.expand(b, n, n)
+    for a in layers:
+        result = result + a.to(device).clamp_min(0).mean(1) @ result
+    if isinstance(readout, str) and readout == "mean":
+        result = result - eye
     return _read_out(result, readout, p)[:, p:].reshape(b, gh, gw)

@@ -6,11 +6,17 @@ Tags (stable across steps, so TensorBoard's step slider walks through training, 
   queries without a class token) and pooling weights, as overlays;
 * ``maps/<layer>/cls_head<i>``: each head's class-token row, for token layers with a class token;
 * ``maps/rollout``: attention rollout through the last run of token layers on one grid;
+* ``maps/<layer>/grad`` and ``maps/rollout_grad`` (``gradient_maps=True``, the default): the gate or attention
+  weighted by its gradient for the true class (the predicted one without labels), and Chefer et al.'s
+  gradient-weighted rollout, from one backward pass over the probe (:func:`~visattn.maps.record.probe_pass`),
+  as shares of the positive evidence on the relative scale;
 * ``matrix/<layer>``: the first probe image's token-by-token attention (mean over heads), with axes;
 * ``channel/<layer>`` (histograms): channel gate values;
 * ``maps/descriptions`` (text tab): one line per tag: what the map is, its scale and its grid;
 * ``faithfulness/<map>/deletion`` and ``/insertion`` (scalars, with ``faithfulness=True``): the probe's
-  deletion and insertion scores against random orders (:func:`visattn.faithfulness`).
+  deletion and insertion scores against random orders (:func:`visattn.faithfulness`); each map's card then
+  also says them, with their intervals, under its pictures (green: better than random, interval included;
+  red: worse), and so does its line in the text tab.
 
 Every ``maps/`` picture lays the probe images out in as many columns as fit TensorBoard's default card
 (:data:`~visattn.maps.draw.MAX_WIDTH`): per image the true and predicted class (green when right, red when
@@ -28,8 +34,8 @@ import torch
 from ..attention.tap import AttentionRecord
 from .draw import DIM, GAP, RIGHT, TEXT, WRONG, Line, label_lines, map_picture, matrix_picture
 from .overlay import images_to_float
-from .readout import HEAD_MAPS, LayerMap, channel_records, named_records, read_maps
-from .record import probe_mode, record_attention
+from .readout import GRADIENT_KINDS, HEAD_MAPS, LayerMap, channel_records, named_records, read_maps
+from .record import probe_pass
 from .scale import check_norm, scale_title, to_unit
 
 # small settings for a probe batch: 4x4 squares removed 4 at a time, 2 random orders per image
@@ -75,23 +81,67 @@ def _describe(writer: Any, about: Dict[str, str], step: int) -> None:
     writer.add_text("maps/descriptions", "| tag | what it shows |\n|---|---|\n" + rows, step)
 
 
+def faithfulness_notes(row: Any, images: int) -> List[Line]:
+    """The lines a map's card carries about its faithfulness on the probe: deletion and insertion scores
+    against random orders with their intervals (green: better than random, red: worse, grey: not told apart)."""
+    def colour(iv) -> tuple:
+        return RIGHT if iv.lo > 0 else (WRONG if iv.hi < 0 else DIM)
+
+    return [(f"faithfulness, {images} probe images, vs random:", DIM),
+            (f"deletion {row.deletion_score}", colour(row.deletion_score)),
+            (f"insertion {row.insertion_score}", colour(row.insertion_score))]
+
+
 def _faithfulness(writer: Any, model, images, labels, maps: List[LayerMap], step: int,
-                  summary: Dict[str, List[str]], about: Dict[str, str]) -> None:
+                  summary: Dict[str, List[str]], about: Dict[str, str]) -> Dict[str, List[Line]]:
+    """Score the maps on the probe, log the scalars; returns each map's card notes by map name."""
     from .faithful import faithfulness
 
     report = faithfulness(model, images, labels, maps=maps, **FAITHFULNESS_PROBE)
+    notes = {}
     for row in report.rows:
         for what, score in (("deletion", row.deletion_score), ("insertion", row.insertion_score)):
             tag = f"faithfulness/{row.name}/{what}"
             writer.add_scalar(tag, score.mean, step)
             summary["scalars"].append(tag)
+        notes[row.name] = faithfulness_notes(row, report.images)
+        summary["faithfulness"].append(f"maps/{row.name}: deletion {row.deletion_score}, insertion {row.insertion_score}")
     about["faithfulness/<map>/deletion"] = ("probe images: random-order deletion area - the map's deletion area (true "
                                             "class probability as squares are removed most attended first); > 0: "
                                             "better than random")
     about["faithfulness/<map>/insertion"] = "probe images: the map's insertion area - random-order insertion area"
+    return notes
 
 
-@torch.no_grad()
+def _map_images(writer: Any, maps: List[LayerMap], base: torch.Tensor, image_hw, captions, step: int,
+                style: Dict[str, Any], notes: Dict[str, List[Line]], explained: str,
+                summary: Dict[str, List[str]], about: Dict[str, str]) -> None:
+    for lm in maps:
+        if not lm.finite():
+            warnings.warn(f"log_attention_maps: {lm.tag} has NaN or inf values at step {step}; picture skipped",
+                          RuntimeWarning)
+            summary["skipped"].append(lm.name)
+            continue
+        picture = map_picture(base, lm, image_hw, captions, notes=notes.get(lm.name, ()), **style)
+        writer.add_image(lm.tag, picture, step, dataformats="HWC")
+        summary["images"].append(lm.tag)
+        about[lm.tag] = lm.description + (f"; explained class: {explained}" if lm.kind in GRADIENT_KINDS else "")
+        if lm.name in notes:
+            about[lm.tag] += "; on the probe: " + ", ".join(t for t, _ in notes[lm.name][1:]) + " (> 0: better than random)"
+
+
+def _channels(writer: Any, records, step: int, summary: Dict[str, List[str]], about: Dict[str, str]) -> None:
+    for k, r in channel_records(records):
+        if not torch.isfinite(r.weights).all():
+            warnings.warn(f"log_attention_maps: channel/{k} has NaN or inf gates at step {step}; histogram skipped",
+                          RuntimeWarning)
+            summary["skipped"].append(f"channel/{k}")
+            continue
+        writer.add_histogram(f"channel/{k}", r.weights.cpu(), step)
+        summary["histograms"].append(f"channel/{k}")
+        about[f"channel/{k}"] = f"histogram of the channel gate values of {k} over the probe images (sigmoid, 0-1)"
+
+
 def log_attention_maps(
     writer: Any,
     model: torch.nn.Module,
@@ -107,18 +157,22 @@ def log_attention_maps(
     head_maps: str = "all",
     norm: str = "fixed",
     faithfulness: bool = False,
+    gradient_maps: bool = True,
 ) -> Dict[str, List[str]]:
     """Run one probe forward pass of ``images`` (normalised model input, ``(B, 3, H, W)``) and log its maps.
 
-    The pass runs in eval mode under ``torch.no_grad()`` with the RNG state forked; afterwards every
-    module's train/eval flag is what it was, and parameters, BN statistics and gradients are untouched.
+    The pass runs in eval mode with the RNG state forked (under ``torch.no_grad()``, or with one backward
+    pass for ``gradient_maps``); afterwards every module's train/eval flag is what it was, and parameters,
+    BN statistics and gradients are untouched.
     ``writer``: a ``SummaryWriter`` (anything with ``add_image``/``add_histogram``/``add_text``/``add_scalar``).
     ``labels``: ``(B,)`` true classes or None. ``mean``/``std``: the normalisation to undo for display.
     ``scale``: upscaling of the displayed images (32x32 at 2 -> 64 px). ``head_maps``: which class-token
     layers get one ``cls_head<i>`` image per head: ``"all"``, ``"last"`` or ``"none"``. ``norm``:
     ``"fixed"`` (each map kind on its declared scale) or ``"per_image"`` (stretched to each map's range).
-    ``faithfulness``: also log the probe's deletion/insertion scores as scalars (extra forward passes).
-    Returns ``{"images", "histograms", "scalars", "texts": tags, "skipped": names}``.
+    ``faithfulness``: also log the probe's deletion/insertion scores as scalars (extra forward passes) and
+    write them on each map's card. ``gradient_maps``: also the ``/grad`` maps and ``rollout_grad`` for the
+    ``labels`` classes (the predicted ones without labels).
+    Returns ``{"images", "histograms", "scalars", "texts": tags, "skipped": names, "faithfulness": lines}``.
     """
     if scale < 1:
         raise ValueError(f"scale must be >= 1, got {scale}")
@@ -129,40 +183,25 @@ def log_attention_maps(
         raise ValueError(f"images must be (B, 3, H, W), got {tuple(images.shape)}")
     param = next(model.parameters(), None)
     images = images.to(param.device if param is not None else images.device)
+    labels_ = labels.to(images.device) if labels is not None else None
     b, _, h, w = images.shape
-    with probe_mode(model), record_attention(model, warn=False) as rec:
-        out = model(images)
-    logits = out[0] if isinstance(out, (tuple, list)) else out
+    rec, logits = probe_pass(model, images, labels_, gradients=gradient_maps)
     captions = _labels(logits, labels, b, class_names, 2 * w * scale + GAP)
     base = images_to_float(images, mean, std, (h * scale, w * scale))
-    summary: Dict[str, List[str]] = {"images": [], "histograms": [], "scalars": [], "texts": [], "skipped": []}
+    summary: Dict[str, List[str]] = {"images": [], "histograms": [], "scalars": [], "texts": [], "skipped": [],
+                                     "faithfulness": []}
     about: Dict[str, str] = {}
     maps = read_maps(rec.records, model, images.shape, head_maps=head_maps)
-    for lm in maps:
-        if not lm.finite():
-            warnings.warn(f"log_attention_maps: {lm.tag} has NaN or inf values at step {step}; picture skipped",
-                          RuntimeWarning)
-            summary["skipped"].append(lm.name)
-            continue
-        picture = map_picture(base, lm, (h, w), captions, norm, colormap, alpha)
-        writer.add_image(lm.tag, picture, step, dataformats="HWC")
-        summary["images"].append(lm.tag)
-        about[lm.tag] = lm.description
+    notes: Dict[str, List[Line]] = {}
+    if faithfulness and maps:
+        scored = [m for m in maps if m.finite() and m.kind != "head"]
+        notes = _faithfulness(writer, model, images, labels_, scored, step, summary, about)
+    style = {"norm": norm, "colormap": colormap, "alpha": alpha}
+    explained = "the true class" if labels is not None else "the predicted class"
+    _map_images(writer, maps, base, (h, w), captions, step, style, notes, explained, summary, about)
     for k, r in named_records(rec.records, "token", dims=4):
         _matrix(writer, r, k, step, captions[0] + [(f"attention of {k}", DIM)], norm, colormap, summary, about)
-    for k, r in channel_records(rec.records):
-        if not torch.isfinite(r.weights).all():
-            warnings.warn(f"log_attention_maps: channel/{k} has NaN or inf gates at step {step}; histogram skipped",
-                          RuntimeWarning)
-            summary["skipped"].append(f"channel/{k}")
-            continue
-        writer.add_histogram(f"channel/{k}", r.weights.cpu(), step)
-        summary["histograms"].append(f"channel/{k}")
-        about[f"channel/{k}"] = f"histogram of the channel gate values of {k} over the probe images (sigmoid, 0-1)"
-    if faithfulness and maps:
-        labels_ = labels.to(images.device) if labels is not None else None
-        scored = [m for m in maps if m.finite() and m.kind != "head"]
-        _faithfulness(writer, model, images, labels_, scored, step, summary, about)
+    _channels(writer, rec.records, step, summary, about)
     if about:
         _describe(writer, about, step)
         summary["texts"].append("maps/descriptions")

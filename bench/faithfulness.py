@@ -1,0 +1,200 @@
+"""The faithfulness table as data: every map of trained checkpoints scored by deletion and insertion against
+random orders, into ``bench/results/faithfulness.json``; ``--report`` prints it as a markdown table that says,
+per model, which map is the most faithful.
+
+    python bench/faithfulness.py runs/cbam runs/gc runs/coord runs/cct_2 runs/vit_tiny      # 500 images each
+    python bench/faithfulness.py runs/attention_table --images 500 --vit-images 200        # every run found below
+    python bench/faithfulness.py --report                                                  # the table, no scoring
+
+Checkpoints: each path is a run directory (``last.pt`` beside the run's ``config.yaml``), or a folder searched
+for run directories (any depth). The model, its config name and seed come from the checkpoint; ``val_acc`` is
+the run's validation accuracy at the checkpoint's epoch (``metrics.jsonl``; the checkpoint's best accuracy
+when the run kept no metrics).
+
+Scoring (:func:`visattn.visualize.faithfulness_table`, as ``python -m visattn.visualize --faithfulness N``): the
+first ``--images`` images of the run's held-out split picked one class at a time (``--vit-images`` for models
+whose name starts with ``vit``), with their true labels, under the run's precision; every map ``read_maps``
+gives (each gate or attention layer, the rollout), their gradient-weighted versions (``<layer>/grad``,
+``rollout_grad``), and the gradient baselines ``input_x_gradient`` and ``gradcam``; ``--steps`` deletion steps
+of ``--regions`` x ``--regions`` squares, ``--draws`` random orders per image, 95% bootstrap intervals, the
+model-randomisation sanity check.
+
+Rows (one per checkpoint and map): ``model``, ``checkpoint`` (``path``, ``config``, ``seed``, ``epoch``),
+``val_acc``, ``images``, ``map``, ``kind`` (:data:`KINDS`), ``deletion_score`` and ``insertion_score`` as
+``[mean, lo, hi]``, ``sanity_rho`` (None where undefined), the areas and the settings. A checkpoint scored
+again replaces its rows; the others stay.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from visattn.runtime import write_atomic  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "faithfulness.json"
+KINDS = ("attention", "attention_gradient", "rollout", "gradient_rollout", "input_x_gradient", "gradcam")
+# LayerMap kinds -> the table's kinds (the baselines are named by their own kind)
+KIND_OF = {"spatial": "attention", "token": "attention", "pool": "attention", "head": "attention",
+           "rollout": "rollout", "attention_gradient": "attention_gradient", "gradient_rollout": "gradient_rollout"}
+CHECKPOINT = "last.pt"
+
+
+def find_checkpoints(paths: Iterable[str]) -> List[Path]:
+    """``last.pt`` of each run directory given, or of every run directory below a folder given."""
+    out: List[Path] = []
+    for p in map(Path, paths):
+        if p.is_file():
+            found = [p]
+        elif (p / CHECKPOINT).is_file():
+            found = [p / CHECKPOINT]
+        else:
+            found = sorted(p.rglob(CHECKPOINT))
+        if not found:
+            raise SystemExit(f"error: no {CHECKPOINT} in {p}")
+        out += [f for f in found if f not in out]
+    return out
+
+
+def val_acc(ckpt: Path, state: Dict[str, Any]) -> Optional[float]:
+    """The run's validation accuracy at the checkpoint's epoch (metrics.jsonl), else its best accuracy."""
+    metrics = ckpt.parent / "metrics.jsonl"
+    if metrics.is_file():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r.get("val_acc") is not None]
+        at = [r for r in rows if r.get("epoch") == state.get("epoch")]
+        if at or rows:
+            return float((at or rows)[-1]["val_acc"])
+    best = state.get("best_acc")
+    return float(best) if isinstance(best, (int, float)) and math.isfinite(best) and best >= 0 else None
+
+
+def kind_of(row: Any) -> str:
+    return row.name if row.kind == "gradient" else KIND_OF.get(row.kind, row.kind)
+
+
+def _interval(iv: Any) -> List[float]:
+    return [iv.mean, iv.lo, iv.hi]
+
+
+def score(ckpt: Path, images: int, vit_images: Optional[int], options: Dict[str, Any], data: Optional[str],
+          device: str) -> List[Dict[str, Any]]:
+    """Score every map of one checkpoint on ``images`` held-out images (``vit_images`` for a vit_* model, when
+    given); returns its rows."""
+    from visattn.checkpoint import load_checkpoint
+    from visattn.config import build_config
+    from visattn.visualize import faithfulness_table
+
+    state = load_checkpoint(ckpt)
+    cfg = build_config(state["config"])
+    if vit_images is not None and cfg.model.name.startswith("vit"):
+        images = vit_images
+    report = faithfulness_table(str(ckpt), images, data=data, device=device, pick="spread", **options)
+    head = {"model": cfg.model.name,
+            "checkpoint": {"path": str(ckpt), "config": cfg.name, "seed": cfg.seed, "epoch": state.get("epoch")},
+            "val_acc": val_acc(ckpt, state), "images": report.images}
+    settings = {"steps": report.steps, "regions": report.regions, "fill": report.fill, "draws": report.draws,
+                "confidence": report.confidence}
+    rows = []
+    for r in report.rows:
+        rho = r.sanity_rho if r.sanity_rho is not None and math.isfinite(r.sanity_rho) else None
+        rows.append({**head, "map": r.name, "kind": kind_of(r), "deletion_score": _interval(r.deletion_score),
+                     "insertion_score": _interval(r.insertion_score), "sanity_rho": rho,
+                     "deletion_auc": r.deletion_auc, "insertion_auc": r.insertion_auc,
+                     "random_deletion_auc": report.random_deletion_auc,
+                     "random_insertion_auc": report.random_insertion_auc, "settings": settings})
+    return rows
+
+
+def load(path: Path) -> List[Dict[str, Any]]:
+    return json.loads(path.read_text())["rows"] if path.is_file() else []
+
+
+def save(path: Path, rows: List[Dict[str, Any]]) -> None:
+    doc = {"about": "faithfulness of attention maps, their gradient-weighted versions and gradient baselines: "
+                    "deletion score = random-order deletion area - the map's, insertion score = the map's insertion "
+                    "area - random order's, [mean, lo, hi] with 95% bootstrap intervals over images "
+                    "(bench/faithfulness.py)", "rows": rows}
+    write_atomic(path, json.dumps(doc, indent=2) + "\n")
+
+
+def merge(old: List[Dict[str, Any]], new: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``old`` without the checkpoints ``new`` scores again, then ``new``."""
+    again = {r["checkpoint"]["path"] for r in new}
+    return [r for r in old if r["checkpoint"]["path"] not in again] + new
+
+
+def _fmt(iv: List[float]) -> str:
+    return f"{iv[0]:+.3f} [{iv[1]:+.3f}, {iv[2]:+.3f}]"
+
+
+def merit(row: Dict[str, Any]) -> float:
+    """How a map ranks for "most faithful": the mean of its deletion and insertion scores."""
+    return (row["deletion_score"][0] + row["insertion_score"][0]) / 2
+
+
+def report(rows: List[Dict[str, Any]]) -> str:
+    """The markdown table, one section per checkpoint, and per model which map is the most faithful."""
+    out = ["| model | checkpoint | val acc | images | map | kind | deletion score | insertion score | sanity rho |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    verdicts = []
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r["checkpoint"]["path"], []).append(r)
+    for path, group in groups.items():
+        c = group[0]["checkpoint"]
+        acc = "-" if group[0]["val_acc"] is None else f"{group[0]['val_acc']:.4f}"
+        for r in group:
+            rho = "-" if r["sanity_rho"] is None else f"{r['sanity_rho']:.2f}"
+            out.append(f"| {r['model']} | {c['config']} seed {c['seed']} | {acc} | {r['images']} | `{r['map']}` | "
+                       f"{r['kind']} | {_fmt(r['deletion_score'])} | {_fmt(r['insertion_score'])} | {rho} |")
+        best = max(group, key=merit)
+        sure = round(best["deletion_score"][1], 3) > 0 and round(best["insertion_score"][1], 3) > 0  # as printed
+        verdicts.append(f"- **{group[0]['model']}** ({c['config']} seed {c['seed']}): most faithful map `{best['map']}` "
+                        f"({best['kind']}; deletion {_fmt(best['deletion_score'])}, insertion "
+                        f"{_fmt(best['insertion_score'])}) - "
+                        + ("better than random on both (intervals above zero)" if sure
+                           else "not better than random on both with confidence"))
+    return "\n".join(out + ["", "Most faithful map per model (highest mean of the deletion and insertion scores):", *verdicts])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="*", help="run directories (with last.pt), or folders holding them")
+    ap.add_argument("--report", action="store_true", help="print the markdown table of --out and stop")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--images", type=int, default=500, help="held-out images per checkpoint")
+    ap.add_argument("--vit-images", type=int, default=None, help="held-out images for vit_* models (default: --images)")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--regions", type=int, default=8)
+    ap.add_argument("--draws", type=int, default=3)
+    ap.add_argument("--fill", choices=["mean", "blur"], default="mean")
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--no-sanity", dest="sanity", action="store_false", help="skip the model-randomisation check")
+    ap.add_argument("--data", default=None, help="dataset path or 'synthetic' (default: each run's data.root)")
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.report:
+        print(report(load(out)))
+        return 0
+    if not args.runs:
+        ap.error("give run directories to score, or --report")
+    options = {"steps": args.steps, "regions": args.regions, "draws": args.draws, "fill": args.fill,
+               "batch_size": args.batch_size, "sanity": args.sanity, "gradient_maps": True}
+    for ckpt in find_checkpoints(args.runs):
+        rows = score(ckpt, args.images, args.vit_images, options, args.data, args.device)
+        save(out, merge(load(out), rows))  # after every checkpoint: an interrupted sweep keeps what it scored
+        best = max(rows, key=merit)
+        print(f"{ckpt}: {len(rows)} maps on {rows[0]['images']} images; most faithful: {best['map']} ({best['kind']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""``bench/faithfulness.py`` on a tiny checkpoint and synthetic held-out images: it finds the run, scores every
+map kind (attention, its gradient-weighted version, both rollouts, the two gradient baselines), writes the rows
+the table is made from, replaces a checkpoint's rows when it is scored again, and reports per model the most
+faithful map. ``bench/faithfulness_cost.py`` parses its options."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import torch
+from conftest import ROOT
+
+from visattn.checkpoint import save_checkpoint
+from visattn.config import build_config, read_yaml
+from visattn.models import create_model
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("faithfulness")
+
+
+def tiny_run(run_dir, model: dict, seed: int = 3):
+    tree = read_yaml(ROOT / "configs" / "smoke.yaml")
+    tree.update(name=f"tiny_{model['name']}", run_dir=str(run_dir), seed=seed, precision="fp32")
+    tree["model"] = dict(model)
+    tree["data"].update(synthetic_size=120, val_size=40)
+    cfg = build_config(tree)
+    torch.manual_seed(0)
+    net = create_model(model["name"], num_classes=10, **cfg.model.options())
+    state = {"model": net.state_dict(), "config": cfg.to_dict(), "epoch": 2, "step": 10, "best_acc": 0.5,
+             "classes": [f"c{i}" for i in range(10)], "seed": seed}
+    save_checkpoint(state, run_dir / "last.pt")
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (
+        {"epoch": 1, "val_acc": 0.25}, {"epoch": 2, "val_acc": 0.375})) + "\n")
+    return run_dir / "last.pt"
+
+
+def test_scores_every_kind_writes_rows_and_reports(tmp_path, capsys):
+    vit = tiny_run(tmp_path / "runs" / "vit", {"name": "vit_tiny", "depth": 2, "dim": 32, "num_heads": 2,
+                                               "mlp_ratio": 1.0})
+    out = tmp_path / "faithfulness.json"
+    opts = ["--out", str(out), "--images", "8", "--vit-images", "6", "--steps", "2", "--regions", "2", "--draws", "1",
+            "--device", "cpu"]
+    assert bench.main([str(tmp_path / "runs")] + opts) == 0  # a folder: the run below it is found
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["kind"] for r in rows} == set(bench.KINDS)
+    names = [r["map"] for r in rows]
+    assert names == ["blocks.0.attn", "blocks.0.attn/grad", "blocks.1.attn", "blocks.1.attn/grad", "rollout",
+                     "rollout_grad", "input_x_gradient", "gradcam"]
+    r = rows[0]
+    assert r["model"] == "vit_tiny" and r["images"] == 6 and r["val_acc"] == 0.375
+    assert r["checkpoint"] == {"path": str(vit), "config": "tiny_vit_tiny", "seed": 3, "epoch": 2}
+    for row in rows:
+        for key in ("deletion_score", "insertion_score"):
+            mean, lo, hi = row[key]
+            assert lo <= mean <= hi
+        assert row["sanity_rho"] is None or -1 <= row["sanity_rho"] <= 1
+    assert "NaN" not in out.read_text()
+
+    cnn = tiny_run(tmp_path / "cnn", {"name": "resnet_fast", "widths": [8, 16, 16], "stem_width": 8,
+                                      "attention": "coord"}, seed=1)
+    assert bench.main([str(cnn.parent), str(vit.parent)] + opts + ["--no-sanity"]) == 0  # the ViT again: replaced
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({r["checkpoint"]["path"] for r in rows}) == sorted([str(vit), str(cnn)])
+    assert len([r for r in rows if r["model"] == "vit_tiny"]) == len(names)
+    coord = [r for r in rows if r["model"] == "resnet_fast"]
+    assert coord[0]["images"] == 8 and coord[0]["map"] == "layers.0.units.0.attn"
+    assert {r["kind"] for r in coord} >= {"attention", "attention_gradient", "input_x_gradient", "gradcam"}
+    capsys.readouterr()
+
+    assert bench.main(["--report", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("| model | checkpoint | val acc | images | map | kind | deletion score |")
+    assert "| vit_tiny | tiny_vit_tiny seed 3 | 0.3750 | 6 | `rollout_grad` | gradient_rollout |" in text
+    verdicts = [line for line in text.splitlines() if line.startswith("- **")]
+    assert len(verdicts) == 2 and all("most faithful map `" in v for v in verdicts)
+    best = max((r for r in rows if r["model"] == "vit_tiny"), key=bench.merit)
+    assert f"most faithful map `{best['map']}`" in next(v for v in verdicts if "vit_tiny" in v)
+
+
+def test_cost_bench_parses_its_options():
+    cost = _load("faithfulness_cost")
+    assert set(cost.VARIANTS) == {"plain", "grad", "faithful"}
+    assert cost.VARIANTS["faithful"] == {"gradient_maps": True, "faithfulness": True}
+    assert all((ROOT / c).is_file() for c in cost.DEFAULT_CONFIGS)
