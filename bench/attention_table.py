@@ -129,7 +129,7 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
             "train_seconds": sum(r["epoch_seconds"] for r in rows),
             "images_per_s": statistics.mean(r["images_per_s"] for r in rows), "parameters": info["parameters"],
             "eval_split": summary["eval_split"], "git": info["git"], "load_mean": load.mean, "cpu": cpu_name(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "precision": info["precision"]}
 
 
 def cpu_name() -> str:
@@ -164,13 +164,18 @@ def at_budget(results: List[dict], epochs: Optional[int]) -> List[dict]:
     return [r for r in results if epochs is None or r["epochs"] == epochs]
 
 
+def precision(r: dict) -> str:
+    """The run's resolved precision (runs recorded before it was stored were all bf16 autocast, on AMX CPUs)."""
+    return r.get("precision", "bf16")
+
+
 def differences(results: List[dict], name: str, epochs: Optional[int] = None) -> List[float]:
-    """``name``'s accuracy minus the baseline's, in points, for each seed both have at the same epochs
-    (``epochs``: only that budget)."""
+    """``name``'s accuracy minus the baseline's, in points, for each seed both have at the same epochs and
+    precision (``epochs``: only that budget)."""
     rs = at_budget(results, epochs)
-    base = {(r["seed"], r["epochs"]): r["val_acc"] for r in rs if r["name"] == BASELINE}
-    return [100 * (r["val_acc"] - base[r["seed"], r["epochs"]]) for r in rs
-            if r["name"] == name and (r["seed"], r["epochs"]) in base]
+    base = {(r["seed"], r["epochs"], precision(r)): r["val_acc"] for r in rs if r["name"] == BASELINE}
+    return [100 * (r["val_acc"] - base[r["seed"], r["epochs"], precision(r)]) for r in rs
+            if r["name"] == name and (r["seed"], r["epochs"], precision(r)) in base]
 
 
 def ordered(names) -> List[str]:
@@ -281,14 +286,16 @@ def plot(results: List[dict], path: Path) -> None:
     fig.savefig(path)
 
 
-def ran(results: List[dict], config: str, seed: int, epochs: Optional[int] = None, tag: str = "") -> bool:
-    """Whether ``results`` hold the run (its name, seed and, where given, epochs)."""
+def ran(results: List[dict], config: str, seed: int, epochs: Optional[int] = None, tag: str = "",
+        prec: Optional[str] = None) -> bool:
+    """Whether ``results`` hold the run (its name, seed and, where given, epochs and precision)."""
     name = run_name(config, tag)
-    return any(r["name"] == name and r["seed"] == seed and (epochs is None or r["epochs"] == epochs) for r in results)
+    return any(r["name"] == name and r["seed"] == seed and (epochs is None or r["epochs"] == epochs)
+               and (prec is None or precision(r) == prec) for r in results)
 
 
 def plan(results: List[dict], configs: List[str], seed: int, target: float, epochs: Optional[int] = None,
-         tag: str = "") -> List[str]:
+         tag: str = "", prec: Optional[str] = None) -> List[str]:
     """The configs of ``configs`` still to run at ``seed`` in an adaptive sweep.
 
     Every config gets the first :data:`MIN_PAIRS` seeds. From then on a config gets another seed only while its
@@ -305,7 +312,7 @@ def plan(results: List[dict], configs: List[str], seed: int, target: float, epoc
     wanted = others if seed < MIN_PAIRS else [c for c in others if open_(c)]
     if wanted:
         wanted = [c for c in configs if Path(c).stem == BASELINE] + wanted
-    return [c for c in wanted if not ran(results, c, seed, epochs, "" if Path(c).stem == BASELINE else tag)]
+    return [c for c in wanted if not ran(results, c, seed, epochs, "" if Path(c).stem == BASELINE else tag, prec)]
 
 
 def main() -> None:
@@ -339,10 +346,11 @@ def main() -> None:
     seeds = args.seeds if args.seeds is not None else list(range(args.max_seeds))
     for seed in [] if args.report else seeds:  # seed-major: a partial sweep still pairs every config
         epochs_of = {c: args.epochs or default_epochs(c) or config_epochs(c) for c in args.configs}
+        prec = planned_precision(args.configs[0])
         if args.seeds is not None:  # exactly these seeds, every config
-            todo = [c for c in args.configs if not ran(results, c, seed, epochs_of[c], variant(c, args.tag))]
+            todo = [c for c in args.configs if not ran(results, c, seed, epochs_of[c], variant(c, args.tag), prec)]
         else:
-            todo = plan(results, args.configs, seed, args.target, args.epochs, args.tag)
+            todo = plan(results, args.configs, seed, args.target, args.epochs, args.tag, prec)
         for config in todo:
             tag = variant(config, args.tag)
             r = run_one(config, seed, epochs_of[config], Path(args.runs), args.data_root, tag,
@@ -359,6 +367,15 @@ def main() -> None:
 def variant(config: str, tag: str) -> str:
     """The tag a config runs under: none for the baseline, which has no block to vary."""
     return "" if Path(config).stem == BASELINE else tag
+
+
+def planned_precision(config: str) -> str:
+    """The precision a run of ``config`` resolves to on this machine (``auto``: bf16 only with native bf16)."""
+    from visattn import engine
+    from visattn.config import load_config
+
+    cfg = load_config(ROOT / config)
+    return engine.resolve_precision(cfg.precision, engine.resolve_device(cfg.device))
 
 
 def config_epochs(config: str) -> int:

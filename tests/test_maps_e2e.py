@@ -23,6 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
     EventAccumulator,
 )
 
+from visattn import trainer as trainer_mod
 from visattn.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from visattn.config import build_config, read_yaml  # noqa: E402
 from visattn.data import load_splits, normalize  # noqa: E402
@@ -88,7 +89,7 @@ def find_rows(picture: np.ndarray, tile: np.ndarray) -> list:
 @pytest.fixture(scope="module")
 def cnn_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cnn") / "run"
-    return train(run_dir, CNN), run_dir
+    return train(run_dir, CNN, faithfulness=False), run_dir
 
 
 # ------------------------------------------------------------------------------------ TensorBoard events
@@ -123,7 +124,7 @@ def test_trainer_logs_every_layer_each_epoch(cnn_run):
     for tag in ("train/loss", "train/acc", "val/loss", "val/acc", "train/images_per_s"):
         assert [e.step for e in acc.Scalars(tag)] == [1, 2], tag
     assert "train/lr_epoch" in tags["scalars"] and len(acc.Scalars("train/lr_epoch")) == 2
-    assert not any(t.startswith("faithfulness/") for t in tags["scalars"])  # log.faithfulness is off by default
+    assert not any(t.startswith("faithfulness/") for t in tags["scalars"])  # log.faithfulness=false
     about = acc.Tensors("maps/descriptions/text_summary")
     assert [e.step for e in about] == [1, 2]
     text = about[-1].tensor_proto.string_val[0].decode()
@@ -337,3 +338,16 @@ def test_faithfulness_command_prints_the_table(cnn_run, tmp_path, capsys):
     assert visualize_main(args + ["--maps", "rollout", "nope"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --maps: no map named nope")
+
+
+@pytest.mark.parametrize("budget,steps", [(0.0, [1]), (1e9, [1, 2])], ids=["over-budget", "within-budget"])
+def test_faithfulness_auto_keeps_the_scores_only_within_their_budget(tmp_path, monkeypatch, budget, steps):
+    monkeypatch.setattr(trainer_mod, "FAITHFULNESS_BUDGET", budget)
+    said = []
+    cfg = tiny_config(tmp_path / "run", CNN, 2)
+    assert cfg.log.faithfulness == "auto"  # the default
+    run(cfg, log=lambda *a, **k: said.append(" ".join(map(str, a))))
+    acc = read_events(tmp_path / "run")
+    scored = [t for t in acc.Tags()["scalars"] if t.startswith("faithfulness/")]
+    assert scored and all([e.step for e in acc.Scalars(t)] == steps for t in scored)
+    assert any("log.faithfulness=auto" in line for line in said) == (budget == 0.0)

@@ -190,9 +190,11 @@ class LogConfig(_Section):
     probe_size: int = Field(8, ge=1, le=64)  # validation images in the fixed probe batch
     map_scale: int = Field(2, ge=1, le=16)  # upscale factor of the overlay pictures (2: two probe images a row)
     map_norm: Literal["fixed", "per_image"] = "fixed"  # colour scale: each map kind's fixed scale, or per-image stretch
-    # also log the probe's deletion/insertion scores (faithfulness/ scalars); extra forward passes, in
-    # seconds per logging epoch on 2 CPU threads: ~5-9 s for the CNN recipes, ~25 s for vit_tiny
-    faithfulness: bool = False
+    # also log the probe's deletion/insertion scores (faithfulness/ scalars, and on each map's card); extra
+    # forward passes. "auto": on, unless the first logging epoch shows they cost more than
+    # FAITHFULNESS_BUDGET (5%) of that epoch's training time; then off for the rest of the run, said once
+    faithfulness: Union[bool, Literal["auto"]] = "auto"
+    gradient_maps: bool = True  # also the attention x gradient maps (maps/<layer>/grad, maps/rollout_grad)
     # class-token layers that also get one maps/<layer>/cls_head<i> image per head: each is a PNG encode, and
     # "all" on a 9-layer, 12-head ViT adds 108 of them (~40 s) to every logging epoch on a CPU
     head_maps: Literal["all", "last", "none"] = "last"

@@ -96,6 +96,7 @@ class Run:
     history: List[Dict[str, Any]] = field(default_factory=list)
     last_eval: Dict[str, Any] = field(default_factory=dict)
     t_start: float = field(default_factory=time.perf_counter)
+    faithfulness_on: bool = True  # log.faithfulness=auto: still within its cost budget
 
     @property
     def device(self) -> torch.device:
@@ -567,7 +568,7 @@ def _log_scalars(run: Run, row: Dict[str, Any], done: int) -> None:
             writer.add_scalar("train/lr_epoch" if k == "lr" else tag, row[k], done)
     log_hparam_metrics(writer, row, done)
     if run.probe is not None and cfg.log.maps_every and done % cfg.log.maps_every == 0:
-        skipped = log_maps(writer, run.eval_model, run.probe, done, cfg, run.splits.train.classes)
+        skipped = log_maps(writer, run.eval_model, run.probe, done, cfg, run.splits.train.classes, run, row)
         if skipped:
             run.say(f"warning: epoch {done}: the attention maps of {', '.join(skipped)} on the probe batch are not "
                     "finite; those pictures were skipped")
@@ -580,15 +581,31 @@ def _has_taps(model: nn.Module) -> bool:
     return any(isinstance(m, AttentionTap) for m in model.modules())
 
 
-def log_maps(writer: Any, model: nn.Module, probe: Any, step: int, cfg: Config, classes: Any) -> List[str]:
+FAITHFULNESS_BUDGET = 0.05  # log.faithfulness=auto keeps the scores while they cost at most this share of an epoch
+
+
+def log_maps(writer: Any, model: nn.Module, probe: Any, step: int, cfg: Config, classes: Any,
+             run: Optional["Run"] = None, row: Optional[Dict[str, Any]] = None) -> List[str]:
     """Log the attention maps of ``probe`` (images, labels) as the run's config says.
 
+    ``log.faithfulness="auto"`` (with ``run`` and its epoch ``row``): the scores are computed at the first
+    logging epoch and kept while they cost at most :data:`FAITHFULNESS_BUDGET` of the epoch's training time;
+    past that they are switched off for the rest of the run, with one line saying so.
     Returns the maps that were not logged because they held NaN or inf (the logger skips those pictures)."""
     from .maps.tensorboard import log_attention_maps
 
+    auto = cfg.log.faithfulness == "auto"
+    faith = (run is None or run.faithfulness_on) if auto else bool(cfg.log.faithfulness)
     with warnings.catch_warnings():  # the skipped maps are reported once, by the caller
         warnings.simplefilter("ignore", RuntimeWarning)
         summary = log_attention_maps(writer, model, probe[0], probe[1], step, cfg.data.mean, cfg.data.std,
                                      list(classes), scale=cfg.log.map_scale, head_maps=cfg.log.head_maps,
-                                     norm=cfg.log.map_norm, faithfulness=cfg.log.faithfulness)
+                                     norm=cfg.log.map_norm, faithfulness=faith, gradient_maps=cfg.log.gradient_maps)
+    cost = summary.get("faithfulness_seconds")
+    epoch = (row or {}).get("epoch_seconds")
+    if auto and run is not None and cost and epoch and cost[0] > FAITHFULNESS_BUDGET * epoch:
+        run.faithfulness_on = False
+        run.say(f"log.faithfulness=auto: the faithfulness scores took {cost[0]:.1f} s, more than "
+                f"{FAITHFULNESS_BUDGET:.0%} of the {epoch:.0f} s epoch; not computed again in this run "
+                "(log.faithfulness=true keeps them)")
     return list(summary.get("skipped", []))

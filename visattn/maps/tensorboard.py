@@ -26,6 +26,8 @@ warning.
 """
 from __future__ import annotations
 
+import time
+
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -172,7 +174,8 @@ def log_attention_maps(
     ``faithfulness``: also log the probe's deletion/insertion scores as scalars (extra forward passes) and
     write them on each map's card. ``gradient_maps``: also the ``/grad`` maps and ``rollout_grad`` for the
     ``labels`` classes (the predicted ones without labels).
-    Returns ``{"images", "histograms", "scalars", "texts": tags, "skipped": names, "faithfulness": lines}``.
+    Returns ``{"images", "histograms", "scalars", "texts": tags, "skipped": names, "faithfulness": lines}``,
+    and ``"faithfulness_seconds": [seconds]`` when the scores were computed.
     """
     if scale < 1:
         raise ValueError(f"scale must be >= 1, got {scale}")
@@ -195,7 +198,9 @@ def log_attention_maps(
     notes: Dict[str, List[Line]] = {}
     if faithfulness and maps:
         scored = [m for m in maps if m.finite() and m.kind != "head"]
+        start = time.perf_counter()
         notes = _faithfulness(writer, model, images, labels_, scored, step, summary, about)
+        summary["faithfulness_seconds"] = [time.perf_counter() - start]
     style = {"norm": norm, "colormap": colormap, "alpha": alpha}
     explained = "the true class" if labels is not None else "the predicted class"
     _map_images(writer, maps, base, (h, w), captions, step, style, notes, explained, summary, about)
