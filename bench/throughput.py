@@ -1,15 +1,23 @@
 """Achieved training FLOP/s of a config's model against this machine's matmul ceiling, eager and compiled.
 
-    python bench/throughput.py [--config configs/cifar10_cpu.yaml] [--steps 8] [--repeats 3] [--layers]
+    python bench/throughput.py [--config configs/cifar10_cpu.yaml ...] [--steps 8] [--repeats 3] [--layers]
+    python bench/throughput.py --config configs/vit_tiny.yaml configs/cifar10_cpu.yaml --baseline --threads 1
 
-In one process:
+In one process, for every ``--config``:
 1. the ceiling: a large square matmul (``--matmul 4096``) in the config's precision (bf16 on a CPU with AMX),
    timed with its median over repeats: 2 * n^3 FLOP per call;
 2. the FLOP of one training step of the config's model at its batch size, counted by
    ``torch.utils.flop_counter.FlopCounterMode`` over forward and backward (convolutions and matmuls);
 3. training steps (autocast forward, loss, backward, SGD step) on batches already in memory, eager and then
    under ``torch.compile``; interleaved repeats, medians.
-It prints images/s, achieved TFLOP/s, the fraction of the in-process matmul ceiling, and compiled / eager.
+It prints images/s, achieved TFLOP/s, the fraction of the in-process matmul ceiling, and the speed relative to
+the first row of the config. ``--baseline`` adds, for a transformer (``TokenClassifier``), the same steps on a
+copy of the model (same weights) running the path as it was before the fast path
+(``TokenClassifier.set_fast_path(False)``): before and after, measured in one process. ``--sdpa`` picks the
+fast path's CPU attention kernel (``visattn.attention.token.sdpa_cpu_mode``; several modes: one row each, on
+copies of the model); ``--threads``, ``--batch-size``, ``--precision`` and ``--set`` override the defaults and
+the configs. The FLOP counter has no formula for the CPU flash-attention kernel, so a transformer's count leaves out the attention products themselves (q k^T and
+weights x V, under 10% of ``vit_tiny``'s FLOP): the same count for every path and ``--sdpa`` mode.
 ``--layers`` adds, per convolution of the model, the forward, input-gradient and weight-gradient kernel times
 (``aten.convolution`` / ``aten.convolution_backward``, in the step's precision and memory format) next to
 the time their FLOP would take at the matmul ceiling: where the step's time goes.
@@ -17,11 +25,14 @@ the time their FLOP would take at the matmul ceiling: where the step's time goes
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from visattn import create_model, engine  # noqa: E402
+from visattn.attention.token import SDPA_CPU_MODES, MultiHeadSelfAttention, sdpa_cpu_mode  # noqa: E402
 from visattn.config import load_config  # noqa: E402
 
 
@@ -124,55 +136,141 @@ def _times(f, repeats: int) -> List[float]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(ROOT / "configs" / "cifar10_cpu.yaml"))
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--matmul", type=int, default=4096)
-    ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--layers", action="store_true",
-                    help="also time every convolution's forward, input gradient and weight gradient")
-    args = ap.parse_args()
-    cfg = load_config(args.config)
-    device = torch.device("cpu")
-    precision = engine.resolve_precision(cfg.precision, device)
+@dataclass
+class Setup:
+    """A config's model, batches in memory and precision, built as the trainer builds them."""
+
+    config: str
+    name: str
+    model: torch.nn.Module
+    batches: List[Tuple[torch.Tensor, torch.Tensor]]
+    precision: str
+    dtype: torch.dtype
+
+
+def build(config: str, batch: int = 0, steps: int = 8, precision: str = "", overrides: Sequence[str] = ()) -> Setup:
+    """The model of ``config`` (seed 0; ``overrides`` as ``train.py --set``) and ``steps`` random batches of
+    ``batch`` (default: the config's) images."""
+    cfg = load_config(config, overrides)
+    precision = engine.resolve_precision(precision or cfg.precision, torch.device("cpu"))
     torch.manual_seed(0)
     model = create_model(cfg.model.name, num_classes=10, **cfg.model.options())
     if getattr(model, "needs_data_init", False):
         model.data_init(torch.randint(0, 255, (512, 3, 32, 32), dtype=torch.uint8), cfg.data.mean, cfg.data.std)
     model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
-    bs = cfg.train.batch_size
+    bs = batch or cfg.train.batch_size
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
     batches = [(torch.randn(bs, 3, 32, 32).contiguous(memory_format=fmt), torch.randint(0, 10, (bs,)))
-               for _ in range(args.steps)]
-    flop = step_flops(model, *batches[0], precision)
-    dtype = engine.AMP_DTYPES[precision] or torch.float32
-    ceiling = matmul_tflops(args.matmul, dtype, max(args.repeats, 3))
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, nesterov=True)
-    variants = {"eager": make_step(model, opt, precision)}
-    if not args.no_compile:
-        variants["compiled"] = make_step(torch.compile(model), opt, precision)
-    for step in variants.values():  # warm-up (and compilation)
-        time_steps(step, batches[:2])
-    times = {k: [] for k in variants}
-    for _ in range(args.repeats):
-        for k, step in variants.items():
-            times[k].append(time_steps(step, batches))
-    print(f"config {args.config}: model {cfg.model.name}, batch {bs}, precision {precision}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"ceiling: {args.matmul}x{args.matmul} {dtype} matmul = {ceiling:.3f} TFLOP/s (median of {max(args.repeats, 3)})")
-    print(f"one training step: {flop / 1e9:.1f} GFLOP = {flop / bs / 1e9:.3f} GFLOP per image (forward + backward)\n")
-    print("| step | images/s | TFLOP/s | of matmul ceiling | ratio vs eager |")
-    print("|---|---:|---:|---:|---:|")
-    eager = statistics.median(times["eager"])
-    for k, ts in times.items():
-        t = statistics.median(ts)
-        ips = bs * args.steps / t
-        tf = flop * args.steps / t / 1e12
-        print(f"| {k} | {ips:.0f} | {tf:.3f} | {tf / ceiling:.0%} | {eager / t:.2f} |")
+               for _ in range(steps)]
+    return Setup(config, cfg.model.name, model, batches, precision, engine.AMP_DTYPES[precision] or torch.float32)
+
+
+SDPA_MODES = SDPA_CPU_MODES
+
+
+def sdpa_mode(mode: Optional[str]):
+    """Context: the fast path's CPU attention kernel (``None``: the library's default)."""
+    return sdpa_cpu_mode(mode) if mode else contextlib.nullcontext()
+
+
+def set_fast_path(model: torch.nn.Module, enabled: bool) -> bool:
+    """Switch a transformer's fast path (``TokenClassifier.set_fast_path``); False for models without one."""
+    if not hasattr(model, "set_fast_path"):
+        return False
+    model.set_fast_path(enabled)
+    return True
+
+
+def set_sdpa_cpu(model: torch.nn.Module, mode: str) -> bool:
+    """Give every attention block of ``model`` the CPU attention kernel ``mode``; False if it has none."""
+    blocks = [m for m in model.modules() if hasattr(m, "sdpa_cpu")]
+    for m in blocks:
+        m.sdpa_cpu = mode
+    return bool(blocks)
+
+
+def variants(setup: Setup, compile_: bool, baseline: bool, sdpa: Sequence[str] = ()) -> List[Tuple[str, str, object]]:
+    """(path, step kind, step function) to time for one config: eager and compiled, on the fast path (one copy
+    of the model per ``sdpa`` mode, same weights) and, with ``baseline``, on a copy running the path as it was
+    before the fast path."""
+    models = [("fast", setup.model)]
+    if len(sdpa) > 1 or (sdpa and sdpa[0] != MultiHeadSelfAttention.sdpa_cpu):
+        copies = [(f"fast, sdpa {mode}", copy.deepcopy(setup.model)) for mode in sdpa]
+        if all(set_sdpa_cpu(m, mode) for (_, m), mode in zip(copies, sdpa)):
+            models = copies
+    if baseline:
+        base = copy.deepcopy(setup.model)
+        if set_fast_path(base, False):
+            models = [("baseline", base)] + models
+    out = []
+    for path, model in models:
+        label = path if len(models) > 1 else "-"
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, nesterov=True)
+        out.append((label, "eager", make_step(model, opt, setup.precision)))
+        if compile_:
+            out.append((label, "compiled", make_step(torch.compile(model), opt, setup.precision)))
+    return out
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", nargs="+", default=[str(ROOT / "configs" / "cifar10_cpu.yaml")],
+                    help="one or more configs, measured in one process against one ceiling")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--matmul", type=int, default=4096)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: PyTorch's, all cores)")
+    ap.add_argument("--batch-size", type=int, default=0, help="override every config's batch size")
+    ap.add_argument("--precision", default="", help="override every config's precision (bf16, fp32)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides applied to every config, e.g. model.num_heads=3")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also time each transformer on the path as it was before the fast path (same weights)")
+    ap.add_argument("--sdpa", nargs="+", choices=SDPA_MODES, default=[],
+                    help="the fast path's CPU attention kernel(s): several give one row each (default: the library's)")
+    ap.add_argument("--layers", action="store_true",
+                    help="also time every convolution's forward, input gradient and weight gradient")
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    setups = [build(c, args.batch_size, args.steps, args.precision, args.set) for c in args.config]
+    flops = [step_flops(s.model, *s.batches[0], s.precision) for s in setups]
+    ceilings = {s.dtype: None for s in setups}
+    for dtype in ceilings:
+        ceilings[dtype] = matmul_tflops(args.matmul, dtype, max(args.repeats, 3))
+    runs = [(i, *v) for i, s in enumerate(setups) for v in variants(s, not args.no_compile, args.baseline, args.sdpa)]
+    times: List[List[float]] = [[] for _ in runs]
+    for i, _, _, step in runs:  # warm-up (and compilation)
+        time_steps(step, setups[i].batches[:2])
+    for _ in range(args.repeats):  # interleaved repeats
+        for j, (i, _, _, step) in enumerate(runs):
+            times[j].append(time_steps(step, setups[i].batches))
+    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}, sdpa {' '.join(args.sdpa) or 'default'}, "
+          f"{args.steps} steps x {args.repeats} interleaved repeats (medians)"
+          + (f", overrides {' '.join(args.set)}" if args.set else ""))
+    for dtype, c in ceilings.items():
+        print(f"ceiling: {args.matmul}x{args.matmul} {dtype} matmul = {c:.3f} TFLOP/s (median of {max(args.repeats, 3)})")
+    for s, flop in zip(setups, flops):
+        bs = s.batches[0][0].shape[0]
+        print(f"config {s.config}: model {s.name}, batch {bs}, precision {s.precision}; one training step "
+              f"{flop / 1e9:.1f} GFLOP = {flop / bs / 1e9:.3f} GFLOP per image (forward + backward)")
+    print("\n| config | path | step | images/s | TFLOP/s | of matmul ceiling | ratio vs first row of its config |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    first = {}
+    for (i, path, kind, _), ts in zip(runs, times):
+        s, t = setups[i], statistics.median(ts)
+        first.setdefault(i, t)
+        ips, tf = s.batches[0][0].shape[0] * args.steps / t, flops[i] * args.steps / t / 1e12
+        print(f"| {Path(s.config).stem} | {path} | {kind} | {ips:.0f} | {tf:.3f} | {tf / ceilings[s.dtype]:.0%} | "
+              f"{first[i] / t:.2f} |")
     if args.layers:
-        layer_table(model, batches[0][0], precision, dtype, args.repeats, ceiling)
+        for s in setups:
+            layer_table(s.model, s.batches[0][0], s.precision, s.dtype, args.repeats, ceilings[s.dtype])
 
 
 if __name__ == "__main__":

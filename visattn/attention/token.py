@@ -23,8 +23,9 @@ Composability: the blocks are plain PyTorch (``torch.compile(fullgraph=True)``, 
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional, Tuple, Union
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +35,11 @@ from ..registry import register_attention
 from .functional import init_linears, positive_int, sdpa
 from .tap import AttentionTap
 
-__all__ = ["MultiHeadSelfAttention", "LocalitySelfAttention", "SequencePooling", "SCORES"]
+__all__ = ["MultiHeadSelfAttention", "LocalitySelfAttention", "SequencePooling", "SCORES", "SDPA_CPU_MODES",
+           "sdpa_cpu_mode", "matmul_attention"]
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
+SDPA_CPU_MODES = ("fp32", "native", "matmul")  # the fast path's CPU attention (see sdpa_cpu_mode)
 
 Grid = Optional[Tuple[int, int]]
 Hard = Union[None, str, int]
@@ -100,6 +103,39 @@ def top_k_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
     return torch.zeros_like(logits).scatter_(-1, idx, top.softmax(dim=-1))
 
 
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                     dropout_p: float = 0.0, scale: Optional[float] = None, is_causal: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` written out: ``softmax(q k^T * scale + mask) v`` as two batched
+    matmuls and a softmax, all in the inputs' (or autocast's) precision: under bf16 autocast the logits and
+    the weights are rounded to bf16 (the CPU softmax kernel accumulates in fp32; the flash kernels keep the
+    logits in fp32 and round only the weights). Same arguments and mask semantics as SDPA; the scale is
+    folded into ``q``. Not fused: it materialises the ``(B, heads, N, N)`` weights, in exchange for one
+    batched matmul per product instead of the CPU flash kernel's many tiny per-head ones."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = mask_logits(torch.matmul(q * scale, k.transpose(-2, -1)), attn_mask, is_causal)
+    attn = torch.softmax(logits, dim=-1)
+    if dropout_p > 0:
+        attn = F.dropout(attn, dropout_p)
+    return torch.matmul(attn.to(v.dtype), v)
+
+
+@contextlib.contextmanager
+def sdpa_cpu_mode(mode: str) -> Iterator[None]:
+    """Within the context, every ``mhsa``/``lsa`` block on the fast path computes its attention on a CPU with
+    the flash kernel in fp32 (``"fp32"``, the default: half-precision inputs are cast up, as
+    ``functional.sdpa`` does), the flash kernel in the inputs' precision (``"native"``), or
+    :func:`matmul_attention` (``"matmul"``). A switch for benchmarks (``bench/throughput.py --sdpa``); a
+    block's own ``sdpa_cpu`` attribute, where set, wins. Other devices always run their native SDPA."""
+    if mode not in SDPA_CPU_MODES:
+        raise ValueError(f"unknown sdpa_cpu mode {mode!r}; valid: {', '.join(SDPA_CPU_MODES)}")
+    old = MultiHeadSelfAttention.sdpa_cpu
+    MultiHeadSelfAttention.sdpa_cpu = mode
+    try:
+        yield
+    finally:
+        MultiHeadSelfAttention.sdpa_cpu = old
+
+
 @register_attention("mhsa", layout="token", kind="token")
 class MultiHeadSelfAttention(nn.Module):
     """Multi-head self-attention over tokens, ``(B, N, D) -> (B, N, D)`` (Vaswani et al., 2017, arXiv 1706.03762).
@@ -133,7 +169,15 @@ class MultiHeadSelfAttention(nn.Module):
 
     Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
     ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
+
+    Speed: the fused path splits the packed ``qkv`` projection into heads without copies
+    (:meth:`_fused_packed`); ``block.fast_path = False`` runs the baseline split (kept to measure against and
+    pinned equal by the tests). ``sdpa_cpu`` (class default ``"fp32"``; :func:`sdpa_cpu_mode`) picks the
+    fast path's CPU attention kernel.
     """
+
+    fast_path = True  # False (per block): the baseline fused path, functional.sdpa on a permuted split of qkv
+    sdpa_cpu = "fp32"
 
     def __init__(
         self,
@@ -193,14 +237,41 @@ class MultiHeadSelfAttention(nn.Module):
         return torch.einsum("bhije,he->bhij", torch.tanh(q.unsqueeze(3) + k.unsqueeze(2)), self.additive_v.to(q.dtype))
 
     def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-               is_causal: bool = False) -> torch.Tensor:
-        """``(B, heads, N, d)`` output of fused SDPA; only called for scores that have a fused form."""
+               is_causal: bool = False, attend: Callable[..., torch.Tensor] = sdpa) -> torch.Tensor:
+        """``(B, heads, N, d)`` output of fused SDPA (the kernel ``attend``: ``functional.sdpa`` on the
+        baseline path, ``F.scaled_dot_product_attention`` on the fast path); only called for scores that have
+        a fused form."""
         p = self.attn_drop.p if self.training else 0.0
         if self.score == "scaled_dot":  # default scale is 1/sqrt(d)
-            return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal)
+            return attend(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal)
         if self.score == "general":
             q = q @ self.general_weight.to(q.dtype)
-        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=p, scale=1.0, is_causal=is_causal)
+        return attend(q, k, v, attn_mask=attn_mask, dropout_p=p, scale=1.0, is_causal=is_causal)
+
+    def _fused_packed(self, qkv: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+                      is_causal: bool = False) -> torch.Tensor:
+        """The fast path: fused attention from the packed ``(B, N, 3*dim)`` projections to ``(B, N, dim)``.
+
+        ``q``, ``k``, ``v`` are ``(B, heads, N, d)`` views of ``qkv`` split on its ``3`` axis, so the backward
+        pass gathers their gradients with one stack straight into ``qkv``'s layout (the baseline's split after
+        a permute costs a second, transposing copy); the CPU kernel writes its output as ``(B, N, heads, d)``
+        in memory, so merging the heads is a view. On a CPU, ``sdpa_cpu`` picks the kernel
+        (:func:`sdpa_cpu_mode`): by default the flash kernel in fp32, as ``functional.sdpa`` runs it.
+        """
+        B, N, _ = qkv.shape
+        parts = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(2)  # 3 x (B, N, heads, d) views
+        mode = self.sdpa_cpu if qkv.device.type == "cpu" else "native"
+        upcast = mode == "fp32" and qkv.dtype in (torch.bfloat16, torch.float16)
+        attend = matmul_attention if mode == "matmul" else F.scaled_dot_product_attention
+        if upcast:
+            parts = [t.float() for t in parts]
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.float()
+        q, k, v = (t.transpose(1, 2) for t in parts)  # (B, heads, N, d)
+        with torch.autocast(qkv.device.type, enabled=False) if upcast else contextlib.nullcontext():
+            out = self._fused(q, k, v, attn_mask, is_causal, attend=attend)
+        out = out.transpose(1, 2).reshape(B, N, self.dim)
+        return out.to(qkv.dtype) if upcast else out
 
     def _has_fused(self) -> bool:
         return self.score != "additive"
@@ -235,8 +306,11 @@ class MultiHeadSelfAttention(nn.Module):
             raise ValueError(f"{type(self).__name__} expects (B, N, {self.dim}) tokens, got {tuple(x.shape)}")
         _check_mask_args(attn_mask, is_causal)
         B, N, D = x.shape
+        qkv = self.qkv(x)  # (B, N, 3*D)
+        if self.fast_path and not (self.tap.active or self._use_hard() or not self._has_fused()):
+            return self.proj_drop(self.proj(self._fused_packed(qkv, attn_mask, is_causal)))
         # (B, N, 3*D) -> (3, B, heads, N, d)
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         if self.tap.active or self._use_hard() or not self._has_fused():
             if self.tap.active:
                 _check_tokens(self, N)
@@ -316,7 +390,7 @@ class LocalitySelfAttention(MultiHeadSelfAttention):
         return logits.masked_fill(eye, float("-inf"))
 
     def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
-               is_causal: bool = False) -> torch.Tensor:
+               is_causal: bool = False, attend: Callable[..., torch.Tensor] = sdpa) -> torch.Tensor:
         n = q.shape[-2]
         keep = ~torch.eye(n, dtype=torch.bool, device=q.device)  # (N, N), True = may attend
         if attn_mask is None:
@@ -328,7 +402,7 @@ class LocalitySelfAttention(MultiHeadSelfAttention):
             mask = mask + attn_mask.to(q.dtype)
         p = self.attn_drop.p if self.training else 0.0
         q = q * self._inv_temperature(q.dtype)
-        return sdpa(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
+        return attend(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0)
 
     def _has_fused(self) -> bool:
         return True

@@ -27,7 +27,6 @@ warning.
 from __future__ import annotations
 
 import time
-
 import warnings
 from typing import Any, Dict, List, Optional, Sequence
 

@@ -139,6 +139,14 @@ class TokenClassifier(nn.Module):
     def no_weight_decay(self) -> set:
         return {"pos_embed", "cls_token"}
 
+    def set_fast_path(self, enabled: bool = True) -> "TokenClassifier":
+        """Switch the speed-ups of the training path on (the default) or off (the baseline path, kept to measure
+        against and pinned equal by the tests): every submodule with a ``fast_path`` attribute."""
+        for m in self.modules():
+            if hasattr(m, "fast_path"):
+                m.fast_path = bool(enabled)
+        return self
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, C, H_img, W_img)`` -> normed tokens ``(B, N, D)`` (class token first when ``pool="cls"``)."""
         if x.dim() != 4 or tuple(x.shape[-2:]) != self.img_size:
