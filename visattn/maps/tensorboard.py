@@ -140,7 +140,9 @@ def _channels(writer: Any, records, step: int, summary: Dict[str, List[str]], ab
             continue
         writer.add_histogram(f"channel/{k}", r.weights.cpu(), step)
         summary["histograms"].append(f"channel/{k}")
-        about[f"channel/{k}"] = f"histogram of the channel gate values of {k} over the probe images (sigmoid, 0-1)"
+        what = ("gains, 2 x sigmoid, 0-2 with 1 = unchanged (init='identity')" if r.value_scale == "gain"
+                else "sigmoid, 0-1")
+        about[f"channel/{k}"] = f"histogram of the channel gate values of {k} over the probe images ({what})"
 
 
 def log_attention_maps(
