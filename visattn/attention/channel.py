@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Optional, Type
+from typing import Optional, Tuple, Type
 
 import torch
 from timm.layers import make_divisible
@@ -49,6 +49,7 @@ __all__ = [
     "GC_MIN_HIDDEN",
     "gain_scale",
     "gained",
+    "IdentityGate",
 ]
 
 
@@ -110,8 +111,32 @@ def gained(gate: torch.Tensor, gain: float) -> torch.Tensor:
     return gate if gain == 1.0 else gate * gain
 
 
+class IdentityGate:
+    """What every gate block shares (SE, ECA, CBAM's two gates, coordinate attention): the gate module, its
+    gain (1, or ``1 / gate(0)`` for ``init="identity"``), its tap on the matching value scale, and the zeroing
+    of :meth:`identity_layers` that makes the identity form (module docstring)."""
+
+    init: str
+
+    def setup_gate(self, gate_layer: Type[nn.Module], init: str, kind: str) -> None:
+        self.gate = gate_layer()
+        self.gain = gate_gain(self.gate, init)
+        self.tap = AttentionTap(kind, scale=gain_scale(init))
+        self.zero_init_last()
+
+    def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
+        """The parameters ``init="identity"`` starts at zero: those that make the gate's logits."""
+        raise NotImplementedError
+
+    def zero_init_last(self) -> None:
+        """With ``init="identity"``, zero :meth:`identity_layers`. Also timm's hook: a timm ResNet calls it
+        after its own weight init, so ``attn_layer(..., init="identity")`` stays the identity."""
+        if self.init == "identity":
+            zero_(*self.identity_layers())
+
+
 @register_attention("se", layout="feature", kind="channel")
-class SqueezeExcite(nn.Module):
+class SqueezeExcite(IdentityGate, nn.Module):
     """Squeeze-and-excitation (Hu, Shen, Sun, 2018, arXiv 1709.01507).
 
     Global average pool, bottleneck MLP ``C -> C * rd_ratio -> C`` (1x1 convs with bias, ReLU), sigmoid gate
@@ -138,16 +163,10 @@ class SqueezeExcite(nn.Module):
         self.fc1 = nn.Conv2d(channels, rd, kernel_size=1, bias=bias)
         self.act = act_layer()
         self.fc2 = nn.Conv2d(rd, channels, kernel_size=1, bias=bias)
-        self.gate = gate_layer()
-        self.gain = gate_gain(self.gate, init)
-        self.tap = AttentionTap("channel", scale=gain_scale(init))
-        self.zero_init_last()
+        self.setup_gate(gate_layer, init, "channel")
 
-    def zero_init_last(self) -> None:
-        """With ``init="identity"``, zero the layer that makes the gate's logits. Also timm's hook: a timm
-        ResNet calls it after its own weight init, so ``attn_layer(..., init="identity")`` stays the identity."""
-        if self.init == "identity":
-            zero_(self.fc2.weight, self.fc2.bias)
+    def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
+        return self.fc2.weight, self.fc2.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
@@ -167,7 +186,7 @@ def eca_kernel_size(channels: int, gamma: float = 2.0, b: float = 1.0) -> int:
 
 
 @register_attention("eca", layout="feature", kind="channel")
-class EfficientChannelAttention(nn.Module):
+class EfficientChannelAttention(IdentityGate, nn.Module):
     """Efficient channel attention (Wang et al., 2020, arXiv 1910.03151).
 
     Global average pool, then a 1D convolution across neighbouring channels (no dimensionality reduction)
@@ -196,16 +215,10 @@ class EfficientChannelAttention(nn.Module):
         self.kernel_size = kernel_size
         self.init = check_init(init)
         self.conv = nn.Conv1d(1, 1, kernel_size=kernel_size, padding=(kernel_size - 1) // 2, bias=False)
-        self.gate = gate_layer()
-        self.gain = gate_gain(self.gate, init)
-        self.tap = AttentionTap("channel", scale=gain_scale(init))
-        self.zero_init_last()
+        self.setup_gate(gate_layer, init, "channel")
 
-    def zero_init_last(self) -> None:
-        """With ``init="identity"``, zero the layer that makes the gate's logits. Also timm's hook: a timm
-        ResNet calls it after its own weight init, so ``attn_layer(..., init="identity")`` stays the identity."""
-        if self.init == "identity":
-            zero_(self.conv.weight)
+    def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
+        return (self.conv.weight,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x)  # any channel count

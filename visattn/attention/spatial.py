@@ -20,29 +20,28 @@ the block returns its input exactly at initialisation; taps then carry the 0-2 m
 """
 from __future__ import annotations
 
-from typing import Optional, Type
+from typing import Optional, Tuple, Type
 
 import torch
 from torch import nn
 
 from ..registry import register_attention
 from .channel import (
+    IdentityGate,
     autocast_off,
     check_channels,
     check_feature_map,
     check_norm_batch,
     compute_dtype,
-    gain_scale,
     gained,
     reduced_channels,
 )
-from .functional import check_init, gate_gain, positive_int, zero_
-from .tap import AttentionTap
+from .functional import check_init, positive_int
 
 __all__ = ["ChannelGate", "SpatialGate", "CBAM", "CoordAttention", "coord_mip"]
 
 
-class ChannelGate(nn.Module):
+class ChannelGate(IdentityGate, nn.Module):
     """CBAM's channel gate: ``sigmoid(MLP(avgpool(x)) + MLP(maxpool(x)))`` with one shared bottleneck MLP
     (1x1 convs, ReLU, no bias as in the paper's equation; names match timm's ``ChannelAttn``).
     Input ``(B, channels, H, W)``. Tap: the ``(B, C)`` gate."""
@@ -65,16 +64,10 @@ class ChannelGate(nn.Module):
         self.fc1 = nn.Conv2d(channels, rd, kernel_size=1, bias=mlp_bias)
         self.act = act_layer()
         self.fc2 = nn.Conv2d(rd, channels, kernel_size=1, bias=mlp_bias)
-        self.gate = gate_layer()
-        self.gain = gate_gain(self.gate, init)
-        self.tap = AttentionTap("channel", scale=gain_scale(init))
-        self.zero_init_last()
+        self.setup_gate(gate_layer, init, "channel")
 
-    def zero_init_last(self) -> None:
-        """With ``init="identity"``, zero the layer that makes the gate's logits. Also timm's hook: a timm
-        ResNet calls it after its own weight init, so ``attn_layer(..., init="identity")`` stays the identity."""
-        if self.init == "identity":
-            zero_(self.fc2.weight, self.fc2.bias)
+    def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
+        return self.fc2.weight, self.fc2.bias
 
     def channel_weights(self, x: torch.Tensor) -> torch.Tensor:
         """The ``(B, C)`` gate of ``x`` (in the parameters' dtype; call with autocast off)."""
@@ -96,7 +89,7 @@ class ChannelGate(nn.Module):
 
 
 @register_attention("spatial", layout="feature", kind="spatial")
-class SpatialGate(nn.Module):
+class SpatialGate(IdentityGate, nn.Module):
     """CBAM's spatial gate (Woo et al., 2018, arXiv 1807.06521).
 
     ``sigmoid(BN(conv7x7([mean_c(x); max_c(x)])))`` multiplies every position. Works for any channel count:
@@ -121,17 +114,12 @@ class SpatialGate(nn.Module):
         self.init = check_init(init)
         self.conv = nn.Conv2d(2, 1, kernel_size, padding=kernel_size // 2, bias=False)
         self.bn = norm_layer(1) if norm_layer is not None else nn.Identity()
-        self.gate = gate_layer()
-        self.gain = gate_gain(self.gate, init)
-        self.tap = AttentionTap("spatial", scale=gain_scale(init))
-        self.zero_init_last()
+        self.setup_gate(gate_layer, init, "spatial")
 
-    def zero_init_last(self) -> None:
-        """With ``init="identity"``, zero the layer that makes the gate's logits. Also timm's hook: a timm
-        ResNet calls it after its own weight init, so ``attn_layer(..., init="identity")`` stays the identity."""
-        if self.init == "identity":
-            affine = getattr(self.bn, "weight", None) is not None
-            zero_(*((self.bn.weight, getattr(self.bn, "bias", None)) if affine else (self.conv.weight,)))
+    def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
+        if getattr(self.bn, "weight", None) is not None:  # the BN's scale and shift, else the conv
+            return self.bn.weight, getattr(self.bn, "bias", None)
+        return (self.conv.weight,)
 
     def spatial_weights(self, x: torch.Tensor) -> torch.Tensor:
         """The ``(B, 1, H, W)`` gate of ``x`` (in the parameters' dtype; call with autocast off)."""
@@ -202,7 +190,7 @@ def coord_mip(channels: int, reduction: int = 32) -> int:
 
 
 @register_attention("coord", layout="feature", kind="spatial")
-class CoordAttention(nn.Module):
+class CoordAttention(IdentityGate, nn.Module):
     """Coordinate attention (Hou, Zhou, Feng, 2021, arXiv 2103.02907).
 
     Pools along each axis separately (``(B, C, H)`` over the width, ``(B, C, W)`` over the height), encodes
@@ -237,16 +225,10 @@ class CoordAttention(nn.Module):
         self.act = act_layer()
         self.conv_h = nn.Conv2d(mip, channels, kernel_size=1)
         self.conv_w = nn.Conv2d(mip, channels, kernel_size=1)
-        self.gate = gate_layer()
-        self.gain = gate_gain(self.gate, init)
-        self.tap = AttentionTap("spatial", scale=gain_scale(init))
-        self.zero_init_last()
+        self.setup_gate(gate_layer, init, "spatial")
 
-    def zero_init_last(self) -> None:
-        """With ``init="identity"``, zero the layer that makes the gate's logits. Also timm's hook: a timm
-        ResNet calls it after its own weight init, so ``attn_layer(..., init="identity")`` stays the identity."""
-        if self.init == "identity":
-            zero_(self.conv_h.weight, self.conv_h.bias, self.conv_w.weight, self.conv_w.bias)
+    def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
+        return self.conv_h.weight, self.conv_h.bias, self.conv_w.weight, self.conv_w.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
