@@ -629,6 +629,16 @@ def test_a_short_run_that_learns_nothing_fails(tmp_path, overrides, steps):
     assert "starting a new run" in out and [r["epoch"] for r in metrics_rows(rd)] == [1]
 
 
+def test_consecutive_nonfinite_losses_say_whether_a_checkpoint_was_kept(tmp_path):
+    """The engine's stop after train.max_nonfinite_steps in a row names the folder's state truthfully."""
+    rd = tmp_path / "run"
+    rc, _, err = _cli(_train(rd, *NAN_LOSS, "train.max_nonfinite_steps=2"))
+    assert rc == 3
+    line = _one_error_line(err)
+    assert line.startswith("error: 2 consecutive non-finite losses at step 2") and line.endswith("; no checkpoint was written")
+    assert not (rd / "last.pt").exists()
+
+
 def test_a_resumed_tail_that_learns_nothing_fails_and_keeps_the_checkpoint(tmp_path):
     rd = tmp_path / "run"
     rc, _, err = _cli(_train(rd, "train.epochs=2", "train.max_steps=9"))  # stopped 3 steps into epoch 2

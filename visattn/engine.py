@@ -367,7 +367,7 @@ def _check(run: int, global_step: int, stats: torch.Tensor, opt: Optimization, p
     if run >= policy.max_nonfinite_steps:
         raise TrainingError(
             f"{run} consecutive non-finite losses at step {global_step}; stopping "
-            "(lower optim.lr, use precision=bf16/fp32, or set optim.grad_clip); last good checkpoint kept"
+            "(lower optim.lr, use precision=bf16/fp32, or set optim.grad_clip)"
         )
     if hooks.on_check is not None and (global_step % max(check_every, 20) == 0):
         s = stats.tolist()

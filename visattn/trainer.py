@@ -407,8 +407,14 @@ def _train_epoch(run: Run, train_model: nn.Module, epoch: int) -> engine.EpochSt
     run.carry = None
     hooks = engine.StepHooks(after_step=functools.partial(_after_step, run, bar),
                              on_check=functools.partial(_on_check, run))
-    ep, run.step, run.live = engine.train_one_epoch(train_model, loader, run.opt, run.policy, hooks=hooks,
-                                                    global_step=run.step, carry=run.live)
+    try:
+        ep, run.step, run.live = engine.train_one_epoch(train_model, loader, run.opt, run.policy, hooks=hooks,
+                                                        global_step=run.step, carry=run.live)
+    except TrainingError as e:  # the engine knows nothing of checkpoints: say whether one was kept
+        if bar is not None:
+            bar.close()
+        _close(run)
+        raise TrainingError(f"{e}; {_kept(run)}") from None
     if bar is not None:
         bar.close()
     return ep
