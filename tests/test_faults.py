@@ -498,6 +498,37 @@ def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch
     assert all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())
 
 
+def test_a_signal_with_nonfinite_weights_saves_nothing_and_says_so(tmp_path, monkeypatch):
+    """A SIGTERM that comes while the weights are not finite keeps the last good checkpoint and says that
+    nothing was saved (not "state saved to last.pt")."""
+    import visattn.engine as engine
+    from visattn.runtime import Interrupted
+
+    real = engine.train_one_epoch
+
+    def poisoning(model, *a, hooks, **k):
+        inner = hooks.after_step
+
+        def after_step(step: int) -> bool:
+            if step == 4:
+                with torch.no_grad():
+                    next(model.parameters()).fill_(float("nan"))
+                os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler sets its stop flag
+            return inner(step)
+
+        return real(model, *a, hooks=engine.StepHooks(after_step=after_step, on_check=hooks.on_check), **k)
+
+    monkeypatch.setattr(engine, "train_one_epoch", poisoning)
+    rd = tmp_path / "run"
+    cfg = load_config(SMOKE, [f"run_dir={rd}", *TINY, "train.batch_size=50", "train.epochs=1",
+                              "train.ckpt_every_steps=1", "log.tensorboard=false"])
+    with pytest.raises(Interrupted) as stop:
+        run(cfg, log=lambda *a, **k: None)
+    assert str(stop.value) == ("stopped by SIGTERM; the weights were not finite, so nothing was saved (last good "
+                               "checkpoint kept) (resume with resume=auto)")
+    assert load_checkpoint(rd / "last.pt")["step"] == 3
+
+
 def test_nonfinite_state_at_an_epoch_end_is_never_committed(tmp_path, monkeypatch):
     """NaN normalisation statistics after the epoch's last step (no step left to see a NaN loss; on a GPU, steps
     between two loss checks): the epoch is neither evaluated into a row nor saved; one error line, exit 3, and

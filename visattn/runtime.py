@@ -137,10 +137,13 @@ def graceful_signals(flag: StopFlag) -> Iterator[None]:
 
 
 class Interrupted(Exception):
-    """Training stopped on a signal after saving; ``exit_code`` is 128 + the signal number."""
+    """Training stopped on a signal, after saving unless ``saved`` is False (the weights were not finite, so the
+    folder keeps what it had: ``kept`` says what); ``exit_code`` is 128 + the signal number."""
 
-    def __init__(self, signum: int, path: Path):
-        super().__init__(f"stopped by {signal.Signals(signum).name}; state saved to {path} (resume with resume=auto)")
+    def __init__(self, signum: int, path: Path, saved: bool = True, kept: str = ""):
+        name = signal.Signals(signum).name
+        what = f"state saved to {path}" if saved else f"the weights were not finite, so nothing was saved ({kept})"
+        super().__init__(f"stopped by {name}; {what} (resume with resume=auto)")
         self.exit_code = 128 + signum
 
 

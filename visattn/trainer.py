@@ -97,6 +97,7 @@ class Run:
     last_eval: Dict[str, Any] = field(default_factory=dict)
     t_start: float = field(default_factory=time.perf_counter)
     faithfulness_on: bool = True  # log.faithfulness=auto: still within its cost budget
+    stop_saved: bool = True  # whether the last stop-time save was made (not with non-finite weights)
 
     @property
     def device(self) -> torch.device:
@@ -318,12 +319,12 @@ def fit(run: Run) -> Dict[str, Any]:
             if run.stop or 0 < run.train_loader.position < len(run.train_loader):  # stopped mid-epoch: saved
                 if run.stop:
                     _close(run)
-                    raise Interrupted(run.stop.signum, run.run_dir / "last.pt")
+                    raise Interrupted(run.stop.signum, run.run_dir / "last.pt", run.stop_saved, _kept(run))
                 break
             _end_epoch(run, ep, epoch + 1)
             if run.stop:
                 _close(run)
-                raise Interrupted(run.stop.signum, run.run_dir / "last.pt")
+                raise Interrupted(run.stop.signum, run.run_dir / "last.pt", run.stop_saved, _kept(run))
     if run.writer is not None:  # trained as asked: the HParams row's status is "success"
         finish_hparams(run.run_dir / "tb")
     _close(run)
@@ -443,8 +444,10 @@ def _after_step(run: Run, bar: Any, step: int) -> bool:
         # an epoch whose every step so far had a non-finite loss (nothing learned yet: either a later step is
         # finite and a later save is made, or the run stops with the last good checkpoint in place)
         nothing = live is not None and 0 < float(live[5]) <= float(live[3])
-        if run.dist.is_main and all_finite(run.model) and (bool(run.stop) or not nothing):
+        finite = all_finite(run.model)
+        if run.dist.is_main and finite and (bool(run.stop) or not nothing):
             save_checkpoint(_checkpoint_state(run, run.train_loader.epoch, live), run.run_dir / "last.pt")
+        run.stop_saved = finite  # what a signal's stop reports
     return halt
 
 
