@@ -52,7 +52,9 @@ CONTENDED = {("resnet_fast_se", 0, "53cd2e228a6a1089310ef9ac33078045ac623bbd"):
              ("resnet_fast_mhsa2d", 0, "8541bc54ca57037ce451fa928061a7f72d0e5dbd-dirty"):
              "tests beside it in epoch 1: 164 images/s there against 233-234 in epochs 2-3",
              ("cct_2", 3, "d2f3e67a0e704d16ede6b842651cb1e4f1c95322-dirty"):
-             "a benchmark beside it in epoch 1: 362 images/s there against 990-1002 in epochs 2-4"}
+             "a benchmark beside it in epoch 1: 362 images/s there against 990-1002 in epochs 2-4",
+             ("resnet_fast_none", 0, "bf3819649118c815f40a2921d99402878a46adbb"):
+             "a one-thread training run (the README screenshot) and tests beside it in epochs 2-4"}
 RESULTS = ROOT / "bench" / "results" / "attention_table.json"
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -358,8 +360,8 @@ def main() -> None:
             results.append(r)
             write_atomic(out, json.dumps(results, indent=1))  # a kill mid-write keeps the old file
             print(f"{r['name']} seed {seed}: val {100 * r['val_acc']:.2f}% in {r['train_seconds']:.0f}s", flush=True)
-    for epochs in sorted({r["epochs"] for r in results}):
-        print(f"\n{epochs} epochs\n" + table(at_budget(results, epochs)))
+    for epochs, prec in sorted({(r["epochs"], precision(r)) for r in results}):
+        print(f"\n{epochs} epochs, {prec}\n" + table([r for r in at_budget(results, epochs) if precision(r) == prec]))
     if args.plot and results:
         plot(results, Path(args.plot))
 

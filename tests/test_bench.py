@@ -124,3 +124,19 @@ def test_time_to_accuracy_reads_the_first_epoch_at_each_target(tmp_path, capsys)
     assert tta.main([str(tmp_path / "nowhere")]) == 2
     assert tta.main([str(rd), "--targets", "94"]) == 2
     assert capsys.readouterr().err.count("error: ") == 2
+
+
+def test_runs_pair_only_at_the_same_budget_and_precision():
+    bf16 = [_r("resnet_fast_none", s, 0.868) for s in range(3)]  # recorded before precision was: bf16
+    fp32 = [dict(_r("resnet_fast_none", s, 0.864), precision="fp32") for s in range(3)]
+    longer = [dict(_r("resnet_fast_none", s, 0.92), epochs=12, precision="fp32") for s in range(3)]
+    block = [dict(_r("resnet_fast_se/identity-unit_bn", s, 0.870), precision="fp32") for s in range(3)]
+    rs = bf16 + fp32 + longer + block
+    assert table.differences(rs, "resnet_fast_se/identity-unit_bn") == pytest.approx([0.6] * 3)
+    assert table.differences(rs, "resnet_fast_se/identity-unit_bn", epochs=12) == []
+    assert table.ran(rs, "configs/resnet_fast_none.yaml", 0, 4, prec="fp32")
+    assert not table.ran(rs, "configs/resnet_fast_none.yaml", 3, 4, prec="fp32")
+    assert not table.ran(rs, "configs/resnet_fast_se.yaml", 0, 4, "identity-unit_bn", prec="bf16")
+    assert table.ran(rs, "configs/resnet_fast_se.yaml", 0, 4, "identity-unit_bn", prec="fp32")
+    assert table.plan(rs, ["configs/resnet_fast_none.yaml", "configs/resnet_fast_se.yaml"], 0, 0.5, 4,
+                      "identity-unit_bn", "bf16") == ["configs/resnet_fast_se.yaml"]
