@@ -467,9 +467,9 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, finis
     assert load_checkpoint(rd / "last.pt")["step"] == 6
 
 
-def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch):
-    """On a GPU the loss is checked every ``check_every`` steps, after bad steps reached the weights; simulate that
-    on the CPU by poisoning the weights after step 4 and check no later periodic save replaces step 3's."""
+def _poison_weights_at_step(monkeypatch, at: int, then: Callable[[], None] = lambda: None) -> None:
+    """After training step ``at`` fill a weight with NaN (as bad steps reach the weights on a GPU, where the loss
+    is checked only every ``check_every`` steps), then call ``then``."""
     import visattn.engine as engine
 
     real = engine.train_one_epoch
@@ -478,14 +478,22 @@ def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch
         inner = hooks.after_step
 
         def after_step(step: int) -> bool:
-            if step == 4:
+            if step == at:
                 with torch.no_grad():
                     next(model.parameters()).fill_(float("nan"))
+                then()
             return inner(step)
 
         return real(model, *a, hooks=engine.StepHooks(after_step=after_step, on_check=hooks.on_check), **k)
 
     monkeypatch.setattr(engine, "train_one_epoch", poisoning)
+
+
+def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch):
+    """On a GPU the loss is checked every ``check_every`` steps, after bad steps reached the weights; simulate that
+    on the CPU by poisoning the weights after step 4 and check no later periodic save replaces step 3's."""
+
+    _poison_weights_at_step(monkeypatch, 4)
     rd = tmp_path / "run"
     cfg = load_config(SMOKE, [f"run_dir={rd}", *TINY, "train.batch_size=50", "train.epochs=1",
                               "train.ckpt_every_steps=1", "train.max_nonfinite_steps=2", "log.tensorboard=false"])
@@ -501,24 +509,10 @@ def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch
 def test_a_signal_with_nonfinite_weights_saves_nothing_and_says_so(tmp_path, monkeypatch):
     """A SIGTERM that comes while the weights are not finite keeps the last good checkpoint and says that
     nothing was saved (not "state saved to last.pt")."""
-    import visattn.engine as engine
     from visattn.runtime import Interrupted
 
-    real = engine.train_one_epoch
-
-    def poisoning(model, *a, hooks, **k):
-        inner = hooks.after_step
-
-        def after_step(step: int) -> bool:
-            if step == 4:
-                with torch.no_grad():
-                    next(model.parameters()).fill_(float("nan"))
-                os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler sets its stop flag
-            return inner(step)
-
-        return real(model, *a, hooks=engine.StepHooks(after_step=after_step, on_check=hooks.on_check), **k)
-
-    monkeypatch.setattr(engine, "train_one_epoch", poisoning)
+    # the trainer's handler sets its stop flag
+    _poison_weights_at_step(monkeypatch, 4, then=lambda: os.kill(os.getpid(), signal.SIGTERM))
     rd = tmp_path / "run"
     cfg = load_config(SMOKE, [f"run_dir={rd}", *TINY, "train.batch_size=50", "train.epochs=1",
                               "train.ckpt_every_steps=1", "log.tensorboard=false"])
