@@ -1,14 +1,18 @@
-"""The CPU recipe's ablation: ``configs/cifar10_cpu.yaml``, airbench's setting of its levers, and that with one taken back.
+"""The recipes' ablations: a recipe as shipped, and that with one lever changed or taken back, one row per lever.
 
-    python bench/recipe_ablation.py                       # every variant below, seed 0, on the real images
+    python bench/recipe_ablation.py                       # the CNN recipe (configs/cifar10_cpu.yaml), seed 0
     python bench/recipe_ablation.py --variants recipe all_levers --seeds 0 1
+    python bench/recipe_ablation.py --recipe vit_cpu      # the transformer recipe (configs/vit_cpu.yaml)
+    python bench/recipe_ablation.py --recipe vit_cpu --table
 
-Every run trains ``configs/cifar10_cpu.yaml`` for its fixed number of epochs (a busy machine changes only the
-time, never the budget) and is scored once, at the end, on the 5,000-image validation split held out from
-the 45,000 training images (stratified, ``data.split_seed=0``: the same images for every run) with the
-config's 6-view test-time augmentation. Each finished run is appended to ``bench/results/recipe_ablation.json``
-(runs already there are skipped, so an interrupted sweep continues where it stopped); ``--table`` prints
-the markdown table from that file without training.
+Recipes (:data:`RECIPES`): ``cpu`` is ``configs/cifar10_cpu.yaml`` against airbench's setting of its levers,
+results in ``bench/results/recipe_ablation.json``; ``vit_cpu`` is ``configs/vit_cpu.yaml``, results in
+``bench/results/vit_ablation.json``. Every run trains its config for its fixed number of epochs (a busy machine
+changes only the time, never the budget) and is scored once, at the end, on the 5,000-image validation split
+held out from the 45,000 training images (stratified, ``data.split_seed=0``: the same images for every run)
+with the config's test-time augmentation (unless the variant changes it). Each finished run is appended to its
+results file with the precision it ran under (runs already there are skipped, so an interrupted sweep
+continues where it stopped); ``--table`` prints the markdown table from that file without training.
 """
 from __future__ import annotations
 
@@ -23,14 +27,11 @@ sys.path.insert(0, str(ROOT))
 
 from visattn.runtime import write_atomic  # noqa: E402
 
-CONFIG = ROOT / "configs" / "cifar10_cpu.yaml"
-RESULTS = ROOT / "bench" / "results" / "recipe_ablation.json"
-
 # airbench94's setting of the levers: batch 1024 (lr 1.5 in mean-loss form) with lookahead averaging
 AIRBENCH = ["train.batch_size=1024", "optim.lr=1.5", "train.lookahead_every=5"]
 
 # name -> (what the variant changes, overrides on top of configs/cifar10_cpu.yaml)
-VARIANTS = {
+CPU_VARIANTS = {
     "recipe": ("nothing: configs/cifar10_cpu.yaml as shipped (batch 512, no lookahead)", []),
     "all_levers": ("airbench's setting: batch 1024 and lookahead averaging", AIRBENCH),
     "no_lookahead": ("all_levers without lookahead", [*AIRBENCH, "train.lookahead_every=0"]),
@@ -54,54 +55,76 @@ VARIANTS = {
 }
 
 
-def run_one(variant: str, seed: int, run_root: Path, data_root: str | None) -> dict:
+# name -> (what the variant changes, overrides on top of configs/vit_cpu.yaml)
+VIT_VARIANTS = {
+    "recipe": ("nothing: configs/vit_cpu.yaml as shipped", []),
+}
+
+# recipe -> (config, variants, results file)
+RECIPES = {
+    "cpu": (ROOT / "configs" / "cifar10_cpu.yaml", CPU_VARIANTS, ROOT / "bench" / "results" / "recipe_ablation.json"),
+    "vit_cpu": (ROOT / "configs" / "vit_cpu.yaml", VIT_VARIANTS, ROOT / "bench" / "results" / "vit_ablation.json"),
+}
+
+
+def run_one(recipe: str, variant: str, seed: int, run_root: Path, data_root: str | None) -> dict:
     from visattn.config import load_config
     from visattn.trainer import run
 
+    config, variants, _ = RECIPES[recipe]
     run_dir = run_root / f"{variant}-s{seed}"
     if run_dir.exists():  # a run killed part-way: start it again from scratch
         shutil.rmtree(run_dir)
-    overrides = [f"seed={seed}", f"run_dir={run_dir}", "log.progress=false", *VARIANTS[variant][1]]
+    overrides = [f"seed={seed}", f"run_dir={run_dir}", "log.progress=false", *variants[variant][1]]
     if data_root:
         overrides.append(f"data.root={data_root}")
-    cfg = load_config(CONFIG, overrides)
+    cfg = load_config(config, overrides)
     summary = run(cfg, log=print)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     info = json.loads((run_dir / "run_info.json").read_text())
-    return {"variant": variant, "seed": seed, "overrides": VARIANTS[variant][1], "epochs": cfg.train.epochs,
-            "val_acc": rows[-1]["val_acc"], "train_seconds": sum(r["epoch_seconds"] for r in rows),
+    return {"variant": variant, "seed": seed, "overrides": variants[variant][1], "epochs": cfg.train.epochs,
+            "precision": info.get("precision"), "val_acc": rows[-1]["val_acc"], "train_seconds": sum(r["epoch_seconds"] for r in rows),
             "images_per_s": sum(r["images_per_s"] for r in rows) / len(rows), "parameters": info["parameters"],
             "eval_split": summary["eval_split"], "git": info["git"]}
 
 
-def table(results: list[dict]) -> str:
-    lines = ["| variant | what it changes | seed | val acc % | train time s | images/s |", "|---|---|---:|---:|---:|---:|"]
-    order = list(VARIANTS)
+def table(results: list[dict], variants: dict) -> str:
+    """Markdown rows in the variants' order; the precision is bf16 for rows recorded before it was kept."""
+    lines = ["| variant | what it changes | seed | precision | val acc % | train time s | images/s |",
+             "|---|---|---:|---|---:|---:|---:|"]
+    order = list(variants)
     for r in sorted(results, key=lambda r: (order.index(r["variant"]) if r["variant"] in order else 99, r["seed"])):
-        what = VARIANTS.get(r["variant"], ("?", []))[0]
-        lines.append(f"| `{r['variant']}` | {what} | {r['seed']} | {100 * r['val_acc']:.2f} | {r['train_seconds']:.0f} "
-                     f"| {r['images_per_s']:.0f} |")
+        what = variants.get(r["variant"], ("?", []))[0]
+        lines.append(f"| `{r['variant']}` | {what} | {r['seed']} | {r.get('precision') or 'bf16'} "
+                     f"| {100 * r['val_acc']:.2f} | {r['train_seconds']:.0f} | {r['images_per_s']:.0f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--recipe", default="cpu", choices=list(RECIPES))
+    ap.add_argument("--variants", nargs="*", default=None, help="default: every variant of the recipe")
     ap.add_argument("--seeds", nargs="*", type=int, default=[0])
-    ap.add_argument("--runs", default=str(ROOT / "runs" / "recipe_ablation"))
+    ap.add_argument("--runs", default=None, help="default: runs/recipe_ablation (cpu), runs/RECIPE_ablation (others)")
     ap.add_argument("--data-root", default=None, help="default: the config's data.root")
     ap.add_argument("--table", action="store_true", help="print the table from the results file and exit")
     args = ap.parse_args()
-    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else []
+    _, variants, results_file = RECIPES[args.recipe]
+    unknown = sorted(set(args.variants or []) - set(variants))
+    if unknown:
+        ap.error(f"unknown variant(s) of {args.recipe}: {', '.join(unknown)}; valid: {', '.join(variants)}")
+    name = "recipe_ablation" if args.recipe == "cpu" else f"{args.recipe}_ablation"
+    run_root = Path(args.runs or ROOT / "runs" / name)
+    results = json.loads(results_file.read_text()) if results_file.is_file() else []
     if not args.table:
-        for variant in args.variants:
+        for variant in args.variants or list(variants):
             for seed in args.seeds:
                 if any(r["variant"] == variant and r["seed"] == seed for r in results):
                     continue
                 print(f"== {variant} seed {seed}", flush=True)
-                results.append(run_one(variant, seed, Path(args.runs), args.data_root))
-                write_atomic(RESULTS, json.dumps(results, indent=1))  # a kill mid-write keeps the old file
-    print(table(results))
+                results.append(run_one(args.recipe, variant, seed, run_root, args.data_root))
+                write_atomic(results_file, json.dumps(results, indent=1))  # a kill mid-write keeps the old file
+    print(table(results, variants))
 
 
 if __name__ == "__main__":

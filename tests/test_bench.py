@@ -140,3 +140,18 @@ def test_runs_pair_only_at_the_same_budget_and_precision():
     assert table.ran(rs, "configs/resnet_fast_se.yaml", 0, 4, "identity-unit_bn", prec="fp32")
     assert table.plan(rs, ["configs/resnet_fast_none.yaml", "configs/resnet_fast_se.yaml"], 0, 0.5, 4,
                       "identity-unit_bn", "bf16") == ["configs/resnet_fast_se.yaml"]
+
+
+@pytest.mark.parametrize("recipe", ["cpu", "vit_cpu"])
+def test_every_ablation_variant_is_a_valid_config_of_its_recipe(recipe):
+    """A misspelt key or value in a variant is caught here, not hours into a sweep."""
+    from visattn.config import load_config
+
+    ablation = _load("recipe_ablation")
+    config, variants, results = ablation.RECIPES[recipe]
+    assert "recipe" in variants and variants["recipe"][1] == []
+    base = load_config(config).to_dict()
+    for name, (what, overrides) in variants.items():
+        assert what, name
+        cfg = load_config(config, list(overrides)).to_dict()
+        assert (cfg == base) == (not overrides), f"{name}: its overrides change nothing"

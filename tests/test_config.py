@@ -71,6 +71,18 @@ def test_model_numbers_keep_their_type():
     assert load_config(None, ["model.head_scale=1e-2"]).model.options()["head_scale"] == 0.01
 
 
+def test_exponents_without_a_dot_are_numbers(tmp_path):
+    """YAML 1.2 reads 1e-4 as a float, PyYAML's YAML 1.1 as a string: configs and overrides read it as a number,
+    also where the builder's default gives no type to convert to (``layer_scale`` defaults to None)."""
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  name: cct_2\n  layer_scale: 1e-4\noptim:\n  lr: 2E-3\n")
+    cfg = load_config(f, ["train.label_smoothing=1e-1"])
+    assert cfg.model.options()["layer_scale"] == 1e-4 and cfg.optim.lr == 2e-3
+    assert cfg.train.label_smoothing == 0.1
+    assert load_config(f, ["model.layer_scale=-3e+2"]).model.options()["layer_scale"] == -300.0
+    assert load_config(None, ["name=1e5x"]).name == "1e5x" and load_config(None, ["train.epochs=10"]).train.epochs == 10
+
+
 @pytest.mark.parametrize("overrides,fragment", BAD, ids=[b[1][:30] for b in BAD])
 def test_bad_override_is_one_line_exit_2(overrides, fragment, capsys, tmp_path):
     rc = main(["--config", str(ROOT / "configs" / "smoke.yaml"), f"run_dir={tmp_path}", *overrides])

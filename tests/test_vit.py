@@ -171,3 +171,39 @@ def test_shifted_patch_tokenizer_shifts_by_half_a_patch_diagonally():
     # channel 0 is the image itself; the four shifted copies move the pixel by (+-2, +-2)
     assert {c for c, _, _ in found} == {0, 1, 2, 3, 4} and len(found) == 5
     assert {(y, x) for _, y, x in found} == {(3, 3), (1, 1), (1, 5), (5, 1), (5, 5)}
+
+
+@pytest.mark.parametrize("pool_kernel,grids", [(3, {32: (8, 8), 30: (8, 8), 33: (9, 9)}),
+                                               (2, {32: (8, 8), 30: (7, 7), 33: (8, 8)})])
+def test_conv_tokenizer_grid_matches_its_output(pool_kernel, grids):
+    for size, grid in grids.items():
+        model = create_model("cct_2", img_size=size, pool_kernel=pool_kernel, tokenizer_norm="bn", **SHALLOW)
+        assert model.grid_size == grid
+        assert model.tokenizer(torch.randn(1, 3, size, size)).shape == (1, grid[0] * grid[1], model.embed_dim)
+
+
+def test_conv_tokenizer_norm_and_activation_options():
+    paper = create_model("cct_2", **SHALLOW).tokenizer
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in paper.modules())
+    assert sum(isinstance(m, torch.nn.ReLU) for m in paper.modules()) == 2
+    bn = create_model("cct_2", tokenizer_norm="bn", tokenizer_act="gelu", **SHALLOW).tokenizer
+    kinds = [type(m).__name__ for m in bn.layers]
+    assert kinds == ["Conv2d", "BatchNorm2d", "GELU", "MaxPool2d"] * 2
+    for what, kw in (("norm", {"tokenizer_norm": "ln"}), ("act", {"tokenizer_act": "silu"}),
+                     ("pool_kernel", {"pool_kernel": 4})):
+        with pytest.raises(ValueError, match=f"unknown tokenizer {what}"):
+            create_model("cct_2", **kw)
+
+
+def test_layer_scale_starts_each_branch_at_its_value_and_learns():
+    model = create_model("cct_2", layer_scale=1e-4, **SHALLOW)
+    for block in model.blocks:
+        assert torch.equal(block.ls1.gamma, torch.full((model.embed_dim,), 1e-4))
+        assert torch.equal(block.ls2.gamma, block.ls1.gamma)
+    model(torch.randn(2, 3, 32, 32)).logsumexp(-1).sum().backward()
+    assert all(b.ls1.gamma.grad.abs().sum() > 0 and b.ls2.gamma.grad.abs().sum() > 0 for b in model.blocks)
+    plain = create_model("cct_2", **SHALLOW)
+    assert not any("gamma" in n for n, _ in plain.named_parameters())  # off by default: old checkpoints load
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="layer_scale"):
+            create_model("cct_2", layer_scale=bad)

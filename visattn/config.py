@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 import reprlib
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
@@ -308,6 +309,15 @@ class _StrictLoader(_BaseLoader):
                 raise _DuplicateKey(f"key {_SHORT.repr(key)} is given twice (lines {seen[key]} and {line})")
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.1 (PyYAML) reads 1e-4 as a string: it wants a dot (1.0e-4). Read floats as YAML 1.2 does, so that
+# `model.layer_scale=1e-4` is a number in a config file and on the command line alike.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def _check_yaml_shape(text: str, what: str) -> None:

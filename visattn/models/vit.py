@@ -7,6 +7,8 @@ gives 64 tokens on a 32x32 image; ``vit_tiny`` is their depth-9, dim-192, 12-hea
 * ``pool``: ``"cls"`` (class token), ``"mean"`` (mean of the tokens) or ``"seq"`` (CCT's sequence pooling);
 * ``attn``: any registered token block of kind ``"token"`` (``"mhsa"``, ``"lsa"``), built with
   ``num_heads``, ``attn_drop`` and ``proj_drop`` plus ``attn_kwargs`` (e.g. ``{"score": "general"}``);
+* ``layer_scale``: a learned per-channel scale on each residual branch starting at this value (LayerScale;
+  ``None``, the default, has none);
 * ``spt``: shifted patch tokenization (Lee et al. 2021): the image and its four diagonal half-patch shifts
   are concatenated, patchified, layer-normed and linearly embedded.
 
@@ -19,11 +21,12 @@ construction, so its tap records ``grid=model.grid_size`` and ``num_prefix_token
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from timm.layers import DropPath, Mlp, PatchEmbed, trunc_normal_
+from timm.layers import DropPath, LayerScale, Mlp, PatchEmbed, trunc_normal_
 from torch import nn
 
 from ..registry import attention_info, backbone_modules, create_attention, register_model
@@ -45,20 +48,28 @@ def to_2tuple(size: Size, what: str) -> Tuple[int, int]:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + DropPath(attn(LN(x)))``, then ``x + DropPath(mlp(LN(x)))``."""
+    """Pre-norm transformer block: ``x + DropPath(ls1(attn(LN(x))))``, then ``x + DropPath(ls2(mlp(LN(x))))``.
 
-    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float = 2.0, drop: float = 0.0, drop_path: float = 0.0):
+    ``layer_scale``: the initial value of a learned per-channel scale on each branch (LayerScale, Touvron et al.
+    2021, "Going deeper with Image Transformers"); a small value starts the block near the identity. ``None``
+    (the default): no scale.
+    """
+
+    def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float = 2.0, drop: float = 0.0, drop_path: float = 0.0,
+                 layer_scale: Optional[float] = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attn = attn  # a registered token block, (B, N, D) -> (B, N, D)
+        self.ls1 = LayerScale(dim, layer_scale) if layer_scale is not None else nn.Identity()
         self.drop_path1 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, hidden_features=int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
+        self.ls2 = LayerScale(dim, layer_scale) if layer_scale is not None else nn.Identity()
         self.drop_path2 = DropPath(drop_path) if drop_path > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop_path1(self.attn(self.norm1(x)))
-        return x + self.drop_path2(self.mlp(self.norm2(x)))
+        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x))))
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
 class TokenClassifier(nn.Module):
@@ -83,6 +94,7 @@ class TokenClassifier(nn.Module):
         drop_rate: float = 0.0,
         attn_drop_rate: float = 0.0,
         drop_path_rate: float = 0.1,
+        layer_scale: Optional[float] = None,
     ):
         super().__init__()
         if pool not in POOLS:
@@ -90,6 +102,8 @@ class TokenClassifier(nn.Module):
         info = attention_info(attn)  # raises ValueError listing the blocks for an unknown name
         if info.get("layout") != "token" or info.get("kind") != "token":
             raise ValueError(f"attn must be a token self-attention block such as 'mhsa' or 'lsa', got {attn!r}")
+        if layer_scale is not None and not (math.isfinite(layer_scale) and layer_scale > 0):
+            raise ValueError(f"layer_scale must be a positive number or None, got {layer_scale!r}")
         if depth < 1 or num_classes < 0:
             raise ValueError(f"depth must be >= 1 and num_classes >= 0, got depth={depth}, num_classes={num_classes}")
         attn_kwargs = dict(attn_kwargs or {})
@@ -114,7 +128,7 @@ class TokenClassifier(nn.Module):
         rates = torch.linspace(0, drop_path_rate, depth, device="cpu").tolist()  # stochastic depth grows with depth
         self.blocks = nn.Sequential(
             *[
-                Block(dim, create_attention(attn, dim, **attn_opts, **tap_info), mlp_ratio, drop_rate, rate)
+                Block(dim, create_attention(attn, dim, **attn_opts, **tap_info), mlp_ratio, drop_rate, rate, layer_scale)
                 for rate in rates
             ]
         )
