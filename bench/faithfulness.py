@@ -161,7 +161,32 @@ def report(rows: List[Dict[str, Any]]) -> str:
                         f"{_fmt(best['insertion_score'])}) - "
                         + ("better than random on both (intervals above zero)" if sure
                            else "not better than random on both with confidence"))
+        verdicts.append(_against_gradient(group))
     return "\n".join(out + ["", "Most faithful map per model (highest mean of the deletion and insertion scores):", *verdicts])
+
+
+ATTENTION_KINDS = ("attention", "attention_gradient", "rollout", "gradient_rollout")
+
+
+def _against_gradient(group: List[Dict[str, Any]]) -> str:
+    """The issue's aim, per model: is a map derived from attention at least as faithful as input x gradient on
+    both curves (mean scores)?"""
+    derived = [r for r in group if r["kind"] in ATTENTION_KINDS]
+    ixg = [r for r in group if r["kind"] == "input_x_gradient"]
+    if not derived or not ixg:
+        return "  - no attention-derived map or no input x gradient row to compare"
+    g = ixg[0]
+    both = [r for r in derived if r["deletion_score"][0] >= g["deletion_score"][0]
+            and r["insertion_score"][0] >= g["insertion_score"][0]]
+    if both:
+        best = max(both, key=merit)
+        return (f"  - at least as faithful as input x gradient on both curves: `{best['map']}` ({best['kind']}; "
+                f"deletion {best['deletion_score'][0]:+.3f} vs {g['deletion_score'][0]:+.3f}, insertion "
+                f"{best['insertion_score'][0]:+.3f} vs {g['insertion_score'][0]:+.3f})")
+    best = max(derived, key=merit)
+    return (f"  - no attention-derived map is as faithful as input x gradient on both curves; the best, `{best['map']}` "
+            f"({best['kind']}), has deletion {best['deletion_score'][0]:+.3f} vs {g['deletion_score'][0]:+.3f} and "
+            f"insertion {best['insertion_score'][0]:+.3f} vs {g['insertion_score'][0]:+.3f}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -89,3 +89,20 @@ def test_cost_bench_parses_its_options():
     assert set(cost.VARIANTS) == {"plain", "grad", "faithful"}
     assert cost.VARIANTS["faithful"] == {"gradient_maps": True, "faithfulness": True}
     assert all((ROOT / c).is_file() for c in cost.DEFAULT_CONFIGS)
+
+
+def _row(name: str, kind: str, deletion: float, insertion: float) -> dict:
+    return {"model": "m", "map": name, "kind": kind, "deletion_score": [deletion, deletion - 0.01, deletion + 0.01],
+            "insertion_score": [insertion, insertion - 0.01, insertion + 0.01]}
+
+
+def test_report_says_whether_a_map_from_attention_is_as_faithful_as_input_x_gradient():
+    ixg = _row("input_x_gradient", "input_x_gradient", 0.06, 0.04)
+    ahead_on_one = [_row("a", "attention", 0.08, 0.01), _row("a/grad", "attention_gradient", 0.01, 0.09), ixg]
+    line = bench._against_gradient(ahead_on_one)
+    assert line.startswith("  - no attention-derived map is as faithful") and "`a/grad`" in line
+    both = ahead_on_one + [_row("rollout_grad", "gradient_rollout", 0.06, 0.05), _row("gradcam", "gradcam", 0.2, 0.2)]
+    line = bench._against_gradient(both)
+    assert "at least as faithful as input x gradient on both curves: `rollout_grad`" in line
+    assert "deletion +0.060 vs +0.060, insertion +0.050 vs +0.040" in line
+    assert "no input x gradient" in bench._against_gradient([_row("a", "attention", 0.1, 0.1)])
