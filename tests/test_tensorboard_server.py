@@ -14,15 +14,16 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Iterator, Tuple
 
 import pytest
 from PIL import Image
 
 pytest.importorskip("tensorboard")
 
-from visattn.config import build_config, read_yaml  # noqa: E402
+from visattn.config import build_config, load_config, read_yaml  # noqa: E402
 from visattn.trainer import run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,12 +107,7 @@ def test_tensorboard_serves_overlay_png(tmp_path):
     tree["log"].update(progress=False, probe_size=2, map_scale=4)
     run(build_config(tree), log=lambda *a, **k: None)
 
-    port = free_port()
-    log_path = tmp_path / "tensorboard.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(tensorboard_command(run_dir, port), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-    try:
+    with serving(run_dir, tmp_path) as (proc, port, log_path):
         tags = wait_for_tags(proc, port, "tb", log_path)  # SummaryWriter writes to RUN/tb: run "tb"
         overlays = sorted(t for t in tags if t.startswith("maps/") and t.endswith(".spatial"))
         assert overlays == [f"maps/layers.{i}.units.0.attn.spatial" for i in range(3)]
@@ -137,6 +133,45 @@ def test_tensorboard_serves_overlay_png(tmp_path):
         # saying how faithful it is on the probe
         assert {f"{t}/grad" for t in overlays} <= set(tags)
         assert text.count("on the probe: deletion") == 2 * len(overlays)  # the text tab is served as an HTML table
+
+
+def test_the_shipped_cbam_config_shows_every_map_card_with_its_faithfulness(tmp_path):
+    """``configs/attention/resnet_fast_cbam.yaml`` as shipped (its model, probe, map and faithfulness settings:
+    ``log.faithfulness: auto`` scores the first logging epoch), on a small synthetic split for one epoch: every
+    map TensorBoard shows, the gates and their gradient-weighted versions, carries its faithfulness on the probe,
+    on the card and in the Text tab."""
+    run_dir = tmp_path / "run"
+    overrides = [f"run_dir={run_dir}", "data.source=synthetic", "data.synthetic_size=700", "data.val_size=60",
+                 "train.epochs=1", "eval.tta=none", "log.progress=false"]
+    cfg = load_config(ROOT / "configs" / "attention" / "resnet_fast_cbam.yaml", overrides)
+    assert cfg.log.faithfulness == "auto" and cfg.log.gradient_maps and cfg.log.maps_every == 1
+    run(cfg, log=lambda *a, **k: None)
+
+    with serving(run_dir, tmp_path) as (proc, port, log_path):
+        tags = sorted(t for t in wait_for_tags(proc, port, "tb", log_path) if t.startswith("maps/"))
+        gates = [f"maps/layers.{i}.units.0.attn.spatial" for i in range(3)]
+        assert tags == sorted(gates + [f"{g}/grad" for g in gates])
+        text = text_of(proc, port, "tb", "maps/descriptions", log_path)
+        rows = {tag: row for row in text.split("<tr>") for tag in tags if f"<code>{tag}</code>" in row}
+        assert sorted(rows) == tags
+        for tag, row in rows.items():
+            assert "on the probe: deletion" in row and "insertion" in row, tag
+        for tag in tags:  # every card is served as a picture (what it draws: test_maps_gradient_tensorboard.py)
+            _, _, body = get(port, "/data/plugin/images/images", run="tb", tag=tag, sample=0)
+            _, _, png = get(port, "/data/plugin/images/individualImage?" + json.loads(body)[0]["query"])
+            assert png[:8] == PNG_SIGNATURE
+
+
+@contextmanager
+def serving(run_dir: Path, tmp_path: Path) -> Iterator[Tuple[subprocess.Popen, int, Path]]:
+    """A TensorBoard server on ``run_dir`` (loopback, a free port), always stopped on the way out."""
+    port = free_port()
+    log_path = tmp_path / "tensorboard.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(tensorboard_command(run_dir, port), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    try:
+        yield proc, port, log_path
     finally:
         proc.terminate()
         try:
