@@ -35,11 +35,12 @@ from ..registry import register_attention
 from .functional import init_linears, positive_int, sdpa
 from .tap import AttentionTap
 
-__all__ = ["MultiHeadSelfAttention", "LocalitySelfAttention", "SequencePooling", "SCORES", "SDPA_CPU_MODES",
+__all__ = ["MultiHeadSelfAttention", "LocalitySelfAttention", "SequencePooling", "SCORES", "SDPA_CPU_MODES", "POS_BIASES",
            "sdpa_cpu_mode", "matmul_attention"]
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 SDPA_CPU_MODES = ("fp32", "native", "matmul")  # the fast path's CPU attention (see sdpa_cpu_mode)
+POS_BIASES = ("none", "local")
 
 Grid = Optional[Tuple[int, int]]
 Hard = Union[None, str, int]
@@ -167,6 +168,16 @@ class MultiHeadSelfAttention(nn.Module):
     ``proj_bias`` as the timm module has them; timm's ``qk_norm``, ``scale_norm`` and ``gated`` options
     have no counterpart here).
 
+    ``pos_bias="local"`` adds a learned relative-position bias to every head's logits that starts as a local
+    kernel: ``b_h(i, j) = -a_h * |p_j - p_i - c_h|^2`` on the token grid (``grid`` is needed; prefix tokens
+    get no bias), with a per-head strength ``a_h = exp(pos_log_strength)`` (1 at init) and centre ``c_h``
+    (``pos_center``; the heads' centres start spread over a square of side 1 around the query, so each head
+    starts attending to its own neighbourhood, like a convolution's taps). With the projections near zero at
+    init, every head starts as that local average; ``q k^T`` and the learned bias take it from there, and a
+    strength going to 0 makes a head global. A convolution-like start for attention in the spirit of
+    d'Ascoli et al. 2021 ("ConViT", arXiv 2103.10697), as an additive bias so the fused kernel still runs. The
+    bias is part of the logits, so recorded weights are the ones applied. ``"none"`` (the default): no bias.
+
     Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
     ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
 
@@ -191,6 +202,7 @@ class MultiHeadSelfAttention(nn.Module):
         grid: Grid = None,
         num_prefix_tokens: int = 0,
         proj_bias: bool = True,
+        pos_bias: str = "none",
     ):
         super().__init__()
         positive_int("dim", dim)
@@ -216,8 +228,44 @@ class MultiHeadSelfAttention(nn.Module):
             self.general_weight = nn.Parameter(eye.clone())  # (heads, d, d)
         elif score == "additive":
             self.additive_v = nn.Parameter(torch.randn(num_heads, self.head_dim) / math.sqrt(self.head_dim))
+        self.pos_bias = pos_bias
+        self._init_pos_bias()
         self.tap = AttentionTap("token")
         self.reset_parameters()
+
+    def _init_pos_bias(self) -> None:
+        if self.pos_bias not in POS_BIASES:
+            raise ValueError(f"unknown pos_bias {self.pos_bias!r}; valid: {', '.join(POS_BIASES)}")
+        if self.pos_bias == "none":
+            return
+        if self.tap_grid is None:
+            raise ValueError("pos_bias='local' needs the token grid (grid=(H, W)): the bias is a function of position")
+        h, w = self.tap_grid
+        yx = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 2).float()
+        self.register_buffer("pos_offsets", yx[None, :, :] - yx[:, None, :], persistent=False)  # (G, G, 2): p_j - p_i
+        side = math.ceil(math.sqrt(self.num_heads))
+        ticks = torch.linspace(-0.5, 0.5, side) if side > 1 else torch.zeros(1)
+        centers = torch.stack(torch.meshgrid(ticks, ticks, indexing="ij"), -1).reshape(-1, 2)[: self.num_heads]
+        self.pos_center = nn.Parameter(centers.clone())  # (heads, 2), in tokens
+        self.pos_log_strength = nn.Parameter(torch.zeros(self.num_heads))  # (heads,)
+
+    def position_bias(self) -> torch.Tensor:
+        """fp32 ``(heads, N, N)`` logit bias of ``pos_bias="local"`` (zero rows and columns for prefix tokens)."""
+        d = self.pos_offsets[None] - self.pos_center.float()[:, None, None, :]  # (heads, G, G, 2)
+        bias = -self.pos_log_strength.float().exp()[:, None, None] * d.square().sum(-1)
+        p = self.num_prefix_tokens
+        return F.pad(bias, (p, 0, p, 0)) if p else bias
+
+    def _with_pos_bias(self, attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``attn_mask`` with the position bias added (a bool mask becomes ``-inf`` where it is False)."""
+        if self.pos_bias == "none":
+            return attn_mask
+        bias = self.position_bias()
+        if attn_mask is None:
+            return bias
+        if attn_mask.dtype == torch.bool:
+            return bias.masked_fill(~attn_mask, float("-inf"))
+        return bias + attn_mask.float()
 
     def reset_parameters(self) -> None:
         """The ViT initialisation of the projections (truncated normal, std 0.02; zero biases), the block's
@@ -267,6 +315,8 @@ class MultiHeadSelfAttention(nn.Module):
             parts = [t.float() for t in parts]
             if attn_mask is not None and attn_mask.is_floating_point():
                 attn_mask = attn_mask.float()
+        elif attn_mask is not None and attn_mask.is_floating_point() and mode != "matmul":
+            attn_mask = attn_mask.to(qkv.dtype)  # the kernels want a float mask in the query's dtype
         q, k, v = (t.transpose(1, 2) for t in parts)  # (B, heads, N, d)
         with torch.autocast(qkv.device.type, enabled=False) if upcast else contextlib.nullcontext():
             out = self._fused(q, k, v, attn_mask, is_causal, attend=attend)
@@ -306,7 +356,14 @@ class MultiHeadSelfAttention(nn.Module):
             raise ValueError(f"{type(self).__name__} expects (B, N, {self.dim}) tokens, got {tuple(x.shape)}")
         _check_mask_args(attn_mask, is_causal)
         B, N, D = x.shape
+        if self.pos_bias != "none":
+            if is_causal:
+                raise ValueError("pos_bias='local' takes attn_mask, not is_causal")
+            _check_tokens(self, N)
+            attn_mask = self._with_pos_bias(attn_mask)  # fp32 (..., heads, N, N)
         qkv = self.qkv(x)  # (B, N, 3*D)
+        if self.pos_bias != "none" and x.device.type != "cpu":
+            attn_mask = attn_mask.to(qkv.dtype)  # GPU kernels want a float mask in the query's dtype
         if self.fast_path and not (self.tap.active or self._use_hard() or not self._has_fused()):
             return self.proj_drop(self.proj(self._fused_packed(qkv, attn_mask, is_causal)))
         # (B, N, 3*D) -> (3, B, heads, N, d)
@@ -325,7 +382,7 @@ class MultiHeadSelfAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, num_heads={self.num_heads}, score={self.score!r}, hard={self.hard!r}, "
-            f"grid={self.tap_grid}, num_prefix_tokens={self.num_prefix_tokens}"
+            f"grid={self.tap_grid}, num_prefix_tokens={self.num_prefix_tokens}, pos_bias={self.pos_bias!r}"
         )
 
 

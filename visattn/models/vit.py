@@ -151,7 +151,9 @@ class TokenClassifier(nn.Module):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
-        return {"pos_embed", "cls_token"}
+        """Position parameters: the embedding, the class token and the attention's position-bias centres."""
+        centres = {n for n, _ in self.named_parameters() if n.endswith(".pos_center")}
+        return {"pos_embed", "cls_token"} | centres
 
     def set_fast_path(self, enabled: bool = True) -> "TokenClassifier":
         """Switch the speed-ups of the training path on (the default) or off (the baseline path, kept to measure
