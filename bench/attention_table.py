@@ -41,7 +41,7 @@ from visattn.runtime import write_atomic  # noqa: E402
 
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
 CNN_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ATTENTION]
-TRANSFORMER_CONFIGS = ["configs/vit_tiny.yaml", "configs/vit_tiny_lsa_spt.yaml", "configs/cct_2.yaml"]
+TRANSFORMER_CONFIGS = ["configs/vit_tiny.yaml", "configs/vit_tiny_lsa_spt.yaml", "configs/cct_2.yaml", "configs/vit_cpu.yaml"]
 BASELINE = "resnet_fast_none"
 QUIET_LOAD = 2.8  # mean 1-minute load average above which a run's time is not quoted (2 cores, 2 threads)
 # runs seen sharing the machine before the load was recorded: (name, seed, git) -> what was seen

@@ -94,3 +94,9 @@ def test_bad_options_are_refused():
         local_block()(torch.randn(1, 7, D))
     with pytest.raises(ValueError, match="is_causal"):
         local_block()(torch.randn(1, 30, D), is_causal=True)
+
+
+def test_nine_heads_start_on_a_three_by_three_convolutions_taps():
+    block = create_attention("mhsa", 36, num_heads=9, grid=GRID, pos_bias="local")
+    taps = sorted(tuple(c) for c in block.pos_center.tolist())
+    assert taps == [(dy, dx) for dy in (-1.0, 0.0, 1.0) for dx in (-1.0, 0.0, 1.0)]

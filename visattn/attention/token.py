@@ -171,8 +171,8 @@ class MultiHeadSelfAttention(nn.Module):
     ``pos_bias="local"`` adds a learned relative-position bias to every head's logits that starts as a local
     kernel: ``b_h(i, j) = -a_h * |p_j - p_i - c_h|^2`` on the token grid (``grid`` is needed; prefix tokens
     get no bias), with a per-head strength ``a_h = exp(pos_log_strength)`` (1 at init) and centre ``c_h``
-    (``pos_center``; the heads' centres start spread over a square of side 1 around the query, so each head
-    starts attending to its own neighbourhood, like a convolution's taps). With the projections near zero at
+    (``pos_center``; the heads' centres start on a grid one token apart around the query, 2x2 for 4 heads and
+    3x3 for 9 (a 3x3 convolution's taps), so each head starts attending to its own neighbourhood). With the projections near zero at
     init, every head starts as that local average; ``q k^T`` and the learned bias take it from there, and a
     strength going to 0 makes a head global. A convolution-like start for attention in the spirit of
     d'Ascoli et al. 2021 ("ConViT", arXiv 2103.10697), as an additive bias so the fused kernel still runs. The
@@ -244,7 +244,7 @@ class MultiHeadSelfAttention(nn.Module):
         yx = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 2).float()
         self.register_buffer("pos_offsets", yx[None, :, :] - yx[:, None, :], persistent=False)  # (G, G, 2): p_j - p_i
         side = math.ceil(math.sqrt(self.num_heads))
-        ticks = torch.linspace(-0.5, 0.5, side) if side > 1 else torch.zeros(1)
+        ticks = torch.arange(side, dtype=torch.float32) - (side - 1) / 2  # one token apart, centred on the query
         centers = torch.stack(torch.meshgrid(ticks, ticks, indexing="ij"), -1).reshape(-1, 2)[: self.num_heads]
         self.pos_center = nn.Parameter(centers.clone())  # (heads, 2), in tokens
         self.pos_log_strength = nn.Parameter(torch.zeros(self.num_heads))  # (heads,)
