@@ -190,7 +190,7 @@ def test_conv_tokenizer_norm_and_activation_options():
     kinds = [type(m).__name__ for m in bn.layers]
     assert kinds == ["Conv2d", "BatchNorm2d", "GELU", "MaxPool2d"] * 2
     for what, kw in (("norm", {"tokenizer_norm": "ln"}), ("act", {"tokenizer_act": "silu"}),
-                     ("pool_kernel", {"pool_kernel": 4})):
+                     ("pool_kernel", {"pool_kernel": 4}), ("pools", {"pools": 3})):
         with pytest.raises(ValueError, match=f"unknown tokenizer {what}"):
             create_model("cct_2", **kw)
 
@@ -207,3 +207,11 @@ def test_layer_scale_starts_each_branch_at_its_value_and_learns():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError, match="layer_scale"):
             create_model("cct_2", layer_scale=bad)
+
+
+@pytest.mark.parametrize("pools,grid", [(0, (32, 32)), (1, (16, 16)), (2, (8, 8))])
+def test_conv_tokenizer_pools_after_its_first_layers_only(pools, grid):
+    model = create_model("cct_2", pools=pools, pool_kernel=2, **SHALLOW)
+    assert model.grid_size == grid and model.pos_embed.shape[1] == grid[0] * grid[1]
+    assert sum(isinstance(m, torch.nn.MaxPool2d) for m in model.tokenizer.modules()) == pools
+    assert model(torch.randn(1, 3, 32, 32)).shape == (1, 10)

@@ -14,7 +14,7 @@ The taps of all blocks and of the sequence-pooling head carry the tokenizer's gr
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
@@ -35,27 +35,34 @@ class ConvTokenizer(nn.Module):
     Intermediate layers have ``conv_channels`` channels, the last has ``dim``. The paper's form is the default:
     no norm, ReLU, 3x3 stride-2 max-pool, convolutions without bias. ``norm="bn"`` adds a BatchNorm after each
     convolution (a convolutional stem that trains like a CNN's; Xiao et al. 2021, "Early Convolutions Help
-    Transformers See Better"), ``act="gelu"`` swaps the activation, ``pool_kernel=2`` pools 2x2 without overlap.
+    Transformers See Better"), ``act="gelu"`` swaps the activation, ``pool_kernel=2`` pools 2x2 without overlap,
+    ``pools=k`` pools after the first ``k`` layers only (default: after every layer), so two layers with
+    ``pools=1`` give 16x16 tokens on a 32x32 image.
     """
 
     def __init__(self, in_chans: int, dim: int, n_conv_layers: int = 1, kernel_size: int = 3, conv_channels: int = 64,
-                 norm: str = "none", act: str = "relu", pool_kernel: int = 3):
+                 norm: str = "none", act: str = "relu", pool_kernel: int = 3, pools: Optional[int] = None):
         super().__init__()
         if n_conv_layers < 1 or kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"need n_conv_layers >= 1 and an odd kernel_size, got {n_conv_layers}, {kernel_size}")
+        pools = n_conv_layers if pools is None else pools
+        if not 0 <= pools <= n_conv_layers:
+            raise ValueError(f"unknown tokenizer pools {pools!r}: 0 to n_conv_layers ({n_conv_layers}) layers pool")
         for what, value, valid in (("norm", norm, NORMS), ("act", act, tuple(ACTS)), ("pool_kernel", pool_kernel, (2, 3))):
             if value not in valid:
                 raise ValueError(f"unknown tokenizer {what} {value!r}; valid: {', '.join(map(str, valid))}")
         chans = [in_chans] + [conv_channels] * (n_conv_layers - 1) + [dim]
         layers = []
-        for cin, cout in zip(chans[:-1], chans[1:]):
+        for i, (cin, cout) in enumerate(zip(chans[:-1], chans[1:])):
             layers.append(nn.Conv2d(cin, cout, kernel_size, stride=1, padding=kernel_size // 2, bias=False))
             if norm == "bn":
                 layers.append(nn.BatchNorm2d(cout))
-            pad = 1 if pool_kernel == 3 else 0
-            layers += [ACTS[act](), nn.MaxPool2d(kernel_size=pool_kernel, stride=2, padding=pad)]
+            layers.append(ACTS[act]())
+            if i < pools:
+                layers.append(nn.MaxPool2d(kernel_size=pool_kernel, stride=2, padding=1 if pool_kernel == 3 else 0))
         self.layers = nn.Sequential(*layers)
         self.n_conv_layers = n_conv_layers
+        self.pools = pools
         self.pool_kernel = pool_kernel
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
@@ -64,7 +71,7 @@ class ConvTokenizer(nn.Module):
     def grid_size(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
         """Token grid for an ``img_size`` input: each max-pool (3, stride 2, pad 1) maps ``s`` to ``ceil(s/2)``."""
         h, w = img_size
-        for _ in range(self.n_conv_layers):
+        for _ in range(self.pools):
             if self.pool_kernel == 2:  # 2x2 stride 2, no padding: floor(s/2)
                 h, w = h // 2, w // 2
             else:  # 3x3 stride 2 pad 1: ceil(s/2)
@@ -85,10 +92,10 @@ class CompactConvTransformer(TokenClassifier):
     def __init__(self, num_classes: int = 10, img_size: Size = 32, in_chans: int = 3, n_conv_layers: int = 1,
                  kernel_size: int = 3, conv_channels: int = 64, dim: int = 256, depth: int = 7, num_heads: int = 4,
                  pool: str = "seq", attn_drop_rate: float = 0.1, tokenizer_norm: str = "none",
-                 tokenizer_act: str = "relu", pool_kernel: int = 3, **kwargs: Any):
+                 tokenizer_act: str = "relu", pool_kernel: int = 3, pools: Optional[int] = None, **kwargs: Any):
         img_size = to_2tuple(img_size, "img_size")
         tokenizer = ConvTokenizer(in_chans, dim, n_conv_layers, kernel_size, conv_channels, tokenizer_norm,
-                                  tokenizer_act, pool_kernel)
+                                  tokenizer_act, pool_kernel, pools)
         super().__init__(tokenizer, tokenizer.grid_size(img_size), img_size, num_classes, dim=dim, depth=depth,
                          num_heads=num_heads, pool=pool, attn_drop_rate=attn_drop_rate, **kwargs)
 
