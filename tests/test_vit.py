@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import recording
+from conftest import ROOT, recording
 
 from visattn.models import create_model, list_models
 from visattn.models.vit import ShiftedPatchTokenizer
@@ -215,3 +215,46 @@ def test_conv_tokenizer_pools_after_its_first_layers_only(pools, grid):
     assert model.grid_size == grid and model.pos_embed.shape[1] == grid[0] * grid[1]
     assert sum(isinstance(m, torch.nn.MaxPool2d) for m in model.tokenizer.modules()) == pools
     assert model(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+
+
+def test_whitened_tokenizer_whitens_the_patches_of_its_images():
+    model = create_model("cct_2", tokenizer_init="whiten", tokenizer_norm="bn", **SHALLOW)
+    assert model.needs_data_init
+    kaiming = model.tokenizer.layers[0].weight.detach().clone()
+    noise = torch.rand(64, 3, 36, 36)
+    smooth = torch.nn.functional.avg_pool2d(noise, 5, stride=1)  # neighbouring pixels correlate
+    images = (smooth * 255 / smooth.max()).to(torch.uint8)
+    mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+    model.data_init(images, mean, std)
+    conv = model.tokenizer.layers[0]
+    x = (images.float() / 255 - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    with torch.no_grad():
+        out = torch.nn.functional.conv2d(x, conv.weight[:27])  # the whitening filters, no padding: whole patches
+    flat = out.permute(1, 0, 2, 3).reshape(27, -1).double()
+    cov = torch.cov(flat)
+    off = cov - torch.diag(cov.diag())
+    assert off.abs().max() < 1e-3  # decorrelated
+    # unit variance but for eps (5e-4): the patch covariance's eigen-direction of variance v comes out at v / (v + eps)
+    patches = x.unfold(2, 3, 1).unfold(3, 3, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 27).double()
+    v = torch.linalg.eigvalsh(torch.cov(patches.T))  # ascending, the filters' order
+    torch.testing.assert_close(cov.diag(), v / (v + 5e-4), rtol=1e-3, atol=1e-4)
+    assert torch.equal(conv.weight[27:54], -conv.weight[:27])
+    assert torch.equal(conv.weight[54:], kaiming[54:])  # the other filters keep their initialisation
+    with pytest.raises(ValueError, match="needs 54 filters"):
+        create_model("cct_2", tokenizer_init="whiten", conv_channels=32)
+
+
+def test_the_trainer_whitens_the_tokenizer_from_its_training_images(tmp_path):
+    from visattn.config import build_config, read_yaml
+    from visattn.models.resnet import patch_whitening_filters
+    from visattn.trainer import build
+
+    tree = read_yaml(ROOT / "configs" / "smoke.yaml")
+    tree.update(run_dir=str(tmp_path / "run"), precision="fp32")
+    tree["model"] = {"name": "cct_2", "depth": 1, "dim": 64, "tokenizer_init": "whiten", "tokenizer_norm": "bn"}
+    tree["data"].update(synthetic_size=120, val_size=20)
+    run = build(build_config(tree), log=lambda *a, **k: None)
+    train = torch.from_numpy(run.splits.train.x[:5000]).permute(0, 3, 1, 2).float() / 255
+    mean, std = (torch.tensor(v).view(1, 3, 1, 1) for v in (run.cfg.data.mean, run.cfg.data.std))
+    expected = patch_whitening_filters((train - mean) / std, 3)
+    torch.testing.assert_close(run.model.tokenizer.layers[0].weight[:54].detach().float(), expected)

@@ -14,15 +14,17 @@ The taps of all blocks and of the sequence-pooling head carry the tokenizer's gr
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..registry import register_model
+from .resnet import patch_whitening_filters
 from .vit import Size, TokenClassifier, to_2tuple
 
 NORMS = ("none", "bn")
+INITS = ("kaiming", "whiten")
 ACTS = {"relu": lambda: nn.ReLU(inplace=True), "gelu": nn.GELU}
 
 __all__ = ["ConvTokenizer", "CompactConvTransformer", "cct_2", "cct_7"]
@@ -37,21 +39,31 @@ class ConvTokenizer(nn.Module):
     convolution (a convolutional stem that trains like a CNN's; Xiao et al. 2021, "Early Convolutions Help
     Transformers See Better"), ``act="gelu"`` swaps the activation, ``pool_kernel=2`` pools 2x2 without overlap,
     ``pools=k`` pools after the first ``k`` layers only (default: after every layer), so two layers with
-    ``pools=1`` give 16x16 tokens on a 32x32 image.
+    ``pools=1`` give 16x16 tokens on a 32x32 image. ``init="whiten"`` starts the first convolution's first
+    ``2 C k^2`` filters as the whitening filters of the training images' ``k x k`` patches and their negatives
+    (computed by :meth:`data_init` before training, as the CNN recipe's whitening stem; here they go on
+    training), the rest Kaiming; ``"kaiming"`` (the default): all Kaiming.
     """
 
     def __init__(self, in_chans: int, dim: int, n_conv_layers: int = 1, kernel_size: int = 3, conv_channels: int = 64,
-                 norm: str = "none", act: str = "relu", pool_kernel: int = 3, pools: Optional[int] = None):
+                 norm: str = "none", act: str = "relu", pool_kernel: int = 3, pools: Optional[int] = None,
+                 init: str = "kaiming"):
         super().__init__()
         if n_conv_layers < 1 or kernel_size < 1 or kernel_size % 2 == 0:
             raise ValueError(f"need n_conv_layers >= 1 and an odd kernel_size, got {n_conv_layers}, {kernel_size}")
         pools = n_conv_layers if pools is None else pools
         if not 0 <= pools <= n_conv_layers:
             raise ValueError(f"unknown tokenizer pools {pools!r}: 0 to n_conv_layers ({n_conv_layers}) layers pool")
-        for what, value, valid in (("norm", norm, NORMS), ("act", act, tuple(ACTS)), ("pool_kernel", pool_kernel, (2, 3))):
+        for what, value, valid in (("norm", norm, NORMS), ("act", act, tuple(ACTS)), ("pool_kernel", pool_kernel, (2, 3)),
+                                   ("init", init, INITS)):
             if value not in valid:
                 raise ValueError(f"unknown tokenizer {what} {value!r}; valid: {', '.join(map(str, valid))}")
         chans = [in_chans] + [conv_channels] * (n_conv_layers - 1) + [dim]
+        if init == "whiten" and 2 * in_chans * kernel_size**2 > chans[1]:
+            raise ValueError(f"tokenizer init 'whiten' needs {2 * in_chans * kernel_size**2} filters in the first "
+                             f"convolution ({kernel_size}x{kernel_size} patches of {in_chans} channels, and negatives); "
+                             f"it has {chans[1]}")
+        self.init = init
         layers = []
         for i, (cin, cout) in enumerate(zip(chans[:-1], chans[1:])):
             layers.append(nn.Conv2d(cin, cout, kernel_size, stride=1, padding=kernel_size // 2, bias=False))
@@ -67,6 +79,16 @@ class ConvTokenizer(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight)
+
+    @torch.no_grad()
+    def data_init(self, images: torch.Tensor) -> None:
+        """``init="whiten"``: set the first convolution's first filters from ``images`` (normalised float
+        ``(N, C, H, W)``); no-op otherwise."""
+        if self.init != "whiten":
+            return
+        conv = self.layers[0]
+        filters = patch_whitening_filters(images, conv.kernel_size[0])
+        conv.weight[: len(filters)] = filters.to(conv.weight.dtype)
 
     def grid_size(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
         """Token grid for an ``img_size`` input: each max-pool (3, stride 2, pad 1) maps ``s`` to ``ceil(s/2)``."""
@@ -92,12 +114,20 @@ class CompactConvTransformer(TokenClassifier):
     def __init__(self, num_classes: int = 10, img_size: Size = 32, in_chans: int = 3, n_conv_layers: int = 1,
                  kernel_size: int = 3, conv_channels: int = 64, dim: int = 256, depth: int = 7, num_heads: int = 4,
                  pool: str = "seq", attn_drop_rate: float = 0.1, tokenizer_norm: str = "none",
-                 tokenizer_act: str = "relu", pool_kernel: int = 3, pools: Optional[int] = None, **kwargs: Any):
+                 tokenizer_act: str = "relu", pool_kernel: int = 3, pools: Optional[int] = None,
+                 tokenizer_init: str = "kaiming", **kwargs: Any):
         img_size = to_2tuple(img_size, "img_size")
         tokenizer = ConvTokenizer(in_chans, dim, n_conv_layers, kernel_size, conv_channels, tokenizer_norm,
-                                  tokenizer_act, pool_kernel, pools)
+                                  tokenizer_act, pool_kernel, pools, tokenizer_init)
         super().__init__(tokenizer, tokenizer.grid_size(img_size), img_size, num_classes, dim=dim, depth=depth,
                          num_heads=num_heads, pool=pool, attn_drop_rate=attn_drop_rate, **kwargs)
+        self.needs_data_init = tokenizer_init == "whiten"  # the trainer then calls data_init with training images
+
+    def data_init(self, images_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> None:
+        """Compute the tokenizer's whitening filters from training images (uint8 ``(N, C, H, W)``)."""
+        m = torch.tensor(mean).view(1, -1, 1, 1)
+        s = torch.tensor(std).view(1, -1, 1, 1)
+        self.tokenizer.data_init((images_uint8.float() / 255 - m) / s)
 
 
 @register_model("cct_2", family="hybrid", cls=CompactConvTransformer)

@@ -185,18 +185,27 @@ class WhiteningStem(nn.Module):
     @torch.no_grad()
     def data_init(self, images: torch.Tensor) -> None:
         """``images``: normalised float ``(N, C, H, W)``."""
-        c, k = self.conv.in_channels, self.conv.kernel_size[0]
-        patches = images.float().unfold(2, k, 1).unfold(3, k, 1)  # (N, C, H', W', k, k)
-        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, c * k * k).double()
-        patches = patches - patches.mean(0, keepdim=True)
-        cov = patches.T @ patches / len(patches)
-        evals, evecs = torch.linalg.eigh(cov)
-        filters = (evecs.T / torch.sqrt(evals + self.eps)[:, None]).view(-1, c, k, k)  # (d, C, k, k)
-        self.conv.weight.copy_(torch.cat([filters, -filters]).to(self.conv.weight.dtype))
+        filters = patch_whitening_filters(images, self.conv.kernel_size[0], self.eps)
+        self.conv.weight.copy_(filters.to(self.conv.weight.dtype))
         self.conv.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.act(self.conv(x))
+
+
+@torch.no_grad()
+def patch_whitening_filters(images: torch.Tensor, k: int, eps: float = 5e-4) -> torch.Tensor:
+    """``(2 C k k, C, k, k)`` conv filters that whiten the ``k x k`` patches of ``images`` (normalised float
+    ``(N, C, H, W)``): the patch covariance's eigenvectors scaled by ``1/sqrt(eigenvalue + eps)``, then their
+    negatives (Jordan 2024, arXiv 2404.00498)."""
+    c = images.shape[1]
+    patches = images.float().unfold(2, k, 1).unfold(3, k, 1)  # (N, C, H', W', k, k)
+    patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, c * k * k).double()
+    patches = patches - patches.mean(0, keepdim=True)
+    cov = patches.T @ patches / len(patches)
+    evals, evecs = torch.linalg.eigh(cov)
+    filters = (evecs.T / torch.sqrt(evals + eps)[:, None]).view(-1, c, k, k)  # (d, C, k, k)
+    return torch.cat([filters, -filters]).float()
 
 
 class FastResNet(nn.Module):
