@@ -58,6 +58,17 @@ CPU_VARIANTS = {
 # name -> (what the variant changes, overrides on top of configs/vit_cpu.yaml)
 VIT_VARIANTS = {
     "recipe": ("nothing: configs/vit_cpu.yaml as shipped", []),
+    "kaiming_tokenizer": ("the first convolution Kaiming-initialised, not whitened", ["model.tokenizer_init=kaiming"]),
+    "paper_tokenizer": ("CCT's own tokenizer: no BatchNorm, ReLU, 3x3 stride-2 max-pool, Kaiming",
+                        ["model.tokenizer_norm=none", "model.tokenizer_act=relu", "model.pool_kernel=3",
+                         "model.tokenizer_init=kaiming"]),
+    "layer_scale": ("LayerScale 1e-4 on every residual branch", ["model.layer_scale=1e-4"]),
+    "pos_bias": ("a local position bias in every attention (heads start as local kernels)",
+                 ["model.attn_kwargs.pos_bias=local"]),
+    "batch_128": ("batch 128 at the same lr (twice the steps)", ["train.batch_size=128"]),
+    "no_label_smoothing": ("no label smoothing (0.1)", ["train.label_smoothing=0.0"]),
+    "cls_token": ("a class token instead of sequence pooling", ["model.pool=cls"]),
+    "no_tta": ("one view at evaluation instead of 6", ["eval.tta=none"]),
 }
 
 # recipe -> (config, variants, results file)
