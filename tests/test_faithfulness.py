@@ -95,3 +95,30 @@ def test_validates_options():
         visattn.faithfulness(RegionModel(), images(2), fill="zero")
     with pytest.raises(ValueError, match="steps"):
         visattn.faithfulness(RegionModel(), images(2), steps=0)
+
+
+@pytest.mark.parametrize("attention", ["cbam", "gc"])
+def test_gradcam_explains_the_backbones_last_convolution_not_a_gates(attention):
+    """CBAM's 7x7 gate conv and GC's context conv run after the backbone's last conv; Grad-CAM must still use
+    the backbone's (an identity-initialised gate's zero conv would give a constant map: random order)."""
+    from visattn.maps.faithful import gradient_map
+
+    torch.manual_seed(0)
+    model = visattn.create_model("resnet_fast", num_classes=10, widths=(8, 16, 16), attention=attention, block="plain",
+                                 attn_kwargs={"init": "identity"}).eval()  # plain: the last conv is on the path
+    x = images(8)
+    with torch.no_grad():
+        labels = model(x).argmax(1)  # the predicted class: the evidence for it is mostly positive
+    feats = {}
+    last = model.layers[2].units[0].conv  # the backbone's last convolution
+    handle = last.register_forward_hook(lambda m, a, out: feats.update(act=out))
+    try:
+        xx = x.clone().requires_grad_(True)
+        logits = model(xx)
+        g = torch.autograd.grad(logits.gather(1, labels[:, None]).sum(), feats["act"])[0]
+    finally:
+        handle.remove()
+    expected = torch.relu((g.mean((2, 3), keepdim=True) * feats["act"].detach()).sum(1))
+    cam = gradient_map(model, x, labels, "gradcam")
+    assert expected.flatten(1).std(1).max() > 0  # a map that ranks regions, so the comparison can fail
+    torch.testing.assert_close(cam.heat, expected)

@@ -272,13 +272,18 @@ def gradient_map(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, m
 
 
 def _gradcam(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> Optional[LayerMap]:
+    from ..registry import backbone_modules
+
     seen: List[torch.Tensor] = []
 
     def hook(m, args, out):
         if out.dim() == 4 and min(out.shape[-2:]) > 1 and out.requires_grad:
             seen.append(out)
 
-    handles = [m.register_forward_hook(hook) for m in unwrap_model(model).modules() if isinstance(m, nn.Conv2d)]
+    # the backbone's convolutions: an attention block's own (CBAM's 7x7 gate conv, GC's context conv) is not the
+    # feature map Grad-CAM explains, and an identity-initialised gate's zero conv would give a constant map
+    convs = [m for m in backbone_modules(unwrap_model(model)) if isinstance(m, nn.Conv2d)]
+    handles = [m.register_forward_hook(hook) for m in convs]
     try:
         x = images.detach().clone().requires_grad_(True)
         out = model(x)
