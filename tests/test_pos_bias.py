@@ -70,6 +70,12 @@ def test_bool_mask_and_bf16_autocast():
     with recording(block) as recs:
         block(x, attn_mask=keep)
     assert recs[0].weights[..., 0].abs().max() == 0
+    per_image = keep.expand(2, 1, n, n).clone()  # (B, 1, N, N): broadcast over the heads
+    per_image[1, 0, :, 1] = False
+    with recording(block) as recs:
+        fused = block(x, attn_mask=per_image)
+    assert recs[0].weights[..., 0].abs().max() == 0 and recs[0].weights[1, :, :, 1].abs().max() == 0
+    torch.testing.assert_close(fused, block(x, attn_mask=per_image), atol=1e-5, rtol=1e-5)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = block(x)
     torch.testing.assert_close(low.float(), block(x), atol=0.05, rtol=0.05)

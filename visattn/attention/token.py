@@ -263,8 +263,8 @@ class MultiHeadSelfAttention(nn.Module):
         bias = self.position_bias()
         if attn_mask is None:
             return bias
-        if attn_mask.dtype == torch.bool:
-            return bias.masked_fill(~attn_mask, float("-inf"))
+        if attn_mask.dtype == torch.bool:  # broadcast both ways: a (B, 1, N, N) mask and the (heads, N, N) bias
+            return torch.where(attn_mask, bias, torch.full((), float("-inf"), device=bias.device))
         return bias + attn_mask.float()
 
     def reset_parameters(self) -> None:
