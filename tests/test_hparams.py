@@ -7,7 +7,6 @@ schedule, ``--resume RUN/last.pt train.epochs=2``), then asks a real TensorBoard
 from __future__ import annotations
 
 import json
-import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 pytest.importorskip("tensorboard")
 
-from test_tensorboard_server import OPENER, free_port, poll, tensorboard_command  # noqa: E402
+from test_tensorboard_server import OPENER, poll, serving  # noqa: E402
 
 from visattn.cli import main  # noqa: E402
 from visattn.config import load_config  # noqa: E402
@@ -90,12 +89,7 @@ def test_hparams_dashboard_lists_each_run_once(tmp_path, capsys):
     se = se["summary"]
     assert len(list((logdir / "se" / "tb").glob("events.out.tfevents.*"))) == 3  # hparams + two writers
 
-    port = free_port()
-    log_path = tmp_path / "tensorboard.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(tensorboard_command(logdir, port), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-    try:
+    with serving(logdir, tmp_path) as (proc, port, log_path):
         def probe():
             exp = post(port, "/data/plugin/hparams/experiment", {"experimentName": ""})
             groups = post(port, "/data/plugin/hparams/session_groups", {
@@ -107,13 +101,6 @@ def test_hparams_dashboard_lists_each_run_once(tmp_path, capsys):
             return ((exp, rows) if done else None), f"{len(rows)} session groups"
 
         exp, rows = poll(proc, log_path, "HParams session groups for both runs", probe)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
 
     assert sorted(m["name"]["tag"] for m in exp["metricInfos"]) == sorted(METRIC_TAGS)
     names = {h["name"] for h in exp["hparamInfos"]}

@@ -35,8 +35,8 @@ from ..registry import register_attention
 from .functional import init_linears, positive_int, sdpa
 from .tap import AttentionTap
 
-__all__ = ["MultiHeadSelfAttention", "LocalitySelfAttention", "SequencePooling", "SCORES", "SDPA_CPU_MODES", "POS_BIASES",
-           "sdpa_cpu_mode", "matmul_attention"]
+__all__ = ["MultiHeadSelfAttention", "LocalitySelfAttention", "SequencePooling", "SCORES", "SDPA_CPU_MODES",
+           "POS_BIASES", "sdpa_cpu_mode", "matmul_attention"]
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 SDPA_CPU_MODES = ("fp32", "native", "matmul")  # the fast path's CPU attention (see sdpa_cpu_mode)
@@ -290,6 +290,8 @@ class MultiHeadSelfAttention(nn.Module):
         baseline path, ``F.scaled_dot_product_attention`` on the fast path); only called for scores that have
         a fused form."""
         p = self.attn_drop.p if self.training else 0.0
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(q.dtype)  # the fused kernels want a float mask in the query's dtype (as lsa's)
         if self.score == "scaled_dot":  # default scale is 1/sqrt(d)
             return attend(q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal)
         if self.score == "general":
@@ -315,8 +317,6 @@ class MultiHeadSelfAttention(nn.Module):
             parts = [t.float() for t in parts]
             if attn_mask is not None and attn_mask.is_floating_point():
                 attn_mask = attn_mask.float()
-        elif attn_mask is not None and attn_mask.is_floating_point() and mode != "matmul":
-            attn_mask = attn_mask.to(qkv.dtype)  # the kernels want a float mask in the query's dtype
         q, k, v = (t.transpose(1, 2) for t in parts)  # (B, heads, N, d)
         with torch.autocast(qkv.device.type, enabled=False) if upcast else contextlib.nullcontext():
             out = self._fused(q, k, v, attn_mask, is_causal, attend=attend)
@@ -362,8 +362,6 @@ class MultiHeadSelfAttention(nn.Module):
             _check_tokens(self, N)
             attn_mask = self._with_pos_bias(attn_mask)  # fp32 (..., heads, N, N)
         qkv = self.qkv(x)  # (B, N, 3*D)
-        if self.pos_bias != "none" and x.device.type != "cpu":
-            attn_mask = attn_mask.to(qkv.dtype)  # GPU kernels want a float mask in the query's dtype
         if self.fast_path and not (self.tap.active or self._use_hard() or not self._has_fused()):
             return self.proj_drop(self.proj(self._fused_packed(qkv, attn_mask, is_causal)))
         # (B, N, 3*D) -> (3, B, heads, N, d)

@@ -125,9 +125,9 @@ class CompactConvTransformer(TokenClassifier):
 
     def data_init(self, images_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> None:
         """Compute the tokenizer's whitening filters from training images (uint8 ``(N, C, H, W)``)."""
-        m = torch.tensor(mean).view(1, -1, 1, 1)
-        s = torch.tensor(std).view(1, -1, 1, 1)
-        self.tokenizer.data_init((images_uint8.float() / 255 - m) / s)
+        from ..data.augment import normalize
+
+        self.tokenizer.data_init(normalize(images_uint8, mean, std))
 
 
 @register_model("cct_2", family="hybrid", cls=CompactConvTransformer)

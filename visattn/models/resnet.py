@@ -258,9 +258,9 @@ class FastResNet(nn.Module):
     def data_init(self, images_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> None:
         """Compute the whitening stem from training images (uint8 ``(N, C, H, W)``); no-op for a conv stem."""
         if isinstance(self.stem, WhiteningStem):
-            m = torch.tensor(mean).view(1, -1, 1, 1)
-            s = torch.tensor(std).view(1, -1, 1, 1)
-            self.stem.data_init((images_uint8.float() / 255 - m) / s)
+            from ..data.augment import normalize
+
+            self.stem.data_init(normalize(images_uint8, mean, std))
 
     def set_epoch(self, epoch: int) -> None:
         """Called by the trainer before each epoch (0-based): freezes the whitening bias after its epochs."""
