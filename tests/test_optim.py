@@ -57,3 +57,46 @@ def test_adamw_betas_and_unknown_name():
 
     with pytest.raises(ConfigError, match="unknown optimizer 'lamb'"):
         engine.build_optimizer(torch.nn.Linear(3, 2), "lamb", 1e-3, 0.0)
+
+
+def _muon_routes(model, opt):
+    names = {id(p): n for n, p in model.named_parameters()}
+    fallback = {names[id(p)] for g in opt.param_groups for p in g["params"] if g.get("use_fallback") or p.ndim < 2}
+    return fallback, {n for n in names.values() if n not in fallback}
+
+
+def test_muon_orthogonalises_the_matrices_and_leaves_the_classifier_and_embeddings_to_adamw():
+    model = create_model("cct_2", depth=1, dim=64, num_heads=2)
+    opt = engine.build_optimizer(model, "muon", 2e-3, 0.05, momentum=0.95, nesterov=True, betas=(0.9, 0.98))
+    fallback, orthogonalised = _muon_routes(model, opt)
+    assert {"head.weight", "head.bias", "pos_embed", "blocks.0.norm1.weight"} <= fallback
+    assert {"tokenizer.layers.0.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc2.weight"} <= orthogonalised
+    decay = _decay_by_name(model, opt)
+    assert decay["blocks.0.attn.qkv.weight"] == 0.05 and decay["pos_embed"] == decay["head.bias"] == 0.0
+    g = opt.param_groups[0]
+    assert (g["momentum"], g["nesterov"], tuple(g["betas"])) == (0.95, True, (0.9, 0.98))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_muon_runs_newton_schulz_in_fp32_where_bf16_is_emulated_and_the_swap_is_undone(monkeypatch, native):
+    import timm.optim.muon as muon
+
+    seen = []
+    original = muon.zeropower_via_newtonschulz
+
+    def spy(G, *args, dtype=torch.bfloat16, **kw):
+        seen.append(dtype)
+        return original(G, *args, dtype=dtype, **kw)
+
+    monkeypatch.setattr(muon, "zeropower_via_newtonschulz", spy)
+    monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: native)
+    torch.manual_seed(0)
+    model = create_model("cct_2", depth=1, dim=32, num_heads=2, num_classes=3)
+    opt = engine.build_optimizer(model, "muon", 1e-2, 0.0, momentum=0.95)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
+    before = model.blocks[0].attn.qkv.weight.detach().clone()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert seen and set(seen) == {torch.bfloat16 if native else torch.float32}
+    assert muon.zeropower_via_newtonschulz is spy  # restored after the step
+    assert not torch.equal(before, model.blocks[0].attn.qkv.weight)  # it learns

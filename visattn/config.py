@@ -136,7 +136,7 @@ class ModelConfig(BaseModel):
 
 
 class OptimConfig(_Section):
-    name: Literal["sgd", "adamw"] = "sgd"
+    name: Literal["sgd", "adamw", "muon"] = "sgd"  # muon: timm's Muon, AdamW for the classifier and 1-d parameters
     lr: float = Field(0.1, gt=0, le=100)
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
