@@ -5,6 +5,7 @@ per model, which map is the most faithful.
     python bench/faithfulness.py runs/cbam runs/gc runs/coord runs/cct_2 runs/vit_tiny      # 500 images each
     python bench/faithfulness.py runs/attention_table --images 500 --vit-images 200        # every run found below
     python bench/faithfulness.py --report                                                  # the table, no scoring
+    python bench/faithfulness.py --summary                                                 # the README's table
 
 Checkpoints: each path is a run directory (``last.pt`` beside the run's ``config.yaml``), or a folder searched
 for run directories (any depth). The model, its config name and seed come from the checkpoint; ``val_acc`` is
@@ -166,6 +167,44 @@ def report(rows: List[Dict[str, Any]]) -> str:
 
 
 ATTENTION_KINDS = ("attention", "attention_gradient", "rollout", "gradient_rollout")
+README_BEGIN = "<!-- faithfulness table: python bench/faithfulness.py --summary -->"
+README_END = "<!-- end of faithfulness table -->"
+
+
+def _means(row: Optional[Dict[str, Any]]) -> str:
+    return "-" if row is None else f"{row['deletion_score'][0]:+.3f} / {row['insertion_score'][0]:+.3f}"
+
+
+def _best(group: List[Dict[str, Any]], kinds: Iterable[str]) -> Optional[Dict[str, Any]]:
+    rows = [r for r in group if r["kind"] in tuple(kinds)]
+    return max(rows, key=merit) if rows else None
+
+
+def summary(rows: List[Dict[str, Any]]) -> str:
+    """The README's table: one line per checkpoint with the best map of each family (deletion / insertion
+    score, means), the most faithful map, and whether a map derived from attention is at least as faithful as
+    input x gradient on both curves."""
+    out = [README_BEGIN,
+           "| model (config, seed) | val acc | images | raw attention | attention x gradient | rollout "
+           "| input x gradient | Grad-CAM | most faithful | attention-derived >= input x gradient on both |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r["checkpoint"]["path"], []).append(r)
+    for group in groups.values():
+        c, g = group[0]["checkpoint"], _best(group, ["input_x_gradient"])
+        acc = "-" if group[0]["val_acc"] is None else f"{100 * group[0]['val_acc']:.2f}%"
+        derived = [r for r in group if r["kind"] in ATTENTION_KINDS]
+        both = g is not None and any(r["deletion_score"][0] >= g["deletion_score"][0]
+                                     and r["insertion_score"][0] >= g["insertion_score"][0] for r in derived)
+        best = max(group, key=merit)
+        out.append(f"| {group[0]['model']} ({c['config']}, {c['seed']}) | {acc} | {group[0]['images']} "
+                   f"| {_means(_best(group, ['attention']))} | {_means(_best(group, ['attention_gradient']))} "
+                   f"| {_means(_best(group, ['rollout', 'gradient_rollout']))} | {_means(g)} "
+                   f"| {_means(_best(group, ['gradcam']))} | `{best['map']}` ({best['kind']}) "
+                   f"| {'yes' if both else 'no'} |")
+    return "\n".join(out + [README_END])
+
 
 
 def _against_gradient(group: List[Dict[str, Any]]) -> str:
@@ -193,6 +232,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="*", help="run directories (with last.pt), or folders holding them")
     ap.add_argument("--report", action="store_true", help="print the markdown table of --out and stop")
+    ap.add_argument("--summary", action="store_true", help="print the README's table of --out and stop")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--images", type=int, default=500, help="held-out images per checkpoint")
     ap.add_argument("--vit-images", type=int, default=None, help="held-out images for vit_* models (default: --images)")
@@ -206,8 +246,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--device", default="auto")
     args = ap.parse_args(argv)
     out = Path(args.out)
-    if args.report:
-        print(report(load(out)))
+    if args.report or args.summary:
+        print(report(load(out)) if args.report else summary(load(out)))
         return 0
     if not args.runs:
         ap.error("give run directories to score, or --report")

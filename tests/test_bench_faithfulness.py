@@ -106,3 +106,27 @@ def test_report_says_whether_a_map_from_attention_is_as_faithful_as_input_x_grad
     assert "at least as faithful as input x gradient on both curves: `rollout_grad`" in line
     assert "deletion +0.060 vs +0.060, insertion +0.050 vs +0.040" in line
     assert "no input x gradient" in bench._against_gradient([_row("a", "attention", 0.1, 0.1)])
+
+
+def test_summary_gives_each_checkpoint_its_best_map_per_family_and_the_verdict():
+    head = {"model": "m", "checkpoint": {"path": "a/last.pt", "config": "cfg_a", "seed": 0}, "val_acc": 0.8,
+            "images": 500}
+    a = [{**head, **r} for r in (_row("x", "attention", -0.1, 0.0), _row("y", "attention", 0.02, 0.01),
+                                 _row("x/grad", "attention_gradient", 0.07, 0.05),
+                                 _row("input_x_gradient", "input_x_gradient", 0.06, 0.04))]
+    b = [{**head, "checkpoint": {"path": "b/last.pt", "config": "cfg_b", "seed": 1}, "val_acc": None, **r}
+         for r in (_row("rollout", "rollout", 0.01, 0.02), _row("input_x_gradient", "input_x_gradient", 0.06, 0.04),
+                   _row("gradcam", "gradcam", 0.03, 0.2))]
+    lines = bench.summary(a + b).splitlines()
+    assert lines[0] == bench.README_BEGIN and lines[-1] == bench.README_END and len(lines) == 6
+    assert lines[3] == ("| m (cfg_a, 0) | 80.00% | 500 | +0.020 / +0.010 | +0.070 / +0.050 | - | +0.060 / +0.040 "
+                        "| - | `x/grad` (attention_gradient) | yes |")
+    assert lines[4] == ("| m (cfg_b, 1) | - | 500 | - | - | +0.010 / +0.020 | +0.060 / +0.040 | +0.030 / +0.200 "
+                        "| `gradcam` (gradcam) | no |")
+
+
+def test_the_readmes_faithfulness_table_is_the_one_the_results_give():
+    readme = (ROOT / "README.md").read_text()
+    start, end = readme.index(bench.README_BEGIN), readme.index(bench.README_END) + len(bench.README_END)
+    assert readme[start:end] == bench.summary(bench.load(bench.RESULTS)), \
+        "README's faithfulness table is stale: paste `python bench/faithfulness.py --summary`"
