@@ -93,10 +93,12 @@ def test_muon_runs_newton_schulz_in_fp32_where_bf16_is_emulated_and_the_swap_is_
     torch.manual_seed(0)
     model = create_model("cct_2", depth=1, dim=32, num_heads=2, num_classes=3)
     opt = engine.build_optimizer(model, "muon", 1e-2, 0.0, momentum=0.95)
+    sched = engine.StepScheduler(opt, "onecycle", 1e-2, 10, 2)  # torch's schedulers wrap the optimizer's step
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
     before = model.blocks[0].attn.qkv.weight.detach().clone()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
+    sched.step()
     assert seen and set(seen) == {torch.bfloat16 if native else torch.float32}
     assert muon.zeropower_via_newtonschulz is spy  # restored after the step
     assert not torch.equal(before, model.blocks[0].attn.qkv.weight)  # it learns

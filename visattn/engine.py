@@ -120,20 +120,21 @@ def _newton_schulz_in_fp32(optimizer: torch.optim.Optimizer) -> None:
     """Run this Muon instance's Newton-Schulz iterations in fp32: timm's module-level function defaults to bf16,
     which CPUs without AMX or AVX512-BF16 emulate. The swap lasts only for this optimizer's ``step``."""
     import functools
+    import types
 
     import timm.optim.muon as muon
 
-    step, ns = optimizer.step, muon.zeropower_via_newtonschulz
+    step, ns = type(optimizer).step, muon.zeropower_via_newtonschulz
 
-    @functools.wraps(step)
-    def step_fp32(*args: Any, **kw: Any) -> Any:
+    def step_fp32(self: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
         muon.zeropower_via_newtonschulz = functools.partial(ns, dtype=torch.float32)
         try:
-            return step(*args, **kw)
+            return step(self, *args, **kw)
         finally:
             muon.zeropower_via_newtonschulz = ns
 
-    optimizer.step = step_fp32  # type: ignore[method-assign]
+    # a bound method, as torch's LR schedulers expect when they wrap ``step``
+    optimizer.step = types.MethodType(step_fp32, optimizer)  # type: ignore[method-assign]
 
 
 def _groups_with_norm_bias_scale(model: nn.Module, weight_decay: float, no_decay_1d: bool,
