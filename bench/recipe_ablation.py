@@ -58,6 +58,7 @@ CPU_VARIANTS = {
 # name -> (what the variant changes, overrides on top of configs/vit_cpu.yaml)
 VIT_VARIANTS = {
     "recipe": ("nothing: configs/vit_cpu.yaml as shipped", []),
+    "adamw": ("AdamW for every parameter instead of Muon (same lr)", ["optim.name=adamw"]),
     "kaiming_tokenizer": ("the first convolution Kaiming-initialised, not whitened", ["model.tokenizer_init=kaiming"]),
     "paper_tokenizer": ("CCT's own tokenizer: no BatchNorm, ReLU, 3x3 stride-2 max-pool, Kaiming",
                         ["model.tokenizer_norm=none", "model.tokenizer_act=relu", "model.pool_kernel=3",
