@@ -140,15 +140,20 @@ def merit(row: Dict[str, Any]) -> float:
     return (row["deletion_score"][0] + row["insertion_score"][0]) / 2
 
 
+def by_checkpoint(rows: List[Dict[str, Any]]) -> List[List[Dict[str, Any]]]:
+    """The rows grouped by checkpoint, in the order the checkpoints first appear."""
+    groups: Dict[str, List[Dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(r["checkpoint"]["path"], []).append(r)
+    return list(groups.values())
+
+
 def report(rows: List[Dict[str, Any]]) -> str:
     """The markdown table, one section per checkpoint, and per model which map is the most faithful."""
     out = ["| model | checkpoint | val acc | images | map | kind | deletion score | insertion score | sanity rho |",
            "|---|---|---|---|---|---|---|---|---|"]
     verdicts = []
-    groups: Dict[str, List[Dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(r["checkpoint"]["path"], []).append(r)
-    for path, group in groups.items():
+    for group in by_checkpoint(rows):
         c = group[0]["checkpoint"]
         acc = "-" if group[0]["val_acc"] is None else f"{group[0]['val_acc']:.4f}"
         for r in group:
@@ -188,15 +193,10 @@ def summary(rows: List[Dict[str, Any]]) -> str:
            "| model (config, seed) | val acc | images | raw attention | attention x gradient | rollout "
            "| input x gradient | Grad-CAM | most faithful | attention-derived >= input x gradient on both |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-    groups: Dict[str, List[Dict[str, Any]]] = {}
-    for r in rows:
-        groups.setdefault(r["checkpoint"]["path"], []).append(r)
-    for group in groups.values():
+    for group in by_checkpoint(rows):
         c, g = group[0]["checkpoint"], _best(group, ["input_x_gradient"])
         acc = "-" if group[0]["val_acc"] is None else f"{100 * group[0]['val_acc']:.2f}%"
-        derived = [r for r in group if r["kind"] in ATTENTION_KINDS]
-        both = g is not None and any(r["deletion_score"][0] >= g["deletion_score"][0]
-                                     and r["insertion_score"][0] >= g["insertion_score"][0] for r in derived)
+        both = bool(_as_faithful_on_both(group)[2])
         best = max(group, key=merit)
         out.append(f"| {group[0]['model']} ({c['config']}, {c['seed']}) | {acc} | {group[0]['images']} "
                    f"| {_means(_best(group, ['attention']))} | {_means(_best(group, ['attention_gradient']))} "
@@ -206,17 +206,22 @@ def summary(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(out + [README_END])
 
 
+def _as_faithful_on_both(group: List[Dict[str, Any]]):
+    """(maps derived from attention, the input x gradient row or None, those derived maps whose mean scores are
+    at least input x gradient's on both curves)."""
+    derived = [r for r in group if r["kind"] in ATTENTION_KINDS]
+    g = _best(group, ["input_x_gradient"])
+    both = [] if g is None else [r for r in derived if r["deletion_score"][0] >= g["deletion_score"][0]
+                                 and r["insertion_score"][0] >= g["insertion_score"][0]]
+    return derived, g, both
+
 
 def _against_gradient(group: List[Dict[str, Any]]) -> str:
     """The issue's aim, per model: is a map derived from attention at least as faithful as input x gradient on
     both curves (mean scores)?"""
-    derived = [r for r in group if r["kind"] in ATTENTION_KINDS]
-    ixg = [r for r in group if r["kind"] == "input_x_gradient"]
-    if not derived or not ixg:
+    derived, g, both = _as_faithful_on_both(group)
+    if not derived or g is None:
         return "  - no attention-derived map or no input x gradient row to compare"
-    g = ixg[0]
-    both = [r for r in derived if r["deletion_score"][0] >= g["deletion_score"][0]
-            and r["insertion_score"][0] >= g["insertion_score"][0]]
     if both:
         best = max(both, key=merit)
         return (f"  - at least as faithful as input x gradient on both curves: `{best['map']}` ({best['kind']}; "
