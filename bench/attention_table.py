@@ -104,21 +104,24 @@ def run_name(config: str, tag: str = "") -> str:
 
 
 def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_root: Optional[str],
-            tag: str = "", extra: Sequence[str] = ()) -> dict:
+            tag: str = "", extra: Sequence[str] = (), precision_override: Optional[str] = None) -> dict:
     import torch
 
     from visattn.config import load_config
     from visattn.trainer import run
 
     name = run_name(config, tag)
-    run_dir = run_root / f"{name.replace('/', '-')}-e{epochs or 'cfg'}-s{seed}"
-    if run_dir.exists():  # a run killed part-way: start it again from scratch
+    num = planned_numerics(config, precision_override).replace(" on ", "-")
+    run_dir = run_root / f"{name.replace('/', '-')}-e{epochs or 'cfg'}-s{seed}-{num}"
+    if run_dir.exists():  # a run killed part-way: start it again from scratch (one per precision and kernels)
         shutil.rmtree(run_dir)
     overrides = [f"seed={seed}", f"run_dir={run_dir}", "log.progress=false", "log.maps_every=0", *extra]
     if epochs:
         overrides.append(f"train.epochs={epochs}")
     if data_root:
         overrides.append(f"data.root={data_root}")
+    if precision_override:
+        overrides.append(f"precision={precision_override}")
     cfg = load_config(ROOT / config, overrides)
     overrides.append(f"eval.every={cfg.train.epochs}")  # score once, at the end
     cfg = load_config(ROOT / config, overrides)
@@ -131,7 +134,7 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
             "train_seconds": sum(r["epoch_seconds"] for r in rows),
             "images_per_s": statistics.mean(r["images_per_s"] for r in rows), "parameters": info["parameters"],
             "eval_split": summary["eval_split"], "git": info["git"], "load_mean": load.mean, "cpu": cpu_name(),
-            "threads": torch.get_num_threads(), "precision": info["precision"]}
+            "threads": torch.get_num_threads(), "precision": info["precision"], "kernels": kernels(cfg.device)}
 
 
 def cpu_name() -> str:
@@ -171,13 +174,49 @@ def precision(r: dict) -> str:
     return r.get("precision", "bf16")
 
 
+# the kernel family of runs recorded before it was stored: round 2's bf16 runs on AMX CPUs, this round's
+# first fp32 runs on an AVX2 machine without native bf16
+LEGACY_KERNELS = {"bf16": "amx", "fp32": "avx2"}
+
+
+def kernels(device: str = "auto") -> str:
+    """The family of kernels a run on this machine computes with: the CUDA device's name, else the CPU's best
+    of ``amx`` (AMX-BF16), ``avx512_bf16``, ``avx512``, ``avx2`` (from ``/proc/cpuinfo``), else ``cpu``.
+
+    The same seed gives a different result on another family (86.76% on AMX against 86.66% with AVX512-BF16
+    for ``resnet_fast_none`` seed 0 in bf16), so runs are paired only within one family."""
+    from visattn import engine
+
+    dev = engine.resolve_device(device)
+    if dev.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(dev)
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                         if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return "cpu"
+    for flag, name in (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
+        if flag in flags:
+            return name
+    return "cpu"
+
+
+def numerics(r: dict) -> str:
+    """What a run is paired and tabled by besides its budget: its precision and kernel family, e.g.
+    ``bf16 on avx512_bf16``."""
+    p = precision(r)
+    return f"{p} on {r.get('kernels') or LEGACY_KERNELS.get(p, 'cpu')}"
+
+
 def differences(results: List[dict], name: str, epochs: Optional[int] = None) -> List[float]:
-    """``name``'s accuracy minus the baseline's, in points, for each seed both have at the same epochs and
-    precision (``epochs``: only that budget)."""
+    """``name``'s accuracy minus the baseline's, in points, for each seed both have at the same epochs,
+    precision and kernel family (:func:`numerics`; ``epochs``: only that budget)."""
     rs = at_budget(results, epochs)
-    base = {(r["seed"], r["epochs"], precision(r)): r["val_acc"] for r in rs if r["name"] == BASELINE}
-    return [100 * (r["val_acc"] - base[r["seed"], r["epochs"], precision(r)]) for r in rs
-            if r["name"] == name and (r["seed"], r["epochs"], precision(r)) in base]
+    base = {(r["seed"], r["epochs"], numerics(r)): r["val_acc"] for r in rs if r["name"] == BASELINE}
+    return [100 * (r["val_acc"] - base[r["seed"], r["epochs"], numerics(r)]) for r in rs
+            if r["name"] == name and (r["seed"], r["epochs"], numerics(r)) in base]
 
 
 def ordered(names) -> List[str]:
@@ -290,10 +329,11 @@ def plot(results: List[dict], path: Path) -> None:
 
 def ran(results: List[dict], config: str, seed: int, epochs: Optional[int] = None, tag: str = "",
         prec: Optional[str] = None) -> bool:
-    """Whether ``results`` hold the run (its name, seed and, where given, epochs and precision)."""
+    """Whether ``results`` hold the run (its name, seed and, where given, epochs and :func:`numerics`, e.g.
+    ``"bf16 on amx"``)."""
     name = run_name(config, tag)
     return any(r["name"] == name and r["seed"] == seed and (epochs is None or r["epochs"] == epochs)
-               and (prec is None or precision(r) == prec) for r in results)
+               and (prec is None or numerics(r) == prec) for r in results)
 
 
 def plan(results: List[dict], configs: List[str], seed: int, target: float, epochs: Optional[int] = None,
@@ -328,6 +368,9 @@ def main() -> None:
                     "its own name and runs without --set)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides of the variant, e.g. model.attn_position=group_act (needs --tag)")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default=None,
+                    help="override every config's precision (the runs keep their names: the table keys them by "
+                         "precision and kernel family)")
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--runs", default=str(ROOT / "runs" / "attention_table"))
     ap.add_argument("--results", default=str(RESULTS), help="the results file, read and appended to")
@@ -348,7 +391,7 @@ def main() -> None:
     seeds = args.seeds if args.seeds is not None else list(range(args.max_seeds))
     for seed in [] if args.report else seeds:  # seed-major: a partial sweep still pairs every config
         epochs_of = {c: args.epochs or default_epochs(c) or config_epochs(c) for c in args.configs}
-        prec = planned_precision(args.configs[0])
+        prec = planned_numerics(args.configs[0], args.precision)
         if args.seeds is not None:  # exactly these seeds, every config
             todo = [c for c in args.configs if not ran(results, c, seed, epochs_of[c], variant(c, args.tag), prec)]
         else:
@@ -356,12 +399,12 @@ def main() -> None:
         for config in todo:
             tag = variant(config, args.tag)
             r = run_one(config, seed, epochs_of[config], Path(args.runs), args.data_root, tag,
-                        args.set if tag else ())
+                        args.set if tag else (), args.precision)
             results.append(r)
             write_atomic(out, json.dumps(results, indent=1))  # a kill mid-write keeps the old file
             print(f"{r['name']} seed {seed}: val {100 * r['val_acc']:.2f}% in {r['train_seconds']:.0f}s", flush=True)
-    for epochs, prec in sorted({(r["epochs"], precision(r)) for r in results}):
-        print(f"\n{epochs} epochs, {prec}\n" + table([r for r in at_budget(results, epochs) if precision(r) == prec]))
+    for epochs, num in sorted({(r["epochs"], numerics(r)) for r in results}):
+        print(f"\n{epochs} epochs, {num}\n" + table([r for r in at_budget(results, epochs) if numerics(r) == num]))
     if args.plot and results:
         plot(results, Path(args.plot))
 
@@ -371,13 +414,14 @@ def variant(config: str, tag: str) -> str:
     return "" if Path(config).stem == BASELINE else tag
 
 
-def planned_precision(config: str) -> str:
-    """The precision a run of ``config`` resolves to on this machine (``auto``: bf16 only with native bf16)."""
+def planned_numerics(config: str, precision_override: Optional[str] = None) -> str:
+    """The :func:`numerics` a run of ``config`` has on this machine (``auto``: bf16 only with native bf16)."""
     from visattn import engine
     from visattn.config import load_config
 
     cfg = load_config(ROOT / config)
-    return engine.resolve_precision(cfg.precision, engine.resolve_device(cfg.device))
+    prec = engine.resolve_precision(precision_override or cfg.precision, engine.resolve_device(cfg.device))
+    return numerics({"precision": prec, "kernels": kernels(cfg.device)})
 
 
 def config_epochs(config: str) -> int:

@@ -98,7 +98,9 @@ def test_a_sweep_runs_records_and_resumes_without_repeating(tmp_path):
     (r,) = json.loads(out.read_text())
     assert r["name"] == "smoke" and r["seed"] == 0 and r["epochs"] == 1 and 0 <= r["val_acc"] <= 1
     assert r["train_seconds"] > 0 and r["parameters"] > 0 and r["cpu"]
-    assert (runs / "smoke-e1-s0" / "last.pt").is_file()
+    assert r["kernels"] == table.kernels()
+    num = table.numerics(r).replace(" on ", "-")  # one run folder per precision and kernel family
+    assert (runs / f"smoke-e1-s0-{num}" / "last.pt").is_file()
     again = subprocess.run(argv, **env_opts)  # nothing left to run: the result is kept, not redone
     assert again.returncode == 0 and "smoke seed 0" not in again.stdout
     assert json.loads(out.read_text()) == [r]
@@ -134,12 +136,26 @@ def test_runs_pair_only_at_the_same_budget_and_precision():
     rs = bf16 + fp32 + longer + block
     assert table.differences(rs, "resnet_fast_se/identity-unit_bn") == pytest.approx([0.6] * 3)
     assert table.differences(rs, "resnet_fast_se/identity-unit_bn", epochs=12) == []
-    assert table.ran(rs, "configs/resnet_fast_none.yaml", 0, 4, prec="fp32")
-    assert not table.ran(rs, "configs/resnet_fast_none.yaml", 3, 4, prec="fp32")
-    assert not table.ran(rs, "configs/resnet_fast_se.yaml", 0, 4, "identity-unit_bn", prec="bf16")
-    assert table.ran(rs, "configs/resnet_fast_se.yaml", 0, 4, "identity-unit_bn", prec="fp32")
+    assert table.ran(rs, "configs/resnet_fast_none.yaml", 0, 4, prec="fp32 on avx2")
+    assert not table.ran(rs, "configs/resnet_fast_none.yaml", 3, 4, prec="fp32 on avx2")
+    assert not table.ran(rs, "configs/resnet_fast_se.yaml", 0, 4, "identity-unit_bn", prec="bf16 on amx")
+    assert table.ran(rs, "configs/resnet_fast_se.yaml", 0, 4, "identity-unit_bn", prec="fp32 on avx2")
     assert table.plan(rs, ["configs/resnet_fast_none.yaml", "configs/resnet_fast_se.yaml"], 0, 0.5, 4,
-                      "identity-unit_bn", "bf16") == ["configs/resnet_fast_se.yaml"]
+                      "identity-unit_bn", "bf16 on amx") == ["configs/resnet_fast_se.yaml"]
+
+
+def test_runs_pair_only_on_the_same_kernel_family():
+    """The same seed and precision on another CPU's kernels is another draw: it is not paired, and the
+    planner runs the baseline again there."""
+    amx = [_r("resnet_fast_none", s, 0.868) for s in range(3)]  # recorded before kernels were: AMX
+    here = [dict(_r("resnet_fast_se/identity-unit_bn", s, 0.870), kernels="avx512_bf16") for s in range(3)]
+    assert [table.numerics(r) for r in amx[:1] + here[:1]] == ["bf16 on amx", "bf16 on avx512_bf16"]
+    assert table.differences(amx + here, "resnet_fast_se/identity-unit_bn") == []
+    base = [dict(r, kernels="avx512_bf16", val_acc=0.866) for r in amx]
+    assert table.differences(amx + here + base, "resnet_fast_se/identity-unit_bn") == pytest.approx([0.4] * 3)
+    assert table.plan(amx + here, ["configs/resnet_fast_none.yaml", "configs/resnet_fast_se.yaml"], 0, 0.5, 4,
+                      "identity-unit_bn", "bf16 on avx512_bf16") == ["configs/resnet_fast_none.yaml"]
+    assert table.kernels() in ("amx", "avx512_bf16", "avx512", "avx2", "cpu")
 
 
 @pytest.mark.parametrize("recipe", ["cpu", "vit_cpu"])
