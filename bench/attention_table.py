@@ -3,6 +3,7 @@
     python bench/attention_table.py                          # every config below, seeds until the CIs are tight
     python bench/attention_table.py --configs configs/attention/resnet_fast_se.yaml --seeds 0 1
     python bench/attention_table.py --report --plot assets/accuracy_vs_time.png     # table and plot, no training
+    python bench/attention_table.py --summary    # the README's placement ablation and both budgets
 
 Budget: every config trains for its fixed number of epochs (``--epochs``, default the config's own: 4 for the
 ``resnet_fast`` configs, which are the CPU recipe ``configs/cifar10_cpu.yaml`` with one attention type each,
@@ -295,6 +296,61 @@ def table(results: List[dict]) -> str:
     return "\n".join(lines)
 
 
+# the README's summary: this round's sweeps, all on one kernel family (see :func:`numerics`)
+SUMMARY_NUMERICS = "bf16 on avx512_bf16"
+POSITIONS = ("unit_bn", "unit_act", "group_act")  # visattn.models.resnet.POSITIONS, in the README's order
+PLACED = ("se", "eca", "cbam")  # the blocks of the placement ablation (bench/placement_sweep.sh)
+BUDGETS = (4, 10)  # the recipe's epochs and the longer budget
+README_BEGIN = "<!-- attention summary: python bench/attention_table.py --summary -->"
+README_END = "<!-- end of attention summary -->"
+
+
+def cell(d: Optional[Tuple[float, float, int]]) -> str:
+    """A paired difference as a table cell: ``+0.60 ± 0.32 (3)``, ``+0.60 (1, no interval)`` or ``—``."""
+    if d is None:
+        return "—"
+    m, h, n = d
+    return f"{m:+.2f} ± {h:.2f} ({n})" if n > 1 else f"{m:+.2f} (1, no interval)"
+
+
+def summary(results: List[dict], num: str = SUMMARY_NUMERICS) -> str:
+    """The README's attention results, from the runs on one kernel family (``num``): the placement ablation
+    (identity-initialised ``se``, ``eca``, ``cbam`` in each position, the recipe's epochs) and every block's
+    paired difference to ``none`` at each budget of :data:`BUDGETS` with its verdict, plus its images/s
+    against ``none``'s. The configs' own names (no tag) are the shipped defaults of ``configs/attention``."""
+    rs = [r for r in results if numerics(r) == num]
+    out = [README_BEGIN, f"Runs in {num}; difference to `none` in points, 95% interval, (pairs).", "",
+           "| placement (4 epochs, `init: identity`) | " + " | ".join(f"`{p}`" for p in POSITIONS) + " |",
+           "|---|" + "---:|" * len(POSITIONS)]
+    for b in PLACED:
+        out.append(f"| `{b}` | " + " | ".join(cell(paired(rs, f"resnet_fast_{b}/identity-{p}", BUDGETS[0]))
+                                           for p in POSITIONS) + " |")
+    head = " | ".join(f"{e} epochs | verdict" for e in BUDGETS)
+    out += ["", f"| block (`configs/attention`) | {head} | images/s vs `none` ({BUDGETS[0]} epochs) |",
+            "|---|" + "---:|---|" * len(BUDGETS) + "---:|"]
+    base = [r for r in at_budget(rs, BUDGETS[0]) if r["name"] == BASELINE]
+    for a in ATTENTION:
+        name = f"resnet_fast_{a}"
+        if a == "none":
+            accs = [" ".join(filter(None, _acc([r for r in at_budget(rs, e) if r["name"] == name]))) for e in BUDGETS]
+            out.append("| `none` (accuracy) | " + " | ".join(f"{x} | —" for x in accs) + " | 1.00 |")
+            continue
+        ds = [paired(rs, name, e) for e in BUDGETS]
+        mine = [r for r in at_budget(rs, BUDGETS[0]) if r["name"] == name]
+        speed = f"{timing(mine, 'images_per_s') / timing(base, 'images_per_s'):.2f}" if mine and base else "—"
+        out.append(f"| `{a}` | " + " | ".join(f"{cell(d)} | {verdict(d) if d else '—'}" for d in ds) + f" | {speed} |")
+    return "\n".join(out + [README_END])
+
+
+def _acc(rs: List[dict]) -> Tuple[str, ...]:
+    """Mean accuracy with its spread and count, as cell text."""
+    if not rs:
+        return ("—",)
+    accs = [100 * r["val_acc"] for r in rs]
+    return (f"{statistics.mean(accs):.2f}%", f"± {statistics.stdev(accs):.2f}" if len(accs) > 1 else "",
+            f"({len(accs)})")
+
+
 def plot(results: List[dict], path: Path) -> None:
     """Two panels: the ``resnet_fast`` configs on their own accuracy scale, then every config."""
     import matplotlib
@@ -375,6 +431,8 @@ def main() -> None:
     ap.add_argument("--runs", default=str(ROOT / "runs" / "attention_table"))
     ap.add_argument("--results", default=str(RESULTS), help="the results file, read and appended to")
     ap.add_argument("--report", action="store_true", help="print the table (and plot) from the results file only")
+    ap.add_argument("--summary", action="store_true", help="print the README's summary (placement ablation, "
+                    "both budgets) from the results file only")
     ap.add_argument("--plot", default=None, help="write the accuracy-vs-time plot here (PNG)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's own); 1 lets a run share the 2 cores with other work "
@@ -388,6 +446,9 @@ def main() -> None:
         ap.error("--set changes the runs: name the variant with --tag")
     out = Path(args.results)
     results = json.loads(out.read_text()) if out.is_file() else []
+    if args.summary:
+        print(summary(results))
+        return
     seeds = args.seeds if args.seeds is not None else list(range(args.max_seeds))
     for seed in [] if args.report else seeds:  # seed-major: a partial sweep still pairs every config
         epochs_of = {c: args.epochs or default_epochs(c) or config_epochs(c) for c in args.configs}

@@ -171,3 +171,26 @@ def test_every_ablation_variant_is_a_valid_config_of_its_recipe(recipe):
         assert what, name
         cfg = load_config(config, list(overrides)).to_dict()
         assert (cfg == base) == (not overrides), f"{name}: its overrides change nothing"
+
+
+def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family():
+    fam = dict(kernels="avx512_bf16")
+    none = [dict(_r("resnet_fast_none", s, 0.866 + s / 1000), **fam) for s in range(3)]
+    placed = [dict(_r("resnet_fast_se/identity-unit_act", s, 0.870 + s / 1000), **fam) for s in range(3)]
+    other = [_r("resnet_fast_se/identity-group_act", s, 0.80) for s in range(3)]  # on AMX: not paired, not shown
+    longer = [dict(_r(n, 0, acc), epochs=10, **fam) for n, acc in (("resnet_fast_none", 0.93), ("resnet_fast_eca", 0.935))]
+    text = table.summary(none + placed + other + longer, "bf16 on avx512_bf16")
+    placement, blocks = text.split("\n\n")[1:]
+    rows = {line.split(" | ")[0]: line for line in blocks.splitlines() if line.startswith("| `")}
+    se = next(line for line in placement.splitlines() if line.startswith("| `se`"))
+    assert se.removesuffix(" |").split(" | ")[1:] == ["—", "+0.40 ± 0.00 (3)", "—"]
+    assert "86.70% ± 0.10 (3) | — | 93.00% (1) | —" in rows["| `none` (accuracy)"]
+    assert "+0.50 (1, no interval) | too few seeds" in rows["| `eca`"]
+    assert text.startswith(table.README_BEGIN) and text.endswith(table.README_END)
+
+
+def test_the_readmes_attention_summary_is_the_one_the_results_give():
+    readme = (ROOT / "README.md").read_text()
+    start, end = readme.index(table.README_BEGIN), readme.index(table.README_END) + len(table.README_END)
+    assert readme[start:end] == table.summary(json.loads(table.RESULTS.read_text())), \
+        "README's attention summary is stale: paste `python bench/attention_table.py --summary`"
