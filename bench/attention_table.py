@@ -351,13 +351,20 @@ def _acc(rs: List[dict]) -> Tuple[str, ...]:
             f"({len(accs)})")
 
 
-def plot(results: List[dict], path: Path) -> None:
-    """Two panels: the ``resnet_fast`` configs on their own accuracy scale, then every config."""
+def plot(results: List[dict], path: Path, num: Optional[str] = None, epochs: int = 4) -> Dict[str, int]:
+    """Two panels: the ``resnet_fast`` configs on their own accuracy scale, then every config; only the runs
+    at ``epochs`` on one kernel family (``num``, :func:`numerics`; default: the family with the most runs at
+    that budget), since times and accuracies from different budgets or machines do not share axes. Returns
+    the runs drawn per config."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = at_budget(results, epochs)
+    if num is None:
+        num = statistics.mode(numerics(r) for r in results)
+    results = [r for r in results if numerics(r) == num]
     names = ordered(r["name"] for r in results)
     colour = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), dpi=100)
@@ -374,13 +381,16 @@ def plot(results: List[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2 if len(shown) > 9 else 1)
     axes[0].set_title("resnet_fast + each block (the CPU recipe's network)", fontsize=9)
-    axes[1].set_title("every config, transformers included (same 4 epochs)", fontsize=9)
-    fig.suptitle("CIFAR-10, 5,000-image validation split held out from train; 45,000 training images, fixed epochs.\n"
+    axes[1].set_title(f"every config, transformers included (same {epochs} epochs)", fontsize=9)
+    fig.suptitle(f"CIFAR-10, 5,000-image validation split held out from train; 45,000 training images, {epochs} "
+                 f"epochs; {num}, 2 CPU cores.\n"
                  "Dots: seeds; markers: mean with the 95% interval of that mean (unpaired; none for n=1) at the median "
                  "time of the runs timed with nothing else on the machine", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
+    plt.close(fig)
+    return {n: sum(r["name"] == n for r in results) for n in names}
 
 
 def ran(results: List[dict], config: str, seed: int, epochs: Optional[int] = None, tag: str = "",
@@ -433,6 +443,9 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="print the table (and plot) from the results file only")
     ap.add_argument("--summary", action="store_true", help="print the README's summary (placement ablation, "
                     "both budgets) from the results file only")
+    ap.add_argument("--numerics", default=None, help="the kernel family the plot shows, e.g. 'bf16 on amx' "
+                    "(default: the one with the most runs)")
+    ap.add_argument("--plot-epochs", type=int, default=4, help="the budget the plot shows")
     ap.add_argument("--plot", default=None, help="write the accuracy-vs-time plot here (PNG)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's own); 1 lets a run share the 2 cores with other work "
@@ -467,7 +480,7 @@ def main() -> None:
     for epochs, num in sorted({(r["epochs"], numerics(r)) for r in results}):
         print(f"\n{epochs} epochs, {num}\n" + table([r for r in at_budget(results, epochs) if numerics(r) == num]))
     if args.plot and results:
-        plot(results, Path(args.plot))
+        plot(results, Path(args.plot), args.numerics, args.plot_epochs)
 
 
 def variant(config: str, tag: str) -> str:

@@ -194,3 +194,14 @@ def test_the_readmes_attention_summary_is_the_one_the_results_give():
     start, end = readme.index(table.README_BEGIN), readme.index(table.README_END) + len(table.README_END)
     assert readme[start:end] == table.summary(json.loads(table.RESULTS.read_text())), \
         "README's attention summary is stale: paste `python bench/attention_table.py --summary`"
+
+
+def test_the_plot_draws_one_budget_on_one_kernel_family(tmp_path):
+    pytest.importorskip("matplotlib")
+    amx = [_r("resnet_fast_none", s, 0.868) for s in range(3)] + [_r("resnet_fast_se", s, 0.86) for s in range(3)]
+    here = [dict(_r("resnet_fast_none", s, 0.866), kernels="avx512_bf16") for s in range(2)]
+    longer = [dict(_r("resnet_fast_none", 0, 0.93), epochs=10)]
+    drawn = table.plot(amx + here + longer, tmp_path / "p.png")  # the family with the most 4-epoch runs
+    assert drawn == {"resnet_fast_none": 3, "resnet_fast_se": 3} and (tmp_path / "p.png").stat().st_size > 0
+    assert table.plot(amx + here + longer, tmp_path / "q.png", "bf16 on avx512_bf16") == {"resnet_fast_none": 2}
+    assert table.plot(amx + here + longer, tmp_path / "r.png", epochs=10) == {"resnet_fast_none": 1}
