@@ -174,19 +174,38 @@ def test_every_ablation_variant_is_a_valid_config_of_its_recipe(recipe):
 
 
 def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family():
-    fam = dict(kernels="avx512_bf16")
+    fam = dict(kernels="avx512_bf16", config="configs/attention/resnet_fast_none.yaml", model={"attention": "none"})
     none = [dict(_r("resnet_fast_none", s, 0.866 + s / 1000), **fam) for s in range(3)]
-    placed = [dict(_r("resnet_fast_se/identity-unit_act", s, 0.870 + s / 1000), **fam) for s in range(3)]
-    other = [_r("resnet_fast_se/identity-group_act", s, 0.80) for s in range(3)]  # on AMX: not paired, not shown
-    longer = [dict(_r(n, 0, acc), epochs=10, **fam) for n, acc in (("resnet_fast_none", 0.93), ("resnet_fast_eca", 0.935))]
-    text = table.summary(none + placed + other + longer, "bf16 on avx512_bf16")
+    se = dict(fam, config="configs/attention/resnet_fast_se.yaml", model={"attention": "se", "attn_position": "unit_act"},
+              overrides=["model.attn_position=unit_act"])
+    placed = [dict(_r("resnet_fast_se/identity-unit_act", s, 0.870 + s / 1000), **se) for s in range(3)]
+    other = [dict(_r("resnet_fast_se/identity-group_act", s, 0.80), **dict(se, kernels="amx")) for s in range(3)]
+    eca = dict(fam, config="configs/attention/resnet_fast_eca.yaml", model={"attention": "eca"})
+    longer = [dict(_r(n, 0, acc), epochs=10, **kw) for n, acc, kw in (("resnet_fast_none", 0.93, fam),
+                                                                       ("resnet_fast_eca", 0.935, eca))]
+    stale = [dict(_r("resnet_fast_eca", 0, 0.99), epochs=10, **dict(eca, model={"attention": "eca", "x": 1}))]
+    ships = {"none": {"attention": "none"}, "se": se["model"], "eca": eca["model"]}
+    text = table.summary(none + placed + other + longer + stale, "bf16 on avx512_bf16", ships)
     placement, blocks = text.split("\n\n")[1:]
     rows = {line.split(" | ")[0]: line for line in blocks.splitlines() if line.startswith("| `")}
-    se = next(line for line in placement.splitlines() if line.startswith("| `se`"))
-    assert se.removesuffix(" |").split(" | ")[1:] == ["—", "+0.40 ± 0.00 (3)", "—"]
+    se_row = next(line for line in placement.splitlines() if line.startswith("| `se`"))
+    assert se_row.removesuffix(" |").split(" | ")[1:] == ["—", "+0.40 ± 0.00 (3)", "—"]
     assert "86.70% ± 0.10 (3) | — | 93.00% (1) | —" in rows["| `none` (accuracy)"]
-    assert "+0.50 (1, no interval) | too few seeds" in rows["| `eca`"]
+    assert "+0.40 ± 0.00 (3) | better | — | —" in rows["| `se`"]  # the variant it ships
+    assert "— | — | +0.50 (1, no interval) | too few seeds" in rows["| `eca`"]  # not the stale model's run
+    assert rows["| `gc`"].count("—") == 5
     assert text.startswith(table.README_BEGIN) and text.endswith(table.README_END)
+
+
+def test_shipped_runs_match_the_configs_model_and_only_model_overrides():
+    from visattn.config import load_config
+
+    cfg = "configs/attention/resnet_fast_se.yaml"
+    model = load_config(table.ROOT / cfg).model.options()
+    run = dict(_r("resnet_fast_se/identity-x", 0, 0.87), config=cfg, model=model, overrides=["model.attn_position=unit_bn"])
+    assert [r["name"] for r in table.shipped([run], cfg)] == ["resnet_fast_se"]
+    assert table.shipped([dict(run, overrides=["optim.lr=0.1"])], cfg) == []  # another recipe
+    assert table.shipped([dict(run, model=dict(model, attention="eca"))], cfg) == []
 
 
 def test_the_readmes_attention_summary_is_the_one_the_results_give():
