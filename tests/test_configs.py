@@ -41,6 +41,10 @@ def test_attention_configs_are_the_cpu_recipe_with_one_block(path):
     recipe = _flat(load_config(ROOT / "configs" / "cifar10_cpu.yaml").to_dict())
     cfg = _flat(load_config(path).to_dict())
     differ = {k for k in recipe.keys() | cfg.keys() if recipe.get(k) != cfg.get(k)}
-    allowed = {"name", "run_dir", "model.attention"} | {k for k in differ if k.startswith("log.")}
+    allowed = {"name", "run_dir", "model.attention", "model.attn_kwargs.init", "model.attn_position"}
+    allowed |= {k for k in differ if k.startswith("log.")}
     assert differ <= allowed, sorted(differ - allowed)
-    assert cfg["model.attention"] == path.stem.removeprefix("resnet_fast_")
+    block = path.stem.removeprefix("resnet_fast_")
+    assert cfg["model.attention"] == block
+    if block != "none":  # every block ships starting as the identity, at one position for all
+        assert cfg["model.attn_kwargs.init"] == "identity" and cfg["model.attn_position"] == "unit_bn"
