@@ -182,24 +182,20 @@ LEGACY_KERNELS = {"bf16": "amx", "fp32": "avx2"}
 
 def kernels(device: str = "auto") -> str:
     """The family of kernels a run on this machine computes with: the CUDA device's name, else the CPU's best
-    of ``amx`` (AMX-BF16), ``avx512_bf16``, ``avx512``, ``avx2`` (from ``/proc/cpuinfo``), else ``cpu``.
+    of ``amx`` (AMX tiles), ``avx512_bf16``, ``avx512``, ``avx2``, else ``cpu``, by the same ``torch.cpu``
+    probes with which ``precision: auto`` decides whether bf16 is native (``visattn.engine``).
 
     The same seed gives a different result on another family (86.76% on AMX against 86.66% with AVX512-BF16
     for ``resnet_fast_none`` seed 0 in bf16), so runs are paired only within one family."""
+    import torch
+
     from visattn import engine
 
     dev = engine.resolve_device(device)
     if dev.type == "cuda":
-        import torch
-
         return torch.cuda.get_device_name(dev)
-    try:
-        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                         if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return "cpu"
-    for flag, name in (("amx_bf16", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512f", "avx512"), ("avx2", "avx2")):
-        if flag in flags:
+    for probe, name in (("amx_tile", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512"), ("avx2", "avx2")):
+        if getattr(torch.cpu, f"_is_{probe}_supported", lambda: False)():
             return name
     return "cpu"
 
@@ -298,7 +294,6 @@ def table(results: List[dict]) -> str:
 
 # the README's summary: this round's sweeps, all on one kernel family (see :func:`numerics`)
 SUMMARY_NUMERICS = "bf16 on avx512_bf16"
-POSITIONS = ("unit_bn", "unit_act", "group_act")  # visattn.models.resnet.POSITIONS, in the README's order
 PLACED = ("se", "eca", "cbam")  # the blocks of the placement ablation (bench/placement_sweep.sh)
 BUDGETS = (4, 10)  # the recipe's epochs and the longer budget
 README_BEGIN = "<!-- attention summary: python bench/attention_table.py --summary -->"
@@ -335,6 +330,8 @@ def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[
     paired difference to ``none`` at each budget of :data:`BUDGETS` with its verdict, plus its images/s
     against ``none``'s. The blocks' rows are the shipped ``configs/attention`` (:func:`shipped`; ``options``
     maps a block to the model options to match instead, for tests)."""
+    from visattn.models.resnet import POSITIONS
+
     rs = [r for r in results if numerics(r) == num]
     out = [README_BEGIN, f"Runs in {num}; difference to `none` in points, 95% interval, (pairs).", "",
            "| placement (4 epochs, `init: identity`) | " + " | ".join(f"`{p}`" for p in POSITIONS) + " |",
