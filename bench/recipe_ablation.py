@@ -52,6 +52,18 @@ CPU_VARIANTS = {
                    "model.block=residual", "model.whiten_bias_epochs=0", "model.head_scale=1.0", "train.batch_size=256",
                    "optim.lr=0.3", "optim.momentum=0.9", "optim.weight_decay=0.0005", "sched.start_lr_ratio=0.04",
                    "sched.warmup_epochs=1"]),
+    # the longer budget of the attention table (issue: a budget where a block's gain can show)
+    "epochs_10": ("10 epochs, the recipe otherwise as shipped (warmup 0.8 epochs)", ["train.epochs=10"]),
+    "epochs_16": ("16 epochs, the recipe otherwise as shipped (warmup 0.8 epochs)", ["train.epochs=16"]),
+    "epochs_10_airbench": ("10 epochs with airbench94's setting: batch 1024, lookahead, warmup 23% of the steps, "
+                           "whitening bias trained 3 epochs", ["train.epochs=10", *AIRBENCH, "sched.warmup_epochs=2.3",
+                                                              "model.whiten_bias_epochs=3"]),
+    "epochs_16_airbench": ("16 epochs with airbench94's setting: batch 1024, lookahead, warmup 23% of the steps, "
+                           "whitening bias trained 3 epochs", ["train.epochs=16", *AIRBENCH, "sched.warmup_epochs=3.7",
+                                                              "model.whiten_bias_epochs=3"]),
+    "epochs_16_regularised": ("16 epochs with batch 1024, lookahead, warmup 23% of the steps, 4-pixel translation "
+                              "and an 8-pixel cutout", ["train.epochs=16", *AIRBENCH, "sched.warmup_epochs=3.7",
+                                                        "data.augment.crop_padding=4", "data.augment.cutout=8"]),
 }
 
 
