@@ -201,6 +201,19 @@ def test_every_ablation_variant_is_a_valid_config_of_its_recipe(recipe):
         assert (cfg == base) == (not overrides), f"{name}: its overrides change nothing"
 
 
+def test_the_ablation_table_names_each_rows_budget_and_kernel_family():
+    """Rows from different budgets or machines sit in one ablation file: each row says which it is (rows
+    recorded before these were kept are 4-epoch bf16 runs on AMX)."""
+    ablation = _load("recipe_ablation")
+    rows = [{"variant": "recipe", "seed": 0, "precision": "bf16", "val_acc": 0.8676, "train_seconds": 178,
+             "images_per_s": 1002},
+            {"variant": "epochs_16", "seed": 0, "epochs": 16, "precision": "bf16", "kernels": "avx512_bf16",
+             "val_acc": 0.9096, "train_seconds": 736, "images_per_s": 969}]
+    lines = ablation.table(rows, ablation.CPU_VARIANTS).splitlines()
+    assert lines[2].split(" | ")[2:5] == ["0", "4", "bf16 on amx"]
+    assert lines[3].split(" | ")[2:6] == ["0", "16", "bf16 on avx512_bf16", "90.96"]
+
+
 def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family():
     fam = dict(kernels="avx512_bf16", config="configs/attention/resnet_fast_none.yaml", model={"attention": "none"})
     none = [dict(_r("resnet_fast_none", s, 0.866 + s / 1000), **fam) for s in range(3)]
