@@ -116,8 +116,7 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
     run_dir = run_root / f"{name.replace('/', '-')}-e{epochs or 'cfg'}-s{seed}-{num}"
     if run_dir.exists():  # a run killed part-way: start it again from scratch (one per precision and kernels)
         shutil.rmtree(run_dir)
-    budget = budget_overrides(epochs)
-    overrides = [f"seed={seed}", f"run_dir={run_dir}", "log.progress=false", "log.maps_every=0", *budget, *extra]
+    overrides = [f"seed={seed}", f"run_dir={run_dir}", "log.progress=false", "log.maps_every=0", *extra]
     if epochs:
         overrides.append(f"train.epochs={epochs}")
     if data_root:
@@ -132,7 +131,7 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     info = json.loads((run_dir / "run_info.json").read_text())
     return {"config": config, "name": name, "seed": seed, "epochs": cfg.train.epochs, "val_acc": rows[-1]["val_acc"],
-            "overrides": list(extra), "budget": budget, "model": cfg.model.options(),
+            "overrides": list(extra), "model": cfg.model.options(),
             "train_seconds": sum(r["epoch_seconds"] for r in rows),
             "images_per_s": statistics.mean(r["images_per_s"] for r in rows), "parameters": info["parameters"],
             "eval_split": summary["eval_split"], "git": info["git"], "load_mean": load.mean, "cpu": cpu_name(),
@@ -166,26 +165,9 @@ def mean_ci(xs: List[float]) -> Tuple[float, float]:
     return m, T95[min(len(xs) - 1, len(T95)) - 1] * statistics.stdev(xs) / math.sqrt(len(xs))
 
 
-# What every config (the baseline included) runs with at a budget besides its epochs: the recipe's settings that
-# depend on the length of the run. A budget not named here is the config as shipped, with only its epochs changed.
-BUDGET_RECIPES: Dict[int, Tuple[str, ...]] = {}
-
-
-def budget_overrides(epochs: Optional[int]) -> List[str]:
-    """The overrides every run at ``epochs`` gets (:data:`BUDGET_RECIPES`; none for other budgets)."""
-    return list(BUDGET_RECIPES.get(epochs, ())) if epochs else []
-
-
 def at_budget(results: List[dict], epochs: Optional[int]) -> List[dict]:
-    """The runs trained for ``epochs`` with that budget's recipe (:data:`BUDGET_RECIPES`; a run of the same
-    length under another recipe is another budget); all runs for ``None``."""
-    return [r for r in results if epochs is None
-            or (r["epochs"] == epochs and r.get("budget", []) == budget_overrides(epochs))]
-
-
-def budget_key(r: dict) -> Tuple[int, Tuple[str, ...]]:
-    """What a run's budget is: its epochs and the budget's recipe it ran with."""
-    return r["epochs"], tuple(r.get("budget", ()))
+    """The runs trained for ``epochs`` (all runs for ``None``)."""
+    return [r for r in results if epochs is None or r["epochs"] == epochs]
 
 
 def precision(r: dict) -> str:
@@ -226,12 +208,12 @@ def numerics(r: dict) -> str:
 
 
 def differences(results: List[dict], name: str, epochs: Optional[int] = None) -> List[float]:
-    """``name``'s accuracy minus the baseline's, in points, for each seed both have at the same budget (epochs
-    and :data:`BUDGET_RECIPES`), precision and kernel family (:func:`numerics`; ``epochs``: only that budget)."""
+    """``name``'s accuracy minus the baseline's, in points, for each seed both have at the same epochs,
+    precision and kernel family (:func:`numerics`; ``epochs``: only that budget)."""
     rs = at_budget(results, epochs)
-    base = {(r["seed"], budget_key(r), numerics(r)): r["val_acc"] for r in rs if r["name"] == BASELINE}
-    return [100 * (r["val_acc"] - base[r["seed"], budget_key(r), numerics(r)]) for r in rs
-            if r["name"] == name and (r["seed"], budget_key(r), numerics(r)) in base]
+    base = {(r["seed"], r["epochs"], numerics(r)): r["val_acc"] for r in rs if r["name"] == BASELINE}
+    return [100 * (r["val_acc"] - base[r["seed"], r["epochs"], numerics(r)]) for r in rs
+            if r["name"] == name and (r["seed"], r["epochs"], numerics(r)) in base]
 
 
 def ordered(names) -> List[str]:
@@ -430,8 +412,8 @@ def ran(results: List[dict], config: str, seed: int, epochs: Optional[int] = Non
     """Whether ``results`` hold the run (its name, seed and, where given, epochs and :func:`numerics`, e.g.
     ``"bf16 on amx"``)."""
     name = run_name(config, tag)
-    return any(r["name"] == name and r["seed"] == seed and (prec is None or numerics(r) == prec)
-               for r in at_budget(results, epochs))
+    return any(r["name"] == name and r["seed"] == seed and (epochs is None or r["epochs"] == epochs)
+               and (prec is None or numerics(r) == prec) for r in results)
 
 
 def plan(results: List[dict], configs: List[str], seed: int, target: float, epochs: Optional[int] = None,
@@ -509,9 +491,8 @@ def main() -> None:
             results.append(r)
             write_atomic(out, json.dumps(results, indent=1))  # a kill mid-write keeps the old file
             print(f"{r['name']} seed {seed}: val {100 * r['val_acc']:.2f}% in {r['train_seconds']:.0f}s", flush=True)
-    for (epochs, budget), num in sorted({(budget_key(r), numerics(r)) for r in results}):
-        print(f"\n{epochs} epochs{' with ' + ' '.join(budget) if budget else ''}, {num}\n"
-              + table([r for r in results if budget_key(r) == (epochs, budget) and numerics(r) == num]))
+    for epochs, num in sorted({(r["epochs"], numerics(r)) for r in results}):
+        print(f"\n{epochs} epochs, {num}\n" + table([r for r in at_budget(results, epochs) if numerics(r) == num]))
     if args.plot and results:
         plot(results, Path(args.plot), args.numerics, args.plot_epochs)
 

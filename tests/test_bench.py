@@ -144,34 +144,6 @@ def test_runs_pair_only_at_the_same_budget_and_precision():
                       "identity-unit_bn", "bf16 on amx") == ["configs/resnet_fast_se.yaml"]
 
 
-def test_a_budgets_recipe_is_part_of_the_budget(monkeypatch):
-    """A run of the same length under another recipe (the longer budget's levers, or none of them) is not
-    paired with, counted as, or tabled beside the budget's runs."""
-    monkeypatch.setattr(table, "BUDGET_RECIPES", {16: ("train.lookahead_every=5",)})
-    plain = [dict(_r("resnet_fast_none", s, 0.90), epochs=16) for s in range(3)]
-    levers = [dict(_r("resnet_fast_none", s, 0.92), epochs=16, budget=["train.lookahead_every=5"]) for s in range(3)]
-    se = [dict(_r("resnet_fast_se", s, 0.925), epochs=16, budget=["train.lookahead_every=5"]) for s in range(3)]
-    assert table.at_budget(plain + levers, 16) == levers
-    assert table.differences(plain + levers + se, "resnet_fast_se", 16) == pytest.approx([0.5] * 3)
-    assert table.differences(plain + se, "resnet_fast_se", 16) == []
-    assert not table.ran(plain, "configs/attention/resnet_fast_none.yaml", 0, 16)
-    assert table.ran(levers, "configs/attention/resnet_fast_none.yaml", 0, 16)
-    assert table.budget_overrides(16) == ["train.lookahead_every=5"] and table.budget_overrides(4) == []
-
-
-def test_every_budget_recipe_is_a_valid_training_recipe_that_leaves_the_model_as_shipped():
-    """A misspelt key is caught here, not hours into a sweep; and a budget changes how the configs train,
-    never their models (the summary matches runs to the configs' model options)."""
-    from visattn.config import load_config
-
-    cfg = table.ROOT / "configs" / "attention" / "resnet_fast_none.yaml"
-    base = load_config(cfg).to_dict()
-    for epochs, overrides in table.BUDGET_RECIPES.items():
-        assert epochs in table.BUDGETS and all(not o.startswith("model.") for o in overrides)
-        changed = load_config(cfg, [*overrides, f"train.epochs={epochs}"]).to_dict()
-        assert changed["model"] == base["model"] and changed != base
-
-
 def test_runs_pair_only_on_the_same_kernel_family():
     """The same seed and precision on another CPU's kernels is another draw: it is not paired, and the
     planner runs the baseline again there."""
@@ -222,10 +194,10 @@ def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family():
     placed = [dict(_r("resnet_fast_se/identity-unit_act", s, 0.870 + s / 1000), **se) for s in range(3)]
     other = [dict(_r("resnet_fast_se/identity-group_act", s, 0.80), **dict(se, kernels="amx")) for s in range(3)]
     eca = dict(fam, config="configs/attention/resnet_fast_eca.yaml", model={"attention": "eca"})
-    long, recipe = table.BUDGETS[1], table.budget_overrides(table.BUDGETS[1])
-    longer = [dict(_r(n, 0, acc), epochs=long, budget=recipe, **kw)
+    long = table.BUDGETS[1]
+    longer = [dict(_r(n, 0, acc), epochs=long, **kw)
               for n, acc, kw in (("resnet_fast_none", 0.93, fam), ("resnet_fast_eca", 0.935, eca))]
-    stale = [dict(_r("resnet_fast_eca", 0, 0.99), epochs=long, budget=recipe,
+    stale = [dict(_r("resnet_fast_eca", 0, 0.99), epochs=long,
                   **dict(eca, model={"attention": "eca", "x": 1}))]
     ships = {"none": {"attention": "none"}, "se": se["model"], "eca": eca["model"]}
     text = table.summary(none + placed + other + longer + stale, "bf16 on avx512_bf16", ships)
