@@ -38,7 +38,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from visattn.runtime import write_atomic  # noqa: E402
+from visattn.errors import CheckpointError  # noqa: E402
+from visattn.runtime import Interrupted, write_atomic  # noqa: E402
 
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
 CNN_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ATTENTION]
@@ -94,8 +95,8 @@ def quiet(r: dict) -> bool:
     """Whether a run's time was measured with nothing else on the machine (an unrecorded load counts as quiet,
     unless the run is in :data:`CONTENDED`: another job was seen running beside it)."""
     load = r.get("load_mean")
-    if (r["name"], r["seed"], r.get("git")) in CONTENDED or (r.get("threads") or 2) < 2:
-        return False  # seen sharing the machine, or trained on one thread to share it (time not comparable)
+    if (r["name"], r["seed"], r.get("git")) in CONTENDED or (r.get("threads") or 2) < 2 or r.get("resumed"):
+        return False  # seen sharing the machine, trained on one thread to share it, or timed in two sittings
     return load is None or load <= QUIET_LOAD
 
 
@@ -109,13 +110,10 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
     import torch
 
     from visattn.config import load_config
-    from visattn.trainer import run
 
     name = run_name(config, tag)
     num = planned_numerics(config, precision_override).replace(" on ", "-")
     run_dir = run_root / f"{name.replace('/', '-')}-e{epochs or 'cfg'}-s{seed}-{num}"
-    if run_dir.exists():  # a run killed part-way: start it again from scratch (one per precision and kernels)
-        shutil.rmtree(run_dir)
     overrides = [f"seed={seed}", f"run_dir={run_dir}", "log.progress=false", "log.maps_every=0", *extra]
     if epochs:
         overrides.append(f"train.epochs={epochs}")
@@ -125,9 +123,8 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
         overrides.append(f"precision={precision_override}")
     cfg = load_config(ROOT / config, overrides)
     overrides.append(f"eval.every={cfg.train.epochs}")  # score once, at the end
-    cfg = load_config(ROOT / config, overrides)
     with LoadSampler() as load:
-        summary = run(cfg, log=lambda *a: None)
+        summary, resumed = run_resuming(ROOT / config, overrides, run_dir, log=lambda *a: None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     info = json.loads((run_dir / "run_info.json").read_text())
     return {"config": config, "name": name, "seed": seed, "epochs": cfg.train.epochs, "val_acc": rows[-1]["val_acc"],
@@ -135,7 +132,39 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
             "train_seconds": sum(r["epoch_seconds"] for r in rows),
             "images_per_s": statistics.mean(r["images_per_s"] for r in rows), "parameters": info["parameters"],
             "eval_split": summary["eval_split"], "git": info["git"], "load_mean": load.mean, "cpu": cpu_name(),
-            "threads": torch.get_num_threads(), "precision": info["precision"], "kernels": kernels(cfg.device)}
+            "threads": torch.get_num_threads(), "precision": info["precision"], "kernels": kernels(cfg.device),
+            **({"resumed": True} if resumed else {})}
+
+
+def run_resuming(config: Path, overrides: Sequence[str], run_dir: Path, log=print) -> Tuple[dict, bool]:
+    """Train ``config`` with ``overrides`` into ``run_dir``; a run killed part-way there goes on from its last
+    checkpoint (the trainer resumes exactly) when the folder was trained with exactly these settings, and
+    otherwise (no checkpoint, other settings, a corrupt one) starts again from scratch: never a run of two
+    settings. Returns the run's summary and whether it was resumed (its time then spans two sittings)."""
+    import yaml
+
+    from visattn.config import load_config
+    from visattn.runtime import yaml_dump
+    from visattn.trainer import run
+
+    def settings(text: str) -> dict:
+        return {k: v for k, v in yaml.safe_load(text).items() if k not in ("resume", "resume_allow_changes")}
+
+    try:
+        same = settings((run_dir / "config.yaml").read_text()) == settings(
+            yaml_dump(load_config(config, list(overrides)).to_dict()))
+    except (OSError, yaml.YAMLError, AttributeError):  # no folder or config yet, or an unreadable one
+        same = False
+    resumed = same and (run_dir / "last.pt").is_file()
+    if run_dir.exists() and not resumed:
+        shutil.rmtree(run_dir)
+    try:
+        return run(load_config(config, [*overrides, "resume=auto"] if resumed else list(overrides)), log=log), resumed
+    except CheckpointError:
+        if not resumed:
+            raise
+    shutil.rmtree(run_dir)
+    return run(load_config(config, list(overrides)), log=log), False
 
 
 def cpu_name() -> str:
@@ -519,4 +548,8 @@ def config_epochs(config: str) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Interrupted as e:  # SIGTERM or SIGINT mid-run: one line; the finished runs are in the results file
+        print(str(e), file=sys.stderr)
+        sys.exit(e.exit_code)

@@ -107,6 +107,31 @@ def test_a_sweep_runs_records_and_resumes_without_repeating(tmp_path):
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_killed_sweep_run_goes_on_from_its_checkpoint_or_starts_again(tmp_path):
+    """A sweep stopped at a session's end keeps its part-trained run: the next sweep resumes it (exactly, as the
+    trainer does); a checkpoint it cannot resume (made under other settings, or corrupt) means a fresh start,
+    never a mixed run, and a resumed run's time (two sittings) is not quoted."""
+    runs = tmp_path / "runs"
+    first = table.run_one("configs/smoke.yaml", 0, 1, runs, None)
+    (run_dir,) = runs.iterdir()
+    assert "resumed" not in first and table.quiet(first) == (first["load_mean"] is None or first["load_mean"] <= 2.8)
+    again = table.run_one("configs/smoke.yaml", 0, 1, runs, None)  # its last.pt is a finished run's
+    assert again["resumed"] and not table.quiet(again)
+    assert again["val_acc"] == first["val_acc"] and len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+    other = tmp_path / "other"  # a folder trained for 1 epoch where the run now asks for 2: other settings
+    other.mkdir()
+    (run_dir / "last.pt").rename(other / "last.pt")
+    longer_dir = runs / run_dir.name.replace("-e1-", "-e2-")
+    run_dir.rename(longer_dir)
+    (other / "last.pt").rename(longer_dir / "last.pt")
+    longer = table.run_one("configs/smoke.yaml", 0, 2, runs, None)
+    assert "resumed" not in longer and longer["epochs"] == 2
+    assert [json.loads(r)["epoch"] for r in (longer_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    (longer_dir / "last.pt").write_bytes(b"not a checkpoint")  # a corrupt one: started again, same result
+    fresh = table.run_one("configs/smoke.yaml", 0, 2, runs, None)
+    assert "resumed" not in fresh and fresh["val_acc"] == longer["val_acc"]
+
+
 def test_time_to_accuracy_reads_the_first_epoch_at_each_target(tmp_path, capsys):
     tta = _load("time_to_accuracy")
     rd = tmp_path / "run"
