@@ -376,7 +376,7 @@ def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[
     for a in ATTENTION:
         if a == "none":
             accs = [" ".join(filter(None, _acc(at_budget(runs[a], e)))) for e in BUDGETS]
-            out.append("| `none` (accuracy) | " + " | ".join(f"{x} | —" for x in accs) + " | 1.00 |")
+            out.append("| `none` (accuracy ± std) | " + " | ".join(f"{x} | —" for x in accs) + " | 1.00 |")
             continue
         ds = [paired(runs["none"] + runs[a], f"resnet_fast_{a}", e) for e in BUDGETS]
         mine = at_budget(runs[a], BUDGETS[0])

@@ -230,7 +230,7 @@ def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family():
     rows = {line.split(" | ")[0]: line for line in blocks.splitlines() if line.startswith("| `")}
     se_row = next(line for line in placement.splitlines() if line.startswith("| `se`"))
     assert se_row.removesuffix(" |").split(" | ")[1:] == ["—", "+0.40 ± 0.00 (3)", "—"]
-    assert "86.70% ± 0.10 (3) | — | 93.00% (1) | —" in rows["| `none` (accuracy)"]
+    assert "86.70% ± 0.10 (3) | — | 93.00% (1) | —" in rows["| `none` (accuracy ± std)"]
     assert "+0.40 ± 0.00 (3) | better | — | —" in rows["| `se`"]  # the variant it ships
     assert "— | — | +0.50 (1, no interval) | too few seeds" in rows["| `eca`"]  # not the stale model's run
     assert rows["| `gc`"].count("—") == 5
