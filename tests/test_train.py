@@ -164,3 +164,32 @@ def test_real_cifar10_subset_learns(cifar10_path, tmp_path):
     summary = run(cfg, log=lambda *a: None)
     assert "held out from train" in summary["eval_split"]
     assert summary["best_val_acc"] >= 0.40, summary
+
+
+def test_ema_warms_up(tmp_path):
+    """The GPU recipe's EMA (decay 0.999) over a short run: with timm's warmup the evaluated EMA starts as a copy
+    of the weights and learns with them; without it, the EMA is still mostly the random initial weights."""
+    base = ["train.epochs=2", "train.ema_decay=0.999", "eval.tta=none"]
+    warm = run(_smoke_cfg(tmp_path / "warm", *base), log=lambda *a: None)
+    cold = run(_smoke_cfg(tmp_path / "cold", *base, "train.ema_warmup=false"), log=lambda *a: None)
+    assert warm["best_val_acc"] > 0.3
+    assert cold["best_val_acc"] < warm["best_val_acc"] - 0.1
+
+
+def test_ema_decay_follows_the_step_count():
+    from timm.utils import ModelEmaV3
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ema = ModelEmaV3(model, decay=0.999, use_warmup=True)
+    opt = engine.Optimization(engine.build_optimizer(model, "sgd", 0.5, 0.0), None, None, ema)
+    opt.scheduler = engine.StepScheduler(opt.optimizer, "constant", 0.5, 10, 0)
+    data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 3
+    engine.train_one_epoch(model, data[:1], opt, engine.StepPolicy(torch.device("cpu"), "fp32"))
+    assert torch.equal(ema.module.weight, model.weight)  # step 1: decay 0, a copy
+    before = ema.module.weight.detach().clone()
+    _, step, _ = engine.train_one_epoch(model, data[1:2], opt, engine.StepPolicy(torch.device("cpu"), "fp32"),
+                                        global_step=1)
+    d = ema.get_decay(2)
+    assert step == 2 and 0 < d < 0.999
+    assert torch.allclose(ema.module.weight, d * before + (1 - d) * model.weight, atol=1e-6)

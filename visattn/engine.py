@@ -373,8 +373,8 @@ def train_one_epoch(model: nn.Module, loader: Iterable, opt: Optimization, polic
         step_ok, skipped = _apply_step(model, loss, finite, opt, policy, check_every)
         if step_ok:
             opt.scheduler.step()
-            if opt.ema is not None:
-                opt.ema.update(model)
+            if opt.ema is not None:  # a warming-up EMA's decay follows the step count (from 1), kept in checkpoints
+                opt.ema.update(model, step=global_step + 1 if getattr(opt.ema, "use_warmup", False) else None)
         global_step += 1
         if opt.lookahead is not None:
             opt.lookahead.step(global_step)

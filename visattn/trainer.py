@@ -229,7 +229,7 @@ def _build_optimization(cfg: Config, model: nn.Module, steps_per_epoch: int, dev
     if cfg.train.ema_decay:
         from timm.utils import ModelEmaV3
 
-        ema = ModelEmaV3(model, decay=cfg.train.ema_decay)
+        ema = ModelEmaV3(model, decay=cfg.train.ema_decay, use_warmup=cfg.train.ema_warmup)
     return engine.Optimization(optimizer, scheduler, engine.make_scaler(device, precision), ema, o.grad_clip, lookahead)
 
 
