@@ -38,10 +38,10 @@ step() {  # step NAME SECONDS train.py-arguments...
 for s in $SEEDS; do
   name=gpu_recipe; [ "$s" = 0 ] || name=gpu_recipe_s$s
   step $name 300 -c configs/cifar10_gpu.yaml seed="$s"
+  # each run's provenance and its TensorBoard log (attention-map overlays every 5 epochs)
+  cp "$RUNS/$name/run_info.json" "$OUT/${name}_run_info.json" 2>/dev/null
+  ev=$(ls -S "$RUNS/$name"/tb/events.* 2>/dev/null | head -1); [ -n "$ev" ] && cp "$ev" "$OUT/$name.tfevents"
 done
-# the seed-0 run's provenance and its TensorBoard log (attention-map overlays every 5 epochs)
-cp "$RUNS/gpu_recipe/run_info.json" "$OUT/gpu_recipe_run_info.json" 2>/dev/null
-ev=$(ls -S "$RUNS"/gpu_recipe/tb/events.* 2>/dev/null | head -1); [ -n "$ev" ] && cp "$ev" "$OUT/gpu_recipe.tfevents"
 [ -n "$ALL" ] || exit 0
 step cpu_recipe_bf16 90 -c configs/cifar10_cpu.yaml
 step cpu_recipe_fp16 90 -c configs/cifar10_cpu.yaml precision=fp16
