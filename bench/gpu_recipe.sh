@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks in one command, for a CUDA machine (figures in docs/results.md, "On a GPU"):
+# The GPU checks in one command, for a CUDA machine (figures in docs/results.md, section "GPU"):
 #   1. configs/cifar10_gpu.yaml end to end (ResNet-18 + SE, bf16 autocast, channels_last, torch.compile, EMA),
 #   2. the CPU recipe (configs/cifar10_cpu.yaml, 4 epochs) on the GPU under bf16,
 #   3. the same under fp16 autocast with a GradScaler,
