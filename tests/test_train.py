@@ -182,8 +182,8 @@ def test_ema_decay_follows_the_step_count():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     ema = ModelEmaV3(model, decay=0.999, use_warmup=True)
-    opt = engine.Optimization(engine.build_optimizer(model, "sgd", 0.5, 0.0), None, None, ema)
-    opt.scheduler = engine.StepScheduler(opt.optimizer, "constant", 0.5, 10, 0)
+    sgd = engine.build_optimizer(model, "sgd", 0.5, 0.0)
+    opt = engine.Optimization(sgd, engine.StepScheduler(sgd, "constant", 0.5, 10, 0), None, ema)
     data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 3
     engine.train_one_epoch(model, data[:1], opt, engine.StepPolicy(torch.device("cpu"), "fp32"))
     assert torch.equal(ema.module.weight, model.weight)  # step 1: decay 0, a copy
