@@ -445,6 +445,18 @@ def ran(results: List[dict], config: str, seed: int, epochs: Optional[int] = Non
                and (prec is None or numerics(r) == prec) for r in results)
 
 
+def merge(results: List[dict], others: List[dict]) -> List[dict]:
+    """The runs of ``others`` (another machine's results file, e.g. ``bench/gpu_table.sh``'s) that ``results``
+    lack, by name, seed, epochs and :func:`numerics`; a run already there is kept, never replaced."""
+    key = lambda r: (r["name"], r["seed"], r["epochs"], numerics(r))  # noqa: E731
+    have, new = {key(r) for r in results}, []
+    for r in others:
+        if key(r) not in have:
+            have.add(key(r))
+            new.append(r)
+    return new
+
+
 def plan(results: List[dict], configs: List[str], seed: int, target: float, epochs: Optional[int] = None,
          tag: str = "", prec: Optional[str] = None) -> List[str]:
     """The configs of ``configs`` still to run at ``seed`` in an adaptive sweep.
@@ -483,6 +495,8 @@ def main() -> None:
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--runs", default=str(ROOT / "runs" / "attention_table"))
     ap.add_argument("--results", default=str(RESULTS), help="the results file, read and appended to")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="FILE",
+                    help="add the runs of these results files (another machine's) that the results file lacks")
     ap.add_argument("--report", action="store_true", help="print the table (and plot) from the results file only")
     ap.add_argument("--summary", action="store_true", help="print the README's summary (placement ablation, "
                     "both budgets) from the results file only")
@@ -504,6 +518,15 @@ def main() -> None:
     results = json.loads(out.read_text()) if out.is_file() else []
     if args.summary:
         print(summary(results))
+        return
+    if args.merge:
+        try:
+            new = merge(results, [r for f in args.merge for r in json.loads(Path(f).read_text())])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            sys.exit(f"--merge: not a results file ({type(e).__name__}: {e})")
+        write_atomic(out, json.dumps(results + new, indent=1))
+        print(f"added {len(new)} runs to {out}: " + ", ".join(f"{r['name']} seed {r['seed']} ({r['epochs']} "
+                                                             f"epochs, {numerics(r)})" for r in new))
         return
     seeds = args.seeds if args.seeds is not None else list(range(args.max_seeds))
     for seed in [] if args.report else seeds:  # seed-major: a partial sweep still pairs every config

@@ -183,6 +183,26 @@ def test_runs_pair_only_on_the_same_kernel_family():
     assert table.kernels() in ("amx", "avx512_bf16", "avx512", "avx2", "cpu")
 
 
+def test_merge_adds_another_machines_runs_once_and_never_replaces_one(tmp_path):
+    here = [dict(_r("resnet_fast_none", s, 0.90), kernels="avx512_bf16", epochs=32) for s in range(2)]
+    gpu = [dict(r, kernels="NVIDIA H100 80GB HBM3", val_acc=0.91) for r in here]
+    clash = dict(here[0], val_acc=0.5)  # the same run on the same numerics: the committed one stays
+    out, other = tmp_path / "results.json", tmp_path / "gpu.json"
+    out.write_text(json.dumps(here))
+    other.write_text(json.dumps(gpu + [clash, gpu[0]]))
+    argv = [sys.executable, str(ROOT / "bench" / "attention_table.py"), "--results", str(out), "--merge", str(other)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "added 2 runs" in done.stdout and "bf16 on NVIDIA H100 80GB HBM3" in done.stdout
+    assert json.loads(out.read_text()) == here + gpu
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0 and "added 0 runs" in again.stdout and json.loads(out.read_text()) == here + gpu
+    other.write_text("{not json")
+    bad = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "not a results file" in bad.stderr
+    assert json.loads(out.read_text()) == here + gpu  # nothing written on bad input
+
+
 @pytest.mark.parametrize("recipe", ["cpu", "vit_cpu"])
 def test_every_ablation_variant_is_a_valid_config_of_its_recipe(recipe):
     """A misspelt key or value in a variant is caught here, not hours into a sweep."""
