@@ -93,9 +93,10 @@ class LoadSampler:
 
 def quiet(r: dict) -> bool:
     """Whether a run's time was measured with nothing else on the machine (an unrecorded load counts as quiet,
-    unless the run is in :data:`CONTENDED`: another job was seen running beside it)."""
+    unless the run is in :data:`CONTENDED` or records a ``contended`` reason: another job ran beside it)."""
     load = r.get("load_mean")
-    if (r["name"], r["seed"], r.get("git")) in CONTENDED or (r.get("threads") or 2) < 2 or r.get("resumed"):
+    seen = (r["name"], r["seed"], r.get("git")) in CONTENDED or r.get("contended")
+    if seen or (r.get("threads") or 2) < 2 or r.get("resumed"):
         return False  # seen sharing the machine, trained on one thread to share it, or timed in two sittings
     return load is None or load <= QUIET_LOAD
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The attention table at a longer budget on one CUDA GPU, several runs at once (the CPU would need a day).
-# Every job is one bench/attention_table.py run (config, seed) with its own results file under $OUT/table/, so
-# what finished before the deadline comes back; bench/merge_results.py adds them to the committed table (the
-# table keys runs by precision and kernel family, so GPU runs never pair with CPU runs).
+# Every job is one bench/attention_table.py run (config, seed) with its own results file; at the end the finished
+# ones are gathered into $OUT/results.json (and the logs into $OUT/logs.tgz: few files, as a device's transfer
+# back limits their count), so what finished before the deadline comes back, and
+# `python bench/attention_table.py --merge results.json` adds it to the committed table (the table keys runs by
+# precision and kernel family, so GPU runs never pair with CPU runs). A job stopped at the deadline resumes
+# from its checkpoint in $RUNS when the script runs again on the same machine.
 # Usage:  DATA=path/to/cifar10-train-jpeg.tar.gz OUT=results_dir [EPOCHS=32] [SEEDS="0 1 2"] [JOBS=5]
 #         [DEADLINE=520] [CONFIGS="none se ..."] [ARGS="--tag dry --set ..."] bash bench/gpu_table.sh
 # Jobs go seed-major (seed 0 of every config, then seed 1, ...) with the slowest configs first in each seed,
@@ -18,7 +21,7 @@ DEADLINE=${DEADLINE:-520}
 CONFIGS=${CONFIGS:-mhsa2d nonlocal cbam coord gc spatial se eca none}
 ARGS=${ARGS:-}
 PY=${PY:-python3}
-mkdir -p "$OUT/table" "$RUNS"
+mkdir -p "$OUT" "$RUNS/table"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export DATA OUT RUNS EPOCHS ARGS PY
 
@@ -32,9 +35,9 @@ job() {  # job CONFIG SEED
   local t0=$SECONDS
   # shellcheck disable=SC2086
   "$PY" bench/attention_table.py --configs "configs/attention/resnet_fast_$1.yaml" --seeds "$2" \
-      --epochs "$EPOCHS" --results "$OUT/table/$1-s$2.json" --runs "$RUNS/$1-s$2" --data-root "$DATA" $ARGS \
-      > "$OUT/table/$1-s$2.log" 2>&1
-  echo "$1 seed $2: exit $? after $((SECONDS - t0)) s: $(grep -m1 ' val ' "$OUT/table/$1-s$2.log")"
+      --epochs "$EPOCHS" --results "$RUNS/table/$1-s$2.json" --runs "$RUNS/$1-s$2" --data-root "$DATA" $ARGS \
+      > "$RUNS/table/$1-s$2.log" 2>&1
+  echo "$1 seed $2: exit $? after $((SECONDS - t0)) s: $(grep -m1 ' val ' "$RUNS/table/$1-s$2.log")"
 }
 export -f job
 
@@ -49,5 +52,13 @@ print('data cache ready', flush=True)" || echo "cache warm-up failed; each job d
 for s in $SEEDS; do for c in $CONFIGS; do echo "$c $s"; done; done |
   timeout "$DEADLINE" xargs -P "$JOBS" -L 1 bash -c 'job "$0" "$1"'
 rc=$?
-pkill -TERM -f bench/attention_table.py  # runs still going at the deadline stop (their results are not kept)
-echo "=== done (exit $rc); finished runs: $(ls "$OUT"/table/*.json 2>/dev/null | wc -l)"
+pkill -TERM -f -- "--runs $RUNS/"  # this script's runs still going at the deadline stop (resumable from $RUNS)
+"$PY" - "$RUNS/table" "$OUT/results.json" <<'EOF'
+import json, sys
+from pathlib import Path
+runs = [r for p in sorted(Path(sys.argv[1]).glob("*.json")) for r in json.loads(p.read_text())]
+Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
+print(f"=== {len(runs)} finished runs in {sys.argv[2]}")
+EOF
+tar czf "$OUT/logs.tgz" -C "$RUNS/table" . 2>/dev/null
+echo "=== done (xargs exit $rc)"

@@ -69,6 +69,7 @@ def test_times_come_from_runs_on_a_quiet_machine():
     rs = [_r("resnet_fast_none", 0, 0.86, 100, load=2.3), _r("resnet_fast_none", 1, 0.86, 300, load=3.4),
           _r("resnet_fast_none", 2, 0.86, 110, load=None)]
     assert [table.quiet(r) for r in rs] == [True, False, True]
+    assert not table.quiet(dict(rs[2], contended="6 runs at once on one GPU"))  # unrecorded load, but shared
     assert table.timing(rs, "train_seconds") == 105
     busy = [_r("resnet_fast_se", 0, 0.86, 300, load=3.5)]
     assert table.timing(busy, "train_seconds") == 300  # none quiet: all of them, and the table says so
