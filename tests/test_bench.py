@@ -285,3 +285,35 @@ def test_the_plot_draws_one_budget_on_one_kernel_family(tmp_path):
     assert drawn == {"resnet_fast_none": 3, "resnet_fast_se": 3} and (tmp_path / "p.png").stat().st_size > 0
     assert table.plot(amx + here + longer, tmp_path / "q.png", "bf16 on avx512_bf16") == {"resnet_fast_none": 2}
     assert table.plot(amx + here + longer, tmp_path / "r.png", epochs=10) == {"resnet_fast_none": 1}
+
+
+def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tmp_path):
+    """``bench/gpu_table.sh`` (here on the CPU, two tiny runs at once on synthetic images): each job's result
+    comes back in one ``results.json`` that ``--merge`` takes, the logs in one ``logs.tgz``, and the deadline's
+    clean-up leaves another ``attention_table.py`` process (a sweep on the same machine) running."""
+    import tarfile
+
+    out, runs = tmp_path / "out", tmp_path / "runs"
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "bench/attention_table.py"])
+    try:
+        env = {**__import__("os").environ, "OUT": str(out), "RUNS": str(runs), "PY": sys.executable,
+               "CONFIGS": "se eca", "SEEDS": "0", "EPOCHS": "1", "JOBS": "2", "DEADLINE": "240", "DATA": "unused",
+               "ARGS": "--tag dry --set data.source=synthetic data.synthetic_size=700 data.val_size=100 "
+                       "train.batch_size=64 eval.tta=none"}
+        done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_table.sh")], env=env, capture_output=True,
+                              text=True, timeout=300, cwd=ROOT)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert bystander.poll() is None, "the script's clean-up stopped a process it did not start"
+    finally:
+        bystander.kill()
+    rs = json.loads((out / "results.json").read_text())
+    assert sorted((r["name"], r["seed"], r["epochs"]) for r in rs) == [
+        ("resnet_fast_eca/dry", 0, 1), ("resnet_fast_se/dry", 0, 1)]
+    with tarfile.open(out / "logs.tgz") as tar:
+        assert {"./se-s0.log", "./eca-s0.log"} <= set(tar.getnames())
+    assert "=== 2 finished runs" in done.stdout
+    merged = tmp_path / "table.json"
+    merged.write_text("[]")
+    m = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_table.py"), "--results", str(merged),
+                        "--merge", str(out / "results.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert m.returncode == 0 and json.loads(merged.read_text()) == rs
