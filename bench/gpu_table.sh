@@ -56,10 +56,12 @@ for s in $SEEDS; do for c in $CONFIGS; do echo "$c $s"; done; done |
   timeout "$DEADLINE" xargs -P "$JOBS" -L 1 bash -c 'job "$0" "$1"'
 rc=$?
 pkill -TERM -f -- "--runs $RUNS/"  # this script's runs still going at the deadline stop (resumable from $RUNS)
-"$PY" - "$RUNS/table" "$OUT/results.json" <<'EOF'
+"$PY" - "$RUNS/table" "$OUT/results.json" "$JOBS" <<'EOF'
 import json, sys
 from pathlib import Path
 runs = [r for p in sorted(Path(sys.argv[1]).glob("*.json")) for r in json.loads(p.read_text())]
+if int(sys.argv[3]) > 1:  # their times shared the device: never quoted as speed (attention_table.quiet)
+    runs = [dict(r, contended=f"{sys.argv[3]} runs at once (bench/gpu_table.sh JOBS={sys.argv[3]})") for r in runs]
 Path(sys.argv[2]).write_text(json.dumps(runs, indent=1))
 print(f"=== {len(runs)} finished runs in {sys.argv[2]}")
 EOF

@@ -312,6 +312,7 @@ def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tm
     with tarfile.open(out / "logs.tgz") as tar:
         assert {"./se-s0.log", "./eca-s0.log"} <= set(tar.getnames())
     assert "=== 2 finished runs" in done.stdout
+    assert all("2 runs at once" in r["contended"] and not table.quiet(r) for r in rs)  # times never quoted
     merged = tmp_path / "table.json"
     merged.write_text("[]")
     m = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_table.py"), "--results", str(merged),
