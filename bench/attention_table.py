@@ -4,6 +4,7 @@
     python bench/attention_table.py --configs configs/attention/resnet_fast_se.yaml --seeds 0 1
     python bench/attention_table.py --report --plot assets/accuracy_vs_time.png     # table and plot, no training
     python bench/attention_table.py --summary    # the README's placement ablation and both budgets
+    python bench/attention_table.py --merge OUT/results.json    # add another machine's runs (bench/gpu_table.sh)
 
 Budget: every config trains for its fixed number of epochs (``--epochs``, default the config's own: 4 for the
 ``resnet_fast`` configs, which are the CPU recipe ``configs/cifar10_cpu.yaml`` with one attention type each,
