@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -296,7 +297,7 @@ def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tm
     out, runs = tmp_path / "out", tmp_path / "runs"
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "bench/attention_table.py"])
     try:
-        env = {**__import__("os").environ, "OUT": str(out), "RUNS": str(runs), "PY": sys.executable,
+        env = {**os.environ, "OUT": str(out), "RUNS": str(runs), "PY": sys.executable,
                "CONFIGS": "se eca", "SEEDS": "0", "EPOCHS": "1", "JOBS": "2", "DEADLINE": "240", "DATA": "unused",
                "ARGS": "--tag dry --set data.source=synthetic data.synthetic_size=700 data.val_size=100 "
                        "train.batch_size=64 eval.tta=none"}
