@@ -5,6 +5,8 @@
     python bench/attention_table.py --report --plot assets/accuracy_vs_time.png     # table and plot, no training
     python bench/attention_table.py --summary    # the README's placement ablation and both budgets
     python bench/attention_table.py --merge OUT/results.json    # add another machine's runs (bench/gpu_table.sh)
+    python bench/attention_table.py --epochs 16 --tag wide --backbone --set 'model.widths=[128,384,384]'
+                                    # a backbone variant: every config, none included, as CONFIG/wide
 
 Budget: every config trains for its fixed number of epochs (``--epochs``, default the config's own: 4 for the
 ``resnet_fast`` configs, which are the CPU recipe ``configs/cifar10_cpu.yaml`` with one attention type each,
@@ -238,11 +240,23 @@ def numerics(r: dict) -> str:
     return f"{p} on {r.get('kernels') or LEGACY_KERNELS.get(p, 'cpu')}"
 
 
+def baseline_of(results: List[dict], name: str) -> str:
+    """The run name ``name`` pairs with: ``resnet_fast_none/TAG`` for a variant ``CONFIG/TAG`` whose tag also
+    ran the baseline (a backbone variant, ``--backbone``: wider groups, say), else ``resnet_fast_none``, as
+    for a block's own variant (a placement) that leaves the backbone as it is. ``resnet_fast_none/TAG`` itself
+    pairs with ``resnet_fast_none``: what the backbone change alone does."""
+    stem, _, tag = name.partition("/")
+    if tag and stem != BASELINE and any(r["name"] == f"{BASELINE}/{tag}" for r in results):
+        return f"{BASELINE}/{tag}"
+    return BASELINE
+
+
 def differences(results: List[dict], name: str, epochs: Optional[int] = None) -> List[float]:
-    """``name``'s accuracy minus the baseline's, in points, for each seed both have at the same epochs,
-    precision and kernel family (:func:`numerics`; ``epochs``: only that budget)."""
+    """``name``'s accuracy minus its baseline's (:func:`baseline_of`), in points, for each seed both have at
+    the same epochs, precision and kernel family (:func:`numerics`; ``epochs``: only that budget)."""
     rs = at_budget(results, epochs)
-    base = {(r["seed"], r["epochs"], numerics(r)): r["val_acc"] for r in rs if r["name"] == BASELINE}
+    b = baseline_of(results, name)
+    base = {(r["seed"], r["epochs"], numerics(r)): r["val_acc"] for r in rs if r["name"] == b}
     return [100 * (r["val_acc"] - base[r["seed"], r["epochs"], numerics(r)]) for r in rs
             if r["name"] == name and (r["seed"], r["epochs"], numerics(r)) in base]
 
@@ -460,14 +474,14 @@ def merge(results: List[dict], others: List[dict]) -> List[dict]:
 
 
 def plan(results: List[dict], configs: List[str], seed: int, target: float, epochs: Optional[int] = None,
-         tag: str = "", prec: Optional[str] = None) -> List[str]:
+         tag: str = "", prec: Optional[str] = None, backbone: bool = False) -> List[str]:
     """The configs of ``configs`` still to run at ``seed`` in an adaptive sweep.
 
     Every config gets the first :data:`MIN_PAIRS` seeds. From then on a config gets another seed only while its
     paired difference to the baseline is wider than ``target`` (or has fewer than :data:`MIN_PAIRS` pairs), and
     the baseline runs at a seed only when some other config does, so the hours go to the undecided configs.
     Runs already in ``results`` are never repeated. ``epochs``: the budget (pairs are counted at it);
-    ``tag``: the variant of the non-baseline configs (the baseline runs untagged).
+    ``tag``: the variant of the non-baseline configs (the baseline runs untagged unless ``backbone``).
     """
     def open_(config: str) -> bool:
         d = paired(results, run_name(config, tag), epochs)
@@ -477,7 +491,7 @@ def plan(results: List[dict], configs: List[str], seed: int, target: float, epoc
     wanted = others if seed < MIN_PAIRS else [c for c in others if open_(c)]
     if wanted:
         wanted = [c for c in configs if Path(c).stem == BASELINE] + wanted
-    return [c for c in wanted if not ran(results, c, seed, epochs, "" if Path(c).stem == BASELINE else tag, prec)]
+    return [c for c in wanted if not ran(results, c, seed, epochs, variant(c, tag, backbone), prec)]
 
 
 def main() -> None:
@@ -491,6 +505,10 @@ def main() -> None:
                     "its own name and runs without --set)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides of the variant, e.g. model.attn_position=group_act (needs --tag)")
+    ap.add_argument("--backbone", action="store_true",
+                    help="the --set overrides change the backbone (e.g. model.widths=[128,384,384]), not the "
+                         "block: resnet_fast_none runs them too, as resnet_fast_none/TAG, and every CONFIG/TAG "
+                         "pairs with it")
     ap.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default=None,
                     help="override every config's precision (the runs keep their names: the table keys them by "
                          "precision and kernel family)")
@@ -516,6 +534,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.set and not args.tag:
         ap.error("--set changes the runs: name the variant with --tag")
+    if args.backbone and not args.set:
+        ap.error("--backbone: give the backbone's overrides with --set")
     out = Path(args.results)
     results = json.loads(out.read_text()) if out.is_file() else []
     if args.summary:
@@ -535,11 +555,12 @@ def main() -> None:
         epochs_of = {c: args.epochs or default_epochs(c) or config_epochs(c) for c in args.configs}
         prec = planned_numerics(args.configs[0], args.precision)
         if args.seeds is not None:  # exactly these seeds, every config
-            todo = [c for c in args.configs if not ran(results, c, seed, epochs_of[c], variant(c, args.tag), prec)]
+            todo = [c for c in args.configs
+                    if not ran(results, c, seed, epochs_of[c], variant(c, args.tag, args.backbone), prec)]
         else:
-            todo = plan(results, args.configs, seed, args.target, args.epochs, args.tag, prec)
+            todo = plan(results, args.configs, seed, args.target, args.epochs, args.tag, prec, args.backbone)
         for config in todo:
-            tag = variant(config, args.tag)
+            tag = variant(config, args.tag, args.backbone)
             r = run_one(config, seed, epochs_of[config], Path(args.runs), args.data_root, tag,
                         args.set if tag else (), args.precision)
             results.append(r)
@@ -551,9 +572,10 @@ def main() -> None:
         plot(results, Path(args.plot), args.numerics, args.plot_epochs)
 
 
-def variant(config: str, tag: str) -> str:
-    """The tag a config runs under: none for the baseline, which has no block to vary."""
-    return "" if Path(config).stem == BASELINE else tag
+def variant(config: str, tag: str, backbone: bool = False) -> str:
+    """The tag a config runs under: none for the baseline, which has no block to vary, unless the variant
+    changes the backbone (``backbone``), which the baseline must share to pair with."""
+    return "" if Path(config).stem == BASELINE and not backbone else tag
 
 
 def planned_numerics(config: str, precision_override: Optional[str] = None) -> str:

@@ -10,6 +10,8 @@
 #         [DEADLINE=520] [CONFIGS="none se ..."] [ARGS="--tag dry --set ..."] bash bench/gpu_table.sh
 # Jobs go seed-major (seed 0 of every config, then seed 1, ...) with the slowest configs first in each seed,
 # so a deadline still leaves every finished seed paired with resnet_fast_none.
+# A backbone variant (ARGS="--tag wide --backbone --set model.widths=[128,384,384]") runs none under the tag
+# too, and every CONFIG/wide pairs with resnet_fast_none/wide.
 set -u
 DATA=${DATA:-../shared/data/cifar10-train-jpeg.tar.gz}
 OUT=${OUT:-runs/gpu_table}

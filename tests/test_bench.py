@@ -90,6 +90,45 @@ def test_an_adaptive_sweep_adds_seeds_only_where_the_interval_is_still_wide():
     assert table.plan(rs[:4], configs, 3, 0.5) == configs  # seeds under MIN_PAIRS: every config runs
 
 
+def test_a_backbone_variant_pairs_with_the_baseline_of_its_own_backbone():
+    """``--backbone`` variants (``CONFIG/wide``) pair with ``resnet_fast_none/wide``, never with the narrow
+    baseline; a block's own variant (a placement) still pairs with ``resnet_fast_none``; and the wide baseline
+    itself pairs with the narrow one: what the backbone change alone does."""
+    none = [_r("resnet_fast_none", s, a) for s, a in enumerate([0.860, 0.870, 0.865])]
+    wide_none = [_r("resnet_fast_none/wide", s, a) for s, a in enumerate([0.900, 0.905, 0.910])]
+    wide_se = [_r("resnet_fast_se/wide", s, a) for s, a in enumerate([0.905, 0.905, 0.905])]
+    placed = [_r("resnet_fast_se/group_act", s, a) for s, a in enumerate([0.865, 0.870, 0.860])]
+    rs = none + wide_none + wide_se + placed
+    assert table.baseline_of(rs, "resnet_fast_se/wide") == "resnet_fast_none/wide"
+    assert table.differences(rs, "resnet_fast_se/wide") == pytest.approx([0.5, 0.0, -0.5])
+    assert table.differences(rs, "resnet_fast_se/group_act") == pytest.approx([0.5, 0.0, -0.5])
+    assert table.differences(rs, "resnet_fast_none/wide") == pytest.approx([4.0, 3.5, 4.5])
+    # a tag the baseline never ran under is a block's own variant, paired with the plain baseline
+    assert table.baseline_of(none + wide_se, "resnet_fast_se/wide") == "resnet_fast_none"
+    # the table's row for the wide baseline shows its gain over the narrow one
+    row = next(line for line in table.table(rs).splitlines() if "`resnet_fast_none/wide`" in line)
+    assert "+4.00 ±" in row
+
+
+def test_a_backbone_sweep_runs_the_baseline_under_the_variants_tag():
+    configs = [f"configs/attention/resnet_fast_{a}.yaml" for a in ("none", "se")]
+    narrow = [_r("resnet_fast_none", 0, 0.86), _r("resnet_fast_se", 0, 0.86)]
+    # a block variant: the baseline already ran untagged at seed 0, only the block is left
+    assert table.plan(narrow, configs, 0, 0.5, tag="group_act") == configs[1:]
+    # a backbone variant: the baseline must run under the tag too
+    assert table.plan(narrow, configs, 0, 0.5, tag="wide", backbone=True) == configs
+    wide = narrow + [_r("resnet_fast_none/wide", 0, 0.9)]
+    assert table.plan(wide, configs, 0, 0.5, tag="wide", backbone=True) == configs[1:]
+    assert table.variant(configs[0], "wide") == "" and table.variant(configs[0], "wide", backbone=True) == "wide"
+
+
+def test_backbone_without_overrides_is_refused_in_one_line(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_table.py"), "--tag", "wide", "--backbone",
+                        "--results", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 2 and "--backbone: give the backbone's overrides with --set" in p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "r.json").exists()
+
+
 def test_a_sweep_runs_records_and_resumes_without_repeating(tmp_path):
     out, runs = tmp_path / "results.json", tmp_path / "runs"
     argv = [sys.executable, str(ROOT / "bench" / "attention_table.py"), "--configs", "configs/smoke.yaml",
