@@ -35,6 +35,7 @@ EOF
 
 job() {  # job CONFIG SEED
   local t0=$SECONDS
+  set -f  # $ARGS splits into words but never globs: model.widths=[128,384,384] stays as written
   # shellcheck disable=SC2086
   "$PY" bench/attention_table.py --configs "configs/attention/resnet_fast_$1.yaml" --seeds "$2" \
       --epochs "$EPOCHS" --results "$RUNS/table/$1-s$2.json" --runs "$RUNS/$1-s$2" --data-root "$DATA" $ARGS \

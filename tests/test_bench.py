@@ -330,16 +330,18 @@ def test_the_plot_draws_one_budget_on_one_kernel_family(tmp_path):
 def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tmp_path):
     """``bench/gpu_table.sh`` (here on the CPU, two tiny runs at once on synthetic images): each job's result
     comes back in one ``results.json`` that ``--merge`` takes, the logs in one ``logs.tgz``, and the deadline's
-    clean-up leaves another ``attention_table.py`` process (a sweep on the same machine) running."""
+    clean-up leaves another ``attention_table.py`` process (a sweep on the same machine) running. The runs are a
+    backbone variant (``--backbone``, narrower groups), so ``none`` runs under the tag too and the list value
+    reaches the model as written."""
     import tarfile
 
     out, runs = tmp_path / "out", tmp_path / "runs"
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "bench/attention_table.py"])
     try:
         env = {**os.environ, "OUT": str(out), "RUNS": str(runs), "PY": sys.executable,
-               "CONFIGS": "se eca", "SEEDS": "0", "EPOCHS": "1", "JOBS": "2", "DEADLINE": "240", "DATA": "unused",
-               "ARGS": "--tag dry --set data.source=synthetic data.synthetic_size=700 data.val_size=100 "
-                       "train.batch_size=64 eval.tta=none"}
+               "CONFIGS": "se none", "SEEDS": "0", "EPOCHS": "1", "JOBS": "2", "DEADLINE": "240", "DATA": "unused",
+               "ARGS": "--tag dry --backbone --set data.source=synthetic data.synthetic_size=700 data.val_size=100 "
+                       "train.batch_size=64 eval.tta=none model.widths=[16,32,32]"}
         done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_table.sh")], env=env, capture_output=True,
                               text=True, timeout=300, cwd=ROOT)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -348,9 +350,11 @@ def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tm
         bystander.kill()
     rs = json.loads((out / "results.json").read_text())
     assert sorted((r["name"], r["seed"], r["epochs"]) for r in rs) == [
-        ("resnet_fast_eca/dry", 0, 1), ("resnet_fast_se/dry", 0, 1)]
+        ("resnet_fast_none/dry", 0, 1), ("resnet_fast_se/dry", 0, 1)]
+    assert all(r["model"]["widths"] == [16, 32, 32] for r in rs)
+    assert len(table.differences(rs, "resnet_fast_se/dry")) == 1  # paired with the variant's own none
     with tarfile.open(out / "logs.tgz") as tar:
-        assert {"./se-s0.log", "./eca-s0.log"} <= set(tar.getnames())
+        assert {"./se-s0.log", "./none-s0.log"} <= set(tar.getnames())
     assert "=== 2 finished runs" in done.stdout
     assert all("2 runs at once" in r["contended"] and not table.quiet(r) for r in rs)  # times never quoted
     merged = tmp_path / "table.json"
