@@ -502,7 +502,7 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.5, help="95%% half-width to reach on every difference")
     ap.add_argument("--epochs", type=int, default=None, help="default: each config's own train.epochs")
     ap.add_argument("--tag", default="", help="a variant's name: its runs are named CONFIG/TAG (the baseline keeps "
-                    "its own name and runs without --set)")
+                    "its own name and runs without --set, unless --backbone)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides of the variant, e.g. model.attn_position=group_act (needs --tag)")
     ap.add_argument("--backbone", action="store_true",
