@@ -112,3 +112,12 @@ def test_a_bad_quality_exits_with_one_line(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "reference_airbench.py"), "--reencode", "100",
                         "--results", str(tmp_path / "r.json")], capture_output=True, text=True)
     assert p.returncode != 0 and p.stderr.strip().count("\n") == 0 and "JPEG quality from 1 to 95" in p.stderr
+
+
+def test_the_manuals_reference_table_is_the_one_the_results_give():
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "reference_airbench.py"), "--table"],
+                       capture_output=True, text=True, check=True)
+    doc = (ROOT / "docs" / "results.md").read_text()
+    block = doc.split("<!-- reference table: python bench/reference_airbench.py --table -->\n")[1]
+    block = block.split("  <!-- end of reference table -->")[0]
+    assert [line.strip() for line in block.strip().splitlines()] == p.stdout.strip().splitlines()
