@@ -341,6 +341,9 @@ def table(results: List[dict]) -> str:
 SUMMARY_NUMERICS = "bf16 on avx512_bf16"
 PLACED = ("se", "eca", "cbam")  # the blocks of the placement ablation (bench/placement_sweep.sh)
 BUDGETS = (4, 16)  # the recipe's epochs and the longer budget (the recipe as shipped for 16 epochs: see docs/results.md)
+# budgets the summary adds from another kernel family: (epochs, numerics, column label); the CPU cannot run
+# the table at 32 epochs, an H100 did (bench/gpu_table.sh); paired only within that family, like every column
+OTHER_BUDGETS = ((32, "bf16 on NVIDIA H100 80GB HBM3", "32 epochs, H100"),)
 README_BEGIN = "<!-- attention summary: python bench/attention_table.py --summary -->"
 README_END = "<!-- end of attention summary -->"
 
@@ -369,33 +372,42 @@ def shipped(results: List[dict], config: str, options: Optional[dict] = None) ->
             and all(o.startswith("model.") for o in r.get("overrides", []))]
 
 
-def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[Dict[str, dict]] = None) -> str:
+def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[Dict[str, dict]] = None,
+            others: Sequence[Tuple[int, str, str]] = OTHER_BUDGETS) -> str:
     """The README's attention results, from the runs on one kernel family (``num``): the placement ablation
     (identity-initialised ``se``, ``eca``, ``cbam`` in each position, the recipe's epochs) and every block's
-    paired difference to ``none`` at each budget of :data:`BUDGETS` with its verdict, plus its images/s
-    against ``none``'s. The blocks' rows are the shipped ``configs/attention`` (:func:`shipped`; ``options``
-    maps a block to the model options to match instead, for tests)."""
+    paired difference to ``none`` at each budget of :data:`BUDGETS` with its verdict, then at each budget of
+    ``others`` (``(epochs, numerics, label)``: runs of another kernel family, paired among themselves), plus
+    its images/s against ``none``'s at the recipe's epochs on ``num``. The blocks' rows are the shipped
+    ``configs/attention`` (:func:`shipped`; ``options`` maps a block to the model options to match instead,
+    for tests)."""
     from visattn.models.resnet import POSITIONS
 
     rs = [r for r in results if numerics(r) == num]
-    out = [README_BEGIN, f"Runs in {num}; difference to `none` in points, 95% interval, (pairs).", "",
+    columns = [(e, num, f"{e} epochs") for e in BUDGETS] + list(others)
+    also = "".join(f", the \"{label}\" column in {n}" for _, n, label in others)
+    out = [README_BEGIN, f"Runs in {num}{also}; difference to `none` in points, 95% interval, (pairs).", "",
            "| placement (4 epochs, `init: identity`) | " + " | ".join(f"`{p}`" for p in POSITIONS) + " |",
            "|---|" + "---:|" * len(POSITIONS)]
     for b in PLACED:
         out.append(f"| `{b}` | " + " | ".join(cell(paired(rs, f"resnet_fast_{b}/identity-{p}", BUDGETS[0]))
                                            for p in POSITIONS) + " |")
-    head = " | ".join(f"{e} epochs | verdict" for e in BUDGETS)
+    head = " | ".join(f"{label} | verdict" for _, _, label in columns)
     out += ["", f"| block (`configs/attention`, as shipped) | {head} | images/s vs `none` ({BUDGETS[0]} epochs) |",
-            "|---|" + "---:|---|" * len(BUDGETS) + "---:|"]
-    runs = {a: shipped(rs, f"configs/attention/resnet_fast_{a}.yaml", (options or {}).get(a)) for a in ATTENTION}
-    base = at_budget(runs["none"], BUDGETS[0])
+            "|---|" + "---:|---|" * len(columns) + "---:|"]
+
+    def runs_of(a: str, e: int, n: str) -> List[dict]:
+        fam = [r for r in results if numerics(r) == n]
+        return at_budget(shipped(fam, f"configs/attention/resnet_fast_{a}.yaml", (options or {}).get(a)), e)
+
+    base = runs_of("none", BUDGETS[0], num)
     for a in ATTENTION:
         if a == "none":
-            accs = [" ".join(filter(None, _acc(at_budget(runs[a], e)))) for e in BUDGETS]
+            accs = [" ".join(filter(None, _acc(runs_of(a, e, n)))) for e, n, _ in columns]
             out.append("| `none` (accuracy ± std) | " + " | ".join(f"{x} | —" for x in accs) + " | 1.00 |")
             continue
-        ds = [paired(runs["none"] + runs[a], f"resnet_fast_{a}", e) for e in BUDGETS]
-        mine = at_budget(runs[a], BUDGETS[0])
+        ds = [paired(runs_of("none", e, n) + runs_of(a, e, n), f"resnet_fast_{a}", e) for e, n, _ in columns]
+        mine = runs_of(a, BUDGETS[0], num)
         speed = f"{timing(mine, 'images_per_s') / timing(base, 'images_per_s'):.2f}" if mine and base else "—"
         out.append(f"| `{a}` | " + " | ".join(f"{cell(d)} | {verdict(d) if d else '—'}" for d in ds) + f" | {speed} |")
     return "\n".join(out + [README_END])

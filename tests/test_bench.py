@@ -272,7 +272,7 @@ def test_the_ablation_table_names_each_rows_budget_and_kernel_family():
     assert lines[3].split(" | ")[2:6] == ["0", "16", "bf16 on avx512_bf16", "90.96"]
 
 
-def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family():
+def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family_and_a_gpu_column_from_its_own():
     fam = dict(kernels="avx512_bf16", config="configs/attention/resnet_fast_none.yaml", model={"attention": "none"})
     none = [dict(_r("resnet_fast_none", s, 0.866 + s / 1000), **fam) for s in range(3)]
     se = dict(fam, config="configs/attention/resnet_fast_se.yaml", model={"attention": "se", "attn_position": "unit_act"},
@@ -286,15 +286,25 @@ def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family():
     stale = [dict(_r("resnet_fast_eca", 0, 0.99), epochs=long,
                   **dict(eca, model={"attention": "eca", "x": 1}))]
     ships = {"none": {"attention": "none"}, "se": se["model"], "eca": eca["model"]}
-    text = table.summary(none + placed + other + longer + stale, "bf16 on avx512_bf16", ships)
+    # the GPU column: 32 epochs on an H100, paired only with the H100's none; a CPU run at 32 epochs stays out
+    gpu = dict(kernels="NVIDIA H100 80GB HBM3")
+    at32 = ([dict(_r("resnet_fast_none", s, 0.91), epochs=32, **dict(fam, **gpu)) for s in range(3)]
+            + [dict(_r("resnet_fast_eca", s, 0.92 + s / 1000), epochs=32, **dict(eca, **gpu)) for s in range(3)]
+            + [dict(_r("resnet_fast_eca", 3, 0.50), epochs=32, **eca)])
+    cols = ((32, "bf16 on NVIDIA H100 80GB HBM3", "32 epochs, H100"),)
+    text = table.summary(none + placed + other + longer + stale + at32, "bf16 on avx512_bf16", ships, cols)
+    assert 'Runs in bf16 on avx512_bf16, the "32 epochs, H100" column in bf16 on NVIDIA H100 80GB HBM3;' in text
     placement, blocks = text.split("\n\n")[1:]
+    assert "| 4 epochs | verdict | 16 epochs | verdict | 32 epochs, H100 | verdict | images/s" in blocks
     rows = {line.split(" | ")[0]: line for line in blocks.splitlines() if line.startswith("| `")}
     se_row = next(line for line in placement.splitlines() if line.startswith("| `se`"))
     assert se_row.removesuffix(" |").split(" | ")[1:] == ["—", "+0.40 ± 0.00 (3)", "—"]
-    assert "86.70% ± 0.10 (3) | — | 93.00% (1) | —" in rows["| `none` (accuracy ± std)"]
-    assert "+0.40 ± 0.00 (3) | better | — | —" in rows["| `se`"]  # the variant it ships
-    assert "— | — | +0.50 (1, no interval) | too few seeds" in rows["| `eca`"]  # not the stale model's run
-    assert rows["| `gc`"].count("—") == 5
+    assert "86.70% ± 0.10 (3) | — | 93.00% (1) | — | 91.00% ± 0.00 (3) | —" in rows["| `none` (accuracy ± std)"]
+    assert "+0.40 ± 0.00 (3) | better | — | — | — | —" in rows["| `se`"]  # the variant it ships
+    # not the stale model's run at 16 epochs; at 32 the H100's three pairs (+1.0, +1.1, +1.2), not the CPU's run
+    assert "— | — | +0.50 (1, no interval) | too few seeds | +1.10 ± 0.25 (3) | better" in rows["| `eca`"]
+    assert rows["| `gc`"].count("—") == 7
+    assert table.summary(none, "bf16 on avx512_bf16", ships, ()).count("verdict") == 2  # no other column
     assert text.startswith(table.README_BEGIN) and text.endswith(table.README_END)
 
 
