@@ -7,7 +7,10 @@
 # precision and kernel family, so GPU runs never pair with CPU runs). A job stopped at the deadline resumes
 # from its checkpoint in $RUNS when the script runs again on the same machine.
 # Usage:  DATA=path/to/cifar10-train-jpeg.tar.gz OUT=results_dir [EPOCHS=32] [SEEDS="0 1 2"] [JOBS=5]
-#         [DEADLINE=520] [CONFIGS="none se ..."] [ARGS="--tag dry --set ..."] bash bench/gpu_table.sh
+#         [DEADLINE=520] [CONFIGS="none se ..."] [ARGS="--tag dry --set ..."]
+#         [SKIP_FROM=bench/results/attention_table.json] bash bench/gpu_table.sh
+# A (config, seed) that SKIP_FROM already holds at these epochs on this GPU's kernel family is skipped
+# (SKIP_FROM= runs every one): SEEDS="0 1 2 3 4 5 6 7" adds only the missing seeds.
 # Jobs go seed-major (seed 0 of every config, then seed 1, ...) with the slowest configs first in each seed,
 # so a deadline still leaves every finished seed paired with resnet_fast_none.
 # A backbone variant (ARGS="--tag wide --backbone --set model.widths=[128,384,384]") runs none under the tag
@@ -22,10 +25,11 @@ JOBS=${JOBS:-5}
 DEADLINE=${DEADLINE:-520}
 CONFIGS=${CONFIGS:-mhsa2d nonlocal cbam coord gc spatial se eca none}
 ARGS=${ARGS:-}
+SKIP_FROM=${SKIP_FROM-bench/results/attention_table.json}
 PY=${PY:-python3}
 mkdir -p "$OUT" "$RUNS/table"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-export DATA OUT RUNS EPOCHS ARGS PY
+export DATA OUT RUNS EPOCHS ARGS PY SKIP_FROM
 
 "$PY" - <<'EOF'
 import torch
@@ -55,8 +59,31 @@ try:
 except Exception as e:
     print(f'no cache warm-up ({e}); each job reads its data itself', flush=True)"
 
-for s in $SEEDS; do for c in $CONFIGS; do echo "$c $s"; done; done |
-  timeout "$DEADLINE" xargs -P "$JOBS" -L 1 bash -c 'job "$0" "$1"'
+# the jobs, less the runs the committed table already holds (same config, tag, seed, epochs, precision and
+# kernel family: this GPU's name), so asking for seeds 0-7 runs only the missing pairs; SKIP_FROM= runs all
+"$PY" - "$SEEDS" "$CONFIGS" > "$RUNS/jobs.txt" <<'EOF' || { echo "=== cannot list the jobs"; exit 1; }
+import argparse, json, os, shlex, sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+import attention_table as t
+ap = argparse.ArgumentParser(add_help=False)
+ap.add_argument("--tag", default=""), ap.add_argument("--backbone", action="store_true"), ap.add_argument("--precision")
+opts = ap.parse_known_args(shlex.split(os.environ["ARGS"]))[0]
+skip = Path(os.environ["SKIP_FROM"]) if os.environ["SKIP_FROM"] else None
+have = json.loads(skip.read_text()) if skip and skip.is_file() else []
+for s in sys.argv[1].split():
+    for c in sys.argv[2].split():
+        config = f"configs/attention/resnet_fast_{c}.yaml"
+        tag = t.variant(config, opts.tag, opts.backbone)
+        num = t.planned_numerics(config, opts.precision)
+        if t.ran(have, config, int(s), int(os.environ["EPOCHS"]), tag, num):
+            print(f"skipping {t.run_name(config, tag)} seed {s}: in {skip} ({os.environ['EPOCHS']} epochs, {num})",
+                  file=sys.stderr)
+        else:
+            print(c, s)
+EOF
+echo "=== $(wc -l < "$RUNS/jobs.txt") runs to go"
+timeout "$DEADLINE" xargs -P "$JOBS" -L 1 bash -c 'job "$0" "$1"' < "$RUNS/jobs.txt"
 rc=$?
 pkill -TERM -f -- "--runs $RUNS/"  # this script's runs still going at the deadline stop (resumable from $RUNS)
 "$PY" - "$RUNS/table" "$OUT/results.json" "$JOBS" <<'EOF'

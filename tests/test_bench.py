@@ -372,3 +372,34 @@ def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tm
     m = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_table.py"), "--results", str(merged),
                         "--merge", str(out / "results.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert m.returncode == 0 and json.loads(merged.read_text()) == rs
+
+
+def test_gpu_table_skips_the_runs_the_table_already_holds_on_this_kernel_family(tmp_path):
+    """``bench/gpu_table.sh`` lists its jobs less the (config, tag, seed) runs that ``SKIP_FROM`` holds at the
+    same epochs, precision and kernel family; another family's run (or another budget's) is no reason to skip,
+    and ``SKIP_FROM=`` runs them all. The job list is written before the jobs start; a one-second deadline
+    (and no data) stops them before anything trains."""
+    num = table.planned_numerics("configs/attention/resnet_fast_se.yaml")
+    prec, kern = num.split(" on ")
+    mine = dict(precision=prec, kernels=kern, epochs=3)
+    have = [dict(_r("resnet_fast_none/w", 0, 0.9), **mine), dict(_r("resnet_fast_se/w", 0, 0.9), **mine),
+            dict(_r("resnet_fast_se/w", 1, 0.9), **dict(mine, kernels="NVIDIA H100 80GB HBM3")),
+            dict(_r("resnet_fast_none/w", 1, 0.9), **dict(mine, epochs=4))]
+    skip = tmp_path / "table.json"
+    skip.write_text(json.dumps(have))
+
+    def jobs(skip_from: str) -> list:
+        env = {**os.environ, "OUT": str(tmp_path / "out"), "RUNS": str(tmp_path / "runs"), "PY": sys.executable,
+               "CONFIGS": "se none", "SEEDS": "0 1", "EPOCHS": "3", "JOBS": "1", "DEADLINE": "1",
+               "DATA": str(tmp_path / "absent.tar.gz"), "ARGS": "--tag w --backbone --set model.widths=[8,8,8]",
+               "SKIP_FROM": skip_from}
+        done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_table.sh")], env=env, capture_output=True,
+                              text=True, timeout=240, cwd=ROOT)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return (tmp_path / "runs" / "jobs.txt").read_text().split("\n")[:-1], done
+
+    listed, done = jobs(str(skip))
+    assert listed == ["se 1", "none 1"]
+    assert f"skipping resnet_fast_se/w seed 0: in {skip} (3 epochs, {num})" in done.stderr
+    assert "=== 2 runs to go" in done.stdout
+    assert jobs("")[0] == ["se 0", "none 0", "se 1", "none 1"]
