@@ -396,9 +396,12 @@ def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[
     out += ["", f"| block (`configs/attention`, as shipped) | {head} | images/s vs `none` ({BUDGETS[0]} epochs) |",
             "|---|" + "---:|---|" * len(columns) + "---:|"]
 
+    fams = {n: [r for r in results if numerics(r) == n] for _, n, _ in columns}
+    as_shipped = {(a, n): shipped(fam, f"configs/attention/resnet_fast_{a}.yaml", (options or {}).get(a))
+                  for n, fam in fams.items() for a in ATTENTION}  # each config read once per family
+
     def runs_of(a: str, e: int, n: str) -> List[dict]:
-        fam = [r for r in results if numerics(r) == n]
-        return at_budget(shipped(fam, f"configs/attention/resnet_fast_{a}.yaml", (options or {}).get(a)), e)
+        return at_budget(as_shipped[a, n], e)
 
     base = runs_of("none", BUDGETS[0], num)
     for a in ATTENTION:

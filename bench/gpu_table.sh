@@ -71,13 +71,13 @@ ap.add_argument("--tag", default=""), ap.add_argument("--backbone", action="stor
 opts = ap.parse_known_args(shlex.split(os.environ["ARGS"]))[0]
 skip = Path(os.environ["SKIP_FROM"]) if os.environ["SKIP_FROM"] else None
 have = json.loads(skip.read_text()) if skip and skip.is_file() else []
+configs = {c: f"configs/attention/resnet_fast_{c}.yaml" for c in sys.argv[2].split()}
+num = {c: t.planned_numerics(config, opts.precision) for c, config in configs.items()}
 for s in sys.argv[1].split():
-    for c in sys.argv[2].split():
-        config = f"configs/attention/resnet_fast_{c}.yaml"
+    for c, config in configs.items():
         tag = t.variant(config, opts.tag, opts.backbone)
-        num = t.planned_numerics(config, opts.precision)
-        if t.ran(have, config, int(s), int(os.environ["EPOCHS"]), tag, num):
-            print(f"skipping {t.run_name(config, tag)} seed {s}: in {skip} ({os.environ['EPOCHS']} epochs, {num})",
+        if t.ran(have, config, int(s), int(os.environ["EPOCHS"]), tag, num[c]):
+            print(f"skipping {t.run_name(config, tag)} seed {s}: in {skip} ({os.environ['EPOCHS']} epochs, {num[c]})",
                   file=sys.stderr)
         else:
             print(c, s)
