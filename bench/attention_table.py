@@ -343,7 +343,8 @@ PLACED = ("se", "eca", "cbam")  # the blocks of the placement ablation (bench/pl
 BUDGETS = (4, 16)  # the recipe's epochs and the longer budget (the recipe as shipped for 16 epochs: see docs/results.md)
 # budgets the summary adds from another kernel family: (epochs, numerics, column label); the CPU cannot run
 # the table at 32 epochs, an H100 did (bench/gpu_table.sh); paired only within that family, like every column
-OTHER_BUDGETS = ((32, "bf16 on NVIDIA H100 80GB HBM3", "32 epochs, H100"),)
+OTHER_BUDGETS = ((16, "bf16 on NVIDIA H100 80GB HBM3", "16 epochs, H100"),
+                 (32, "bf16 on NVIDIA H100 80GB HBM3", "32 epochs, H100"))
 README_BEGIN = "<!-- attention summary: python bench/attention_table.py --summary -->"
 README_END = "<!-- end of attention summary -->"
 
@@ -385,7 +386,10 @@ def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[
 
     rs = [r for r in results if numerics(r) == num]
     columns = [(e, num, f"{e} epochs") for e in BUDGETS] + list(others)
-    also = "".join(f", the \"{label}\" column in {n}" for _, n, label in others)
+    by_family: Dict[str, List[str]] = {}
+    for _, n, label in others:
+        by_family.setdefault(n, []).append(f'"{label}"')
+    also = "".join(f", the {' and '.join(ls)} column{'s' if len(ls) > 1 else ''} in {n}" for n, ls in by_family.items())
     out = [README_BEGIN, f"Runs in {num}{also}; difference to `none` in points, 95% interval, (pairs).", "",
            "| placement (4 epochs, `init: identity`) | " + " | ".join(f"`{p}`" for p in POSITIONS) + " |",
            "|---|" + "---:|" * len(POSITIONS)]

@@ -305,6 +305,8 @@ def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family_an
     assert "— | — | +0.50 (1, no interval) | too few seeds | +1.10 ± 0.25 (3) | better" in rows["| `eca`"]
     assert rows["| `gc`"].count("—") == 7
     assert table.summary(none, "bf16 on avx512_bf16", ships, ()).count("verdict") == 2  # no other column
+    two = table.summary(none, "bf16 on avx512_bf16", ships, ((16, cols[0][1], "16 epochs, H100"),) + cols)
+    assert '"16 epochs, H100" and "32 epochs, H100" columns in bf16 on NVIDIA H100 80GB HBM3;' in two  # one family
     assert text.startswith(table.README_BEGIN) and text.endswith(table.README_END)
 
 
