@@ -480,10 +480,36 @@ def ran(results: List[dict], config: str, seed: int, epochs: Optional[int] = Non
                and (prec is None or numerics(r) == prec) for r in results)
 
 
+def _canon(options) -> str:
+    """Model options as comparable text (tuples and lists alike, key order ignored)."""
+    return json.dumps(options, sort_keys=True)
+
+
+def planned_options(config: str, sets: Sequence[str] = ()) -> dict:
+    """The model options a run of ``config`` with the ``--set`` overrides ``sets`` records."""
+    from visattn.config import load_config
+
+    return json.loads(json.dumps(load_config(ROOT / config, list(sets)).model.options()))
+
+
+def current(results: List[dict], configs: Sequence[str], tag: str = "", sets: Sequence[str] = (),
+            backbone: bool = False) -> List[dict]:
+    """``results`` less the runs that bear the name of one of ``configs`` (as a sweep with ``tag``, ``sets`` and
+    ``backbone`` names them) but recorded other model options than that config builds now: an earlier
+    round's run of the same name (another block initialisation or position, or none recorded) is neither
+    counted as done nor paired, so a sweep on that machine runs the config as it is."""
+    want = {}
+    for c in configs:
+        t = variant(c, tag, backbone)
+        want[run_name(c, t)] = _canon(planned_options(c, sets if t else ()))
+    return [r for r in results if r["name"] not in want or _canon(r.get("model")) == want[r["name"]]]
+
+
 def merge(results: List[dict], others: List[dict]) -> List[dict]:
     """The runs of ``others`` (another machine's results file, e.g. ``bench/gpu_table.sh``'s) that ``results``
-    lack, by name, seed, epochs and :func:`numerics`; a run already there is kept, never replaced."""
-    key = lambda r: (r["name"], r["seed"], r["epochs"], numerics(r))  # noqa: E731
+    lack, by name, seed, epochs, :func:`numerics` and model options; a run already there is kept, never
+    replaced."""
+    key = lambda r: (r["name"], r["seed"], r["epochs"], numerics(r), _canon(r.get("model")))  # noqa: E731
     have, new = {key(r) for r in results}, []
     for r in others:
         if key(r) not in have:
@@ -570,19 +596,22 @@ def main() -> None:
                                                              f"epochs, {numerics(r)})" for r in new))
         return
     seeds = args.seeds if args.seeds is not None else list(range(args.max_seeds))
+    # the runs a sweep plans and pairs with: a same-named run with other model options is not this config's
+    live = [] if args.report else current(results, args.configs, args.tag, args.set, args.backbone)
     for seed in [] if args.report else seeds:  # seed-major: a partial sweep still pairs every config
         epochs_of = {c: args.epochs or default_epochs(c) or config_epochs(c) for c in args.configs}
         prec = planned_numerics(args.configs[0], args.precision)
         if args.seeds is not None:  # exactly these seeds, every config
             todo = [c for c in args.configs
-                    if not ran(results, c, seed, epochs_of[c], variant(c, args.tag, args.backbone), prec)]
+                    if not ran(live, c, seed, epochs_of[c], variant(c, args.tag, args.backbone), prec)]
         else:
-            todo = plan(results, args.configs, seed, args.target, args.epochs, args.tag, prec, args.backbone)
+            todo = plan(live, args.configs, seed, args.target, args.epochs, args.tag, prec, args.backbone)
         for config in todo:
             tag = variant(config, args.tag, args.backbone)
             r = run_one(config, seed, epochs_of[config], Path(args.runs), args.data_root, tag,
                         args.set if tag else (), args.precision)
             results.append(r)
+            live.append(r)
             write_atomic(out, json.dumps(results, indent=1))  # a kill mid-write keeps the old file
             print(f"{r['name']} seed {seed}: val {100 * r['val_acc']:.2f}% in {r['train_seconds']:.0f}s", flush=True)
     for epochs, num in sorted({(r["epochs"], numerics(r)) for r in results}):

@@ -9,7 +9,8 @@
 # Usage:  DATA=path/to/cifar10-train-jpeg.tar.gz OUT=results_dir [EPOCHS=32] [SEEDS="0 1 2"] [JOBS=5]
 #         [DEADLINE=520] [CONFIGS="none se ..."] [ARGS="--tag dry --set ..."]
 #         [SKIP_FROM=bench/results/attention_table.json] bash bench/gpu_table.sh
-# A (config, seed) that SKIP_FROM already holds at these epochs on this GPU's kernel family is skipped
+# A (config, seed) that SKIP_FROM already holds at these epochs on this GPU's kernel family, with the model
+# options the config (and ARGS' --set) builds now, is skipped
 # (SKIP_FROM= runs every one): SEEDS="0 1 2 3 4 5 6 7" adds only the missing seeds.
 # Jobs go seed-major (seed 0 of every config, then seed 1, ...) with the slowest configs first in each seed,
 # so a deadline still leaves every finished seed paired with resnet_fast_none.
@@ -59,8 +60,8 @@ try:
 except Exception as e:
     print(f'no cache warm-up ({e}); each job reads its data itself', flush=True)"
 
-# the jobs, less the runs the committed table already holds (same config, tag, seed, epochs, precision and
-# kernel family: this GPU's name), so asking for seeds 0-7 runs only the missing pairs; SKIP_FROM= runs all
+# the jobs, less the runs the committed table already holds (same config, tag, model options, seed, epochs,
+# precision and kernel family: this GPU's name), so asking for seeds 0-7 runs only the missing pairs; SKIP_FROM= runs all
 "$PY" - "$SEEDS" "$CONFIGS" > "$RUNS/jobs.txt" <<'EOF' || { echo "=== cannot list the jobs"; exit 1; }
 import argparse, json, os, shlex, sys
 from pathlib import Path
@@ -68,10 +69,12 @@ sys.path.insert(0, "bench")
 import attention_table as t
 ap = argparse.ArgumentParser(add_help=False)
 ap.add_argument("--tag", default=""), ap.add_argument("--backbone", action="store_true"), ap.add_argument("--precision")
+ap.add_argument("--set", nargs="*", default=[])
 opts = ap.parse_known_args(shlex.split(os.environ["ARGS"]))[0]
 skip = Path(os.environ["SKIP_FROM"]) if os.environ["SKIP_FROM"] else None
-have = json.loads(skip.read_text()) if skip and skip.is_file() else []
 configs = {c: f"configs/attention/resnet_fast_{c}.yaml" for c in sys.argv[2].split()}
+have = json.loads(skip.read_text()) if skip and skip.is_file() else []
+have = t.current(have, list(configs.values()), opts.tag, opts.set, opts.backbone)  # as the configs build now
 num = {c: t.planned_numerics(config, opts.precision) for c, config in configs.items()}
 for s in sys.argv[1].split():
     for c, config in configs.items():

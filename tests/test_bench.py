@@ -242,6 +242,34 @@ def test_merge_adds_another_machines_runs_once_and_never_replaces_one(tmp_path):
     bad = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "not a results file" in bad.stderr
     assert json.loads(out.read_text()) == here + gpu  # nothing written on bad input
+    other_block = dict(here[0], model={"attention": "se", "attn_kwargs": {"init": "default"}})
+    other.write_text(json.dumps([other_block]))  # same name, seed, budget, numerics; other model: another run
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and "added 1 runs" in done.stdout
+    assert json.loads(out.read_text()) == here + gpu + [other_block]
+
+
+def test_a_sweep_neither_counts_nor_pairs_a_same_named_run_built_with_other_model_options():
+    """A results file keeps earlier rounds' runs under the configs' names (e.g. round 2's paper-initialised
+    ``resnet_fast_se``, on an AMX machine); a sweep run there must train the config as it builds now, not take
+    the old run as done or pair with it."""
+    se, none = "configs/attention/resnet_fast_se.yaml", "configs/attention/resnet_fast_none.yaml"
+    now = {c: table.planned_options(c) for c in (se, none)}
+    old = dict(now[se], attn_kwargs={"init": "default"}, attn_position="unit_bn")
+    rs = ([dict(_r("resnet_fast_none", s, 0.86), model=now[none]) for s in range(3)]
+          + [dict(_r("resnet_fast_se", s, 0.85), model=old) for s in range(3)]  # round 2's, same names
+          + [dict(_r("resnet_fast_se", 0, 0.87), model=now[se]), _r("resnet_fast_se", 1, 0.80)]  # no model recorded
+          + [_r("vit_tiny", 0, 0.6)])  # another config's run is not the sweep's business
+    live = table.current(rs, [none, se])
+    assert [(r["name"], r["seed"], r["val_acc"]) for r in live] == [
+        ("resnet_fast_none", 0, 0.86), ("resnet_fast_none", 1, 0.86), ("resnet_fast_none", 2, 0.86),
+        ("resnet_fast_se", 0, 0.87), ("vit_tiny", 0, 0.6)]
+    assert table.plan(rs, [none, se], 1, 0.5) == []  # by name alone, round 2's runs would count as done
+    assert table.plan(live, [none, se], 1, 0.5) == [se]
+    m, _, n = table.paired(live, "resnet_fast_se")
+    assert (m, n) == (pytest.approx(1.0), 1)  # paired with the one current run only (round 2's: -1.0 each)
+    tagged = table.current([dict(_r("resnet_fast_se/w", 0, 0.9), model=now[se])], [se], "w", ["model.widths=[8,8,8]"])
+    assert tagged == []  # a variant's runs must carry its overrides
 
 
 @pytest.mark.parametrize("recipe", ["cpu", "vit_cpu"])
@@ -384,9 +412,14 @@ def test_gpu_table_skips_the_runs_the_table_already_holds_on_this_kernel_family(
     num = table.planned_numerics("configs/attention/resnet_fast_se.yaml")
     prec, kern = num.split(" on ")
     mine = dict(precision=prec, kernels=kern, epochs=3)
-    have = [dict(_r("resnet_fast_none/w", 0, 0.9), **mine), dict(_r("resnet_fast_se/w", 0, 0.9), **mine),
-            dict(_r("resnet_fast_se/w", 1, 0.9), **dict(mine, kernels="NVIDIA H100 80GB HBM3")),
-            dict(_r("resnet_fast_none/w", 1, 0.9), **dict(mine, epochs=4))]
+    model = {c: table.planned_options(f"configs/attention/resnet_fast_{c}.yaml", ["model.widths=[8,8,8]"])
+             for c in ("se", "none")}
+    have = [dict(_r("resnet_fast_none/w", 0, 0.9), model=model["none"], **mine),
+            dict(_r("resnet_fast_se/w", 0, 0.9), model=model["se"], **mine),
+            dict(_r("resnet_fast_se/w", 1, 0.9), model=model["se"], **dict(mine, kernels="NVIDIA H100 80GB HBM3")),
+            dict(_r("resnet_fast_none/w", 1, 0.9), model=model["none"], **dict(mine, epochs=4)),
+            # an earlier round's run of the same name and numerics, built with other block options: not this one
+            dict(_r("resnet_fast_se/w", 1, 0.9), model=dict(model["se"], attn_kwargs={"init": "default"}), **mine)]
     skip = tmp_path / "table.json"
     skip.write_text(json.dumps(have))
 
