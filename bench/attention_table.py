@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from visattn.errors import CheckpointError  # noqa: E402
+from visattn.errors import CheckpointError, VisattnError  # noqa: E402
 from visattn.runtime import Interrupted, write_atomic  # noqa: E402
 
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
@@ -648,3 +648,5 @@ if __name__ == "__main__":
     except Interrupted as e:  # SIGTERM or SIGINT mid-run: one line; the finished runs are in the results file
         print(str(e), file=sys.stderr)
         sys.exit(e.exit_code)
+    except VisattnError as e:  # a missing or bad config, data or checkpoint: one line; finished runs are kept
+        sys.exit(f"attention_table: {e}")

@@ -438,3 +438,17 @@ def test_gpu_table_skips_the_runs_the_table_already_holds_on_this_kernel_family(
     assert f"skipping resnet_fast_se/w seed 0: in {skip} (3 epochs, {num})" in done.stderr
     assert "=== 2 runs to go" in done.stdout
     assert jobs("")[0] == ["se 0", "none 0", "se 1", "none 1"]
+
+
+def test_a_missing_or_bad_config_is_one_line_and_leaves_the_results_file_alone(tmp_path):
+    out = tmp_path / "results.json"
+    out.write_text(json.dumps([_r("resnet_fast_none", 0, 0.9)]))
+    before = out.read_text()
+    for args in (["--configs", "configs/nope.yaml"],
+                 ["--configs", "configs/attention/resnet_fast_se.yaml", "--tag", "x", "--set", "model.nope=1"]):
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_table.py"), *args, "--seeds", "0",
+                               "--results", str(out), "--runs", str(tmp_path / "runs")],
+                              capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode != 0 and "Traceback" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "nope" in done.stderr
+        assert out.read_text() == before and not (tmp_path / "runs").exists()
