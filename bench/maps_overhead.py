@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from visattn import engine
 from visattn.config import Config, load_config
 from visattn.data import ImageSet, Placement, TensorLoader, load_splits, normalize
-from visattn.errors import DataError
+from visattn.errors import DataError, run_main
 from visattn.maps import read_maps, record_attention
 from visattn.models import create_model
 from visattn.trainer import log_maps
@@ -239,4 +239,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "maps_overhead.py")

@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from visattn import create_model, engine  # noqa: E402
 from visattn.attention.token import SDPA_CPU_MODES, MultiHeadSelfAttention, sdpa_cpu_mode  # noqa: E402
 from visattn.config import load_config  # noqa: E402
+from visattn.errors import run_main  # noqa: E402
 
 
 def matmul_tflops(n: int, dtype: torch.dtype, repeats: int) -> float:
@@ -274,4 +275,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "throughput.py")

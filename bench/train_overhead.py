@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from visattn import engine
 from visattn.config import load_config
 from visattn.data import ImageSet, Placement, TensorLoader
+from visattn.errors import run_main
 from visattn.models import create_model
 
 
@@ -100,4 +101,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "train_overhead.py")

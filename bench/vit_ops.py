@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import throughput  # noqa: E402  (bench/throughput.py: model building, step, FLOP count)
 
+from visattn.errors import run_main  # noqa: E402
+
 CATEGORIES: List[Tuple[str, Tuple[str, ...]]] = [
     ("matmul", ("aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::convolution",
                 "aten::_convolution", "aten::mkldnn_convolution", "aten::convolution_backward", "aten::linear")),
@@ -150,5 +152,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     t0 = time.perf_counter()
-    main()
+    run_main(main, "vit_ops.py")
     print(f"\n({time.perf_counter() - t0:.0f} s in all)")

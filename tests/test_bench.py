@@ -452,3 +452,11 @@ def test_a_missing_or_bad_config_is_one_line_and_leaves_the_results_file_alone(t
         assert done.returncode != 0 and "Traceback" not in done.stderr
         assert len(done.stderr.strip().splitlines()) == 1 and "nope" in done.stderr
         assert out.read_text() == before and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("script", ["throughput.py", "train_overhead.py", "vit_ops.py", "maps_overhead.py"])
+def test_a_bench_scripts_missing_config_is_one_line_naming_it(script):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--config", "configs/nope.yaml"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == f"{script}: config file 'configs/nope.yaml' not found"

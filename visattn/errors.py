@@ -40,3 +40,15 @@ class TrainingError(VisattnError, RuntimeError):
     """Training cannot go on (e.g. too many consecutive non-finite losses)."""
 
     exit_code = 3
+
+
+def run_main(main, prog: str) -> None:
+    """Run a script's ``main()``; a :class:`VisattnError` (a missing or bad config, unreadable data, ...) ends
+    the process with one line, ``prog: message``, and the error's exit status instead of a traceback."""
+    import sys
+
+    try:
+        main()
+    except VisattnError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
