@@ -243,10 +243,8 @@ def test_merge_adds_another_machines_runs_once_and_never_replaces_one(tmp_path):
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "not a results file" in bad.stderr
     assert json.loads(out.read_text()) == here + gpu  # nothing written on bad input
     other_block = dict(here[0], model={"attention": "se", "attn_kwargs": {"init": "default"}})
-    other.write_text(json.dumps([other_block]))  # same name, seed, budget, numerics; other model: another run
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0 and "added 1 runs" in done.stdout
-    assert json.loads(out.read_text()) == here + gpu + [other_block]
+    # the same name, seed, budget and numerics built with other model options is another run: it is added
+    assert table.merge(here + gpu, [other_block, here[1]]) == [other_block]
 
 
 def test_a_sweep_neither_counts_nor_pairs_a_same_named_run_built_with_other_model_options():
@@ -440,23 +438,31 @@ def test_gpu_table_skips_the_runs_the_table_already_holds_on_this_kernel_family(
     assert jobs("")[0] == ["se 0", "none 0", "se 1", "none 1"]
 
 
-def test_a_missing_or_bad_config_is_one_line_and_leaves_the_results_file_alone(tmp_path):
+def test_a_missing_or_bad_config_is_one_line_and_leaves_the_results_file_alone(tmp_path, monkeypatch, capsys):
+    import runpy
+
     out = tmp_path / "results.json"
     out.write_text(json.dumps([_r("resnet_fast_none", 0, 0.9)]))
     before = out.read_text()
     for args in (["--configs", "configs/nope.yaml"],
                  ["--configs", "configs/attention/resnet_fast_se.yaml", "--tag", "x", "--set", "model.nope=1"]):
-        done = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_table.py"), *args, "--seeds", "0",
-                               "--results", str(out), "--runs", str(tmp_path / "runs")],
-                              capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert done.returncode != 0 and "Traceback" not in done.stderr
-        assert len(done.stderr.strip().splitlines()) == 1 and "nope" in done.stderr
+        monkeypatch.setattr(sys, "argv", ["attention_table.py", *args, "--seeds", "0", "--results", str(out),
+                                          "--runs", str(tmp_path / "runs")])
+        with pytest.raises(SystemExit) as e:  # as `python bench/attention_table.py ARGS` ends
+            runpy.run_path(str(ROOT / "bench" / "attention_table.py"), run_name="__main__")
+        assert isinstance(e.value.code, str) and "\n" not in e.value.code and "nope" in e.value.code
+        assert e.value.code.startswith("attention_table: ")  # sys.exit(text): one line on stderr, status 1
         assert out.read_text() == before and not (tmp_path / "runs").exists()
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize("script", ["throughput.py", "train_overhead.py", "vit_ops.py", "maps_overhead.py"])
-def test_a_bench_scripts_missing_config_is_one_line_naming_it(script):
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--config", "configs/nope.yaml"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert done.stderr.strip() == f"{script}: config file 'configs/nope.yaml' not found"
+def test_a_bench_scripts_missing_config_is_one_line_naming_it(script, monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [script, "--config", "configs/nope.yaml"])
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    with pytest.raises(SystemExit) as e:  # as `python bench/SCRIPT --config configs/nope.yaml` ends
+        runpy.run_path(str(ROOT / "bench" / script), run_name="__main__")
+    assert e.value.code not in (0, None)
+    assert capsys.readouterr().err.strip() == f"{script}: config file 'configs/nope.yaml' not found"
