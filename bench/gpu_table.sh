@@ -32,12 +32,6 @@ mkdir -p "$OUT" "$RUNS/table"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export DATA OUT RUNS EPOCHS ARGS PY SKIP_FROM
 
-"$PY" - <<'EOF'
-import torch
-print("torch", torch.__version__, "| cuda", torch.version.cuda,
-      "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU", flush=True)
-EOF
-
 job() {  # job CONFIG SEED
   local t0=$SECONDS
   set -f  # $ARGS splits into words but never globs: model.widths=[128,384,384] stays as written
@@ -49,9 +43,12 @@ job() {  # job CONFIG SEED
 }
 export -f job
 
-# the decoded-image cache is written once, before the jobs that read it start together
+# the versions and device, then the decoded-image cache, written once before the jobs that read it start together
 "$PY" -c "
 import sys; sys.path.insert(0, '.')
+import torch
+print('torch', torch.__version__, '| cuda', torch.version.cuda,
+      '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', flush=True)
 from visattn.config import load_config
 from visattn.data import load_splits
 try:
