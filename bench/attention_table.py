@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from visattn.errors import CheckpointError, VisattnError  # noqa: E402
+from visattn.errors import CheckpointError, run_main  # noqa: E402
 from visattn.runtime import Interrupted, write_atomic  # noqa: E402
 
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
@@ -363,13 +363,9 @@ def shipped(results: List[dict], config: str, options: Optional[dict] = None) ->
     model. A placement variant whose overrides are what the config now ships is the same run, so it counts
     (the runs are deterministic for a seed, precision and kernel family); round 2's runs of the same name,
     with other block options, do not. ``options``: the model options to match (default: the config's)."""
-    if options is None:
-        from visattn.config import load_config
-
-        options = load_config(ROOT / config).model.options()
-    want, name = json.loads(json.dumps(options)), Path(config).stem
+    want, name = _canon(planned_options(config) if options is None else options), Path(config).stem
     return [dict(r, name=name) for r in results
-            if r["config"] == config and json.loads(json.dumps(r.get("model"))) == want
+            if r["config"] == config and _canon(r.get("model")) == want
             and all(o.startswith("model.") for o in r.get("overrides", []))]
 
 
@@ -643,10 +639,8 @@ def config_epochs(config: str) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        main()
+    try:  # a missing or bad config, data or checkpoint: one line (run_main); the finished runs are kept
+        run_main(main, "attention_table.py")
     except Interrupted as e:  # SIGTERM or SIGINT mid-run: one line; the finished runs are in the results file
         print(str(e), file=sys.stderr)
         sys.exit(e.exit_code)
-    except VisattnError as e:  # a missing or bad config, data or checkpoint: one line; finished runs are kept
-        sys.exit(f"attention_table: {e}")
