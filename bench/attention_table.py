@@ -313,7 +313,40 @@ def pairs_needed(results: List[dict], name: str, target: float = 0.5) -> Optiona
     return next((n for n in range(2, 31) if T95[n - 2] * sd / math.sqrt(n) <= target), 31)
 
 
+def split_by_options(results: List[dict]) -> List[dict]:
+    """``results`` with every name that ran with more than one set of model options split into one name per
+    set, so that no row averages or pairs runs of different models: the runs built as their config builds now
+    (with their own overrides, :func:`planned_options`; the newest set where the config is gone) keep the
+    name, the others become ``NAME/earlier-K`` (K = 1, 2, ... in the order the file first holds them). Like any
+    variant these pair with ``resnet_fast_none/earlier-K`` where the baseline was split too, else with
+    ``resnet_fast_none``."""
+    sets: Dict[str, List[str]] = {}
+    for r in results:
+        opts = sets.setdefault(r["name"], [])
+        if _canon(r.get("model")) not in opts:
+            opts.append(_canon(r.get("model")))
+    keep: Dict[str, str] = {}
+    for name, opts in sets.items():
+        if len(opts) > 1:
+            r = next(r for r in results if r["name"] == name)
+            try:
+                now = _canon(planned_options(r["config"], r.get("overrides", [])))
+            except Exception:  # the config is gone or no longer loads: the newest runs keep the name
+                now = None
+            keep[name] = now if now in opts else _canon(next(r for r in reversed(results)
+                                                             if r["name"] == name).get("model"))
+    out = []
+    for r in results:
+        name, mine = r["name"], _canon(r.get("model"))
+        if name in keep and mine != keep[name]:
+            earlier = [o for o in sets[name] if o != keep[name]]
+            r = dict(r, name=f"{name}/earlier-{earlier.index(mine) + 1}")
+        out.append(r)
+    return out
+
+
 def table(results: List[dict]) -> str:
+    results = split_by_options(results)
     lines = ["| config | params | epochs | seeds | val acc % (mean ± std) | difference to none, points (95% CI) | "
              "verdict | pairs for ±0.5 (est.) | train time s (median) | images/s (median) |",
              "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]

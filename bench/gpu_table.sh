@@ -43,26 +43,24 @@ job() {  # job CONFIG SEED
 }
 export -f job
 
-# the versions and device, then the decoded-image cache, written once before the jobs that read it start together
-"$PY" -c "
-import sys; sys.path.insert(0, '.')
+# one process: the versions and device, the decoded-image cache (written once, before the jobs that read it start
+# together), then the jobs, less the runs the committed table already holds (same config, tag, model options,
+# seed, epochs, precision and kernel family: this GPU's name), so asking for seeds 0-7 runs only the missing
+# pairs; SKIP_FROM= runs all
+"$PY" - "$SEEDS" "$CONFIGS" "$RUNS/jobs.txt" <<'EOF' || { echo "=== cannot list the jobs"; exit 1; }
+import argparse, json, os, shlex, sys
+from pathlib import Path
+sys.path[:0] = [".", "bench"]
 import torch
-print('torch', torch.__version__, '| cuda', torch.version.cuda,
-      '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU', flush=True)
+print("torch", torch.__version__, "| cuda", torch.version.cuda,
+      "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU", flush=True)
 from visattn.config import load_config
 from visattn.data import load_splits
 try:
-    load_splits(load_config('configs/cifar10_cpu.yaml', ['data.root=$DATA']).data, 0)
-    print('data cache ready', flush=True)
+    load_splits(load_config("configs/cifar10_cpu.yaml", [f"data.root={os.environ['DATA']}"]).data, 0)
+    print("data cache ready", flush=True)
 except Exception as e:
-    print(f'no cache warm-up ({e}); each job reads its data itself', flush=True)"
-
-# the jobs, less the runs the committed table already holds (same config, tag, model options, seed, epochs,
-# precision and kernel family: this GPU's name), so asking for seeds 0-7 runs only the missing pairs; SKIP_FROM= runs all
-"$PY" - "$SEEDS" "$CONFIGS" > "$RUNS/jobs.txt" <<'EOF' || { echo "=== cannot list the jobs"; exit 1; }
-import argparse, json, os, shlex, sys
-from pathlib import Path
-sys.path.insert(0, "bench")
+    print(f"no cache warm-up ({e}); each job reads its data itself", flush=True)
 import attention_table as t
 ap = argparse.ArgumentParser(add_help=False)
 ap.add_argument("--tag", default=""), ap.add_argument("--backbone", action="store_true"), ap.add_argument("--precision")
@@ -73,6 +71,7 @@ configs = {c: f"configs/attention/resnet_fast_{c}.yaml" for c in sys.argv[2].spl
 have = json.loads(skip.read_text()) if skip and skip.is_file() else []
 have = t.current(have, list(configs.values()), opts.tag, opts.set, opts.backbone)  # as the configs build now
 num = {c: t.planned_numerics(config, opts.precision) for c, config in configs.items()}
+jobs = []
 for s in sys.argv[1].split():
     for c, config in configs.items():
         tag = t.variant(config, opts.tag, opts.backbone)
@@ -80,7 +79,8 @@ for s in sys.argv[1].split():
             print(f"skipping {t.run_name(config, tag)} seed {s}: in {skip} ({os.environ['EPOCHS']} epochs, {num[c]})",
                   file=sys.stderr)
         else:
-            print(c, s)
+            jobs.append(f"{c} {s}\n")
+Path(sys.argv[3]).write_text("".join(jobs))
 EOF
 echo "=== $(wc -l < "$RUNS/jobs.txt") runs to go"
 timeout "$DEADLINE" xargs -P "$JOBS" -L 1 bash -c 'job "$0" "$1"' < "$RUNS/jobs.txt"

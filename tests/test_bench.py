@@ -30,6 +30,23 @@ def _r(name: str, seed: int, acc: float, seconds: float = 100.0, load=None) -> d
             "eval_split": "validation", "git": "x", "load_mean": load}
 
 
+def _table_main(monkeypatch, capsys, *args) -> tuple:
+    """``python bench/attention_table.py ARGS`` in this process: (exit code, stdout, stderr) as the process
+    would end (``run_main``'s one-line errors; a ``sys.exit(message)`` prints the message, status 1)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["attention_table.py", *args])
+    try:
+        runpy.run_path(str(ROOT / "bench" / "attention_table.py"), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    if isinstance(code, str):
+        code, err = 1, err + code + "\n"
+    return code, out, err
+
+
 def test_t_quantiles_are_students():
     stats = pytest.importorskip("scipy.stats")
     for df, q in enumerate(table.T95, start=1):
@@ -122,28 +139,26 @@ def test_a_backbone_sweep_runs_the_baseline_under_the_variants_tag():
     assert table.variant(configs[0], "wide") == "" and table.variant(configs[0], "wide", backbone=True) == "wide"
 
 
-def test_backbone_without_overrides_is_refused_in_one_line(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_table.py"), "--tag", "wide", "--backbone",
-                        "--results", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert p.returncode == 2 and "--backbone: give the backbone's overrides with --set" in p.stderr
-    assert "Traceback" not in p.stderr and not (tmp_path / "r.json").exists()
+def test_backbone_without_overrides_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    code, _, err = _table_main(monkeypatch, capsys, "--tag", "wide", "--backbone", "--results", str(tmp_path / "r.json"))
+    assert code == 2 and "--backbone: give the backbone's overrides with --set" in err
+    assert "Traceback" not in err and not (tmp_path / "r.json").exists()
 
 
-def test_a_sweep_runs_records_and_resumes_without_repeating(tmp_path):
+def test_a_sweep_runs_records_and_resumes_without_repeating(tmp_path, monkeypatch, capsys):
     out, runs = tmp_path / "results.json", tmp_path / "runs"
-    argv = [sys.executable, str(ROOT / "bench" / "attention_table.py"), "--configs", "configs/smoke.yaml",
-            "--seeds", "0", "--epochs", "1", "--results", str(out), "--runs", str(runs)]
-    env_opts = dict(capture_output=True, text=True, timeout=300, cwd=ROOT)
-    first = subprocess.run(argv, **env_opts)
-    assert first.returncode == 0, first.stderr[-2000:]
+    argv = ["--configs", "configs/smoke.yaml", "--seeds", "0", "--epochs", "1", "--results", str(out), "--runs", str(runs)]
+    code, stdout, stderr = _table_main(monkeypatch, capsys, *argv)
+    assert code == 0, stderr[-2000:]
+    assert "smoke seed 0: val" in stdout
     (r,) = json.loads(out.read_text())
     assert r["name"] == "smoke" and r["seed"] == 0 and r["epochs"] == 1 and 0 <= r["val_acc"] <= 1
     assert r["train_seconds"] > 0 and r["parameters"] > 0 and r["cpu"]
     assert r["kernels"] == table.kernels()
     num = table.numerics(r).replace(" on ", "-")  # one run folder per precision and kernel family
     assert (runs / f"smoke-e1-s0-{num}" / "last.pt").is_file()
-    again = subprocess.run(argv, **env_opts)  # nothing left to run: the result is kept, not redone
-    assert again.returncode == 0 and "smoke seed 0" not in again.stdout
+    code, stdout, _ = _table_main(monkeypatch, capsys, *argv)  # nothing left to run: the result is kept, not redone
+    assert code == 0 and "smoke seed 0" not in stdout
     assert json.loads(out.read_text()) == [r]
     assert not list(tmp_path.glob(".*.tmp"))
 
@@ -224,23 +239,23 @@ def test_runs_pair_only_on_the_same_kernel_family():
     assert table.kernels() in ("amx", "avx512_bf16", "avx512", "avx2", "cpu")
 
 
-def test_merge_adds_another_machines_runs_once_and_never_replaces_one(tmp_path):
+def test_merge_adds_another_machines_runs_once_and_never_replaces_one(tmp_path, monkeypatch, capsys):
     here = [dict(_r("resnet_fast_none", s, 0.90), kernels="avx512_bf16", epochs=32) for s in range(2)]
     gpu = [dict(r, kernels="NVIDIA H100 80GB HBM3", val_acc=0.91) for r in here]
     clash = dict(here[0], val_acc=0.5)  # the same run on the same numerics: the committed one stays
     out, other = tmp_path / "results.json", tmp_path / "gpu.json"
     out.write_text(json.dumps(here))
     other.write_text(json.dumps(gpu + [clash, gpu[0]]))
-    argv = [sys.executable, str(ROOT / "bench" / "attention_table.py"), "--results", str(out), "--merge", str(other)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "added 2 runs" in done.stdout and "bf16 on NVIDIA H100 80GB HBM3" in done.stdout
+    argv = ["--results", str(out), "--merge", str(other)]
+    code, stdout, stderr = _table_main(monkeypatch, capsys, *argv)
+    assert code == 0, stderr[-2000:]
+    assert "added 2 runs" in stdout and "bf16 on NVIDIA H100 80GB HBM3" in stdout
     assert json.loads(out.read_text()) == here + gpu
-    again = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert again.returncode == 0 and "added 0 runs" in again.stdout and json.loads(out.read_text()) == here + gpu
+    code, stdout, _ = _table_main(monkeypatch, capsys, *argv)
+    assert code == 0 and "added 0 runs" in stdout and json.loads(out.read_text()) == here + gpu
     other.write_text("{not json")
-    bad = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "not a results file" in bad.stderr
+    code, _, stderr = _table_main(monkeypatch, capsys, *argv)
+    assert code != 0 and stderr.count("\n") == 1 and "not a results file" in stderr
     assert json.loads(out.read_text()) == here + gpu  # nothing written on bad input
     other_block = dict(here[0], model={"attention": "se", "attn_kwargs": {"init": "default"}})
     # the same name, seed, budget and numerics built with other model options is another run: it is added
@@ -268,6 +283,36 @@ def test_a_sweep_neither_counts_nor_pairs_a_same_named_run_built_with_other_mode
     assert (m, n) == (pytest.approx(1.0), 1)  # paired with the one current run only (round 2's: -1.0 each)
     tagged = table.current([dict(_r("resnet_fast_se/w", 0, 0.9), model=now[se])], [se], "w", ["model.widths=[8,8,8]"])
     assert tagged == []  # a variant's runs must carry its overrides
+
+
+def test_the_report_never_averages_or_pairs_same_named_runs_of_different_models():
+    """An earlier round's runs under a config's name (other model options) get their own row,
+    ``NAME/earlier-1``, paired with the baseline's earlier runs where it has them; the runs built as the
+    config builds now keep the name. Nothing is averaged across the two."""
+    se, none = "configs/attention/resnet_fast_se.yaml", "configs/attention/resnet_fast_none.yaml"
+    now = {c: table.planned_options(c) for c in (se, none)}
+    old_se = dict(now[se], attn_kwargs={"init": "default"})
+    old_none = dict(now[none], bn_momentum=0.5)
+
+    def run(name, config, s, acc, model):
+        return dict(_r(name, s, acc), config=config, model=model)
+
+    rs = ([run("resnet_fast_se", se, s, 0.80, old_se) for s in range(3)]  # the earlier round first in the file
+          + [run("resnet_fast_none", none, s, 0.84, old_none) for s in range(3)]
+          + [run("resnet_fast_none", none, s, a, now[none]) for s, a in enumerate([0.86, 0.87, 0.88])]
+          + [run("resnet_fast_se", se, s, a, now[se]) for s, a in enumerate([0.87, 0.87, 0.89])])
+    split = table.split_by_options(rs)
+    assert [r["name"] for r in split] == (["resnet_fast_se/earlier-1"] * 3 + ["resnet_fast_none/earlier-1"] * 3
+                                          + ["resnet_fast_none"] * 3 + ["resnet_fast_se"] * 3)
+    rows = {line.split("|")[1].strip(): line for line in table.table(rs).splitlines()[2:]}
+    assert set(rows) == {"`resnet_fast_none`", "`resnet_fast_se`", "`resnet_fast_none/earlier-1`",
+                         "`resnet_fast_se/earlier-1`"}
+    assert "| 87.67 ± 1.15 | +0.67 ± 1.43 (3 pairs) |" in rows["`resnet_fast_se`"]  # 87, 87, 89 against 86, 87, 88
+    assert "| 80.00 ± 0.00 | -4.00 ± 0.00 (3 pairs) |" in rows["`resnet_fast_se/earlier-1`"]  # against 84 each
+    # a config that no longer loads: the newest runs keep the name
+    gone = [dict(r, config="configs/gone.yaml") for r in rs if r["name"] == "resnet_fast_se"]
+    assert [r["name"] for r in table.split_by_options(gone)] == ["resnet_fast_se/earlier-1"] * 3 + ["resnet_fast_se"] * 3
+    assert table.split_by_options(rs[6:]) == rs[6:]  # one set of options per name: unchanged
 
 
 @pytest.mark.parametrize("recipe", ["cpu", "vit_cpu"])
@@ -365,7 +410,7 @@ def test_the_plot_draws_one_budget_on_one_kernel_family(tmp_path):
     assert table.plot(amx + here + longer, tmp_path / "r.png", epochs=10) == {"resnet_fast_none": 1}
 
 
-def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tmp_path):
+def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tmp_path, monkeypatch, capsys):
     """``bench/gpu_table.sh`` (here on the CPU, two tiny runs at once on synthetic images): each job's result
     comes back in one ``results.json`` that ``--merge`` takes, the logs in one ``logs.tgz``, and the deadline's
     clean-up leaves another ``attention_table.py`` process (a sweep on the same machine) running. The runs are a
@@ -397,9 +442,8 @@ def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tm
     assert all("2 runs at once" in r["contended"] and not table.quiet(r) for r in rs)  # times never quoted
     merged = tmp_path / "table.json"
     merged.write_text("[]")
-    m = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_table.py"), "--results", str(merged),
-                        "--merge", str(out / "results.json")], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert m.returncode == 0 and json.loads(merged.read_text()) == rs
+    code, _, _ = _table_main(monkeypatch, capsys, "--results", str(merged), "--merge", str(out / "results.json"))
+    assert code == 0 and json.loads(merged.read_text()) == rs
 
 
 def test_gpu_table_skips_the_runs_the_table_already_holds_on_this_kernel_family(tmp_path):

@@ -4,7 +4,7 @@ schedule is airbench's, and a short run on synthetic images trains and is record
 from __future__ import annotations
 
 import json
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -75,28 +75,39 @@ def test_the_convs_start_as_the_identity_and_bn_scales_are_frozen():
 
 
 def test_a_short_run_on_synthetic_images_runs_end_to_end_and_refuses_too_few_images(tmp_path):
-    over = ["data.source=synthetic", "data.synthetic_size=2600", "data.val_size=500"]
+    over = ["data.source=synthetic", "data.synthetic_size=1300", "data.val_size=200"]  # 1,100: one batch an epoch
     r = ref.train(0, 1.5, "fp32", over, quality=50, log=lambda *_: None)
     assert r["epochs"] == 1.5 and r["reencoded_quality"] == 50 and 0.0 <= r["val_acc"] <= 1.0 and "validation" in r["eval_split"]
     with pytest.raises(SystemExit, match="fewer than one batch"):
         ref.train(0, 1, "fp32", ["data.source=synthetic", "data.synthetic_size=1000", "data.val_size=100"])
 
 
-def test_bad_epochs_exit_with_one_line(tmp_path):
+def _main(monkeypatch, capsys, *args) -> tuple:
+    """``python bench/reference_airbench.py ARGS`` in this process: (exit code, stdout). A ``sys.exit(message)``
+    ends the process with the message as its one stderr line and status 1: that message is the code here."""
+    monkeypatch.setattr(sys, "argv", ["reference_airbench.py", *args])
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    try:
+        runpy.run_path(str(ROOT / "bench" / "reference_airbench.py"), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().out
+
+
+def test_bad_epochs_exit_with_one_line(tmp_path, monkeypatch, capsys):
     res = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "reference_airbench.py"), "--epochs", "0", "--results",
-                        str(res)], capture_output=True, text=True)
-    assert p.returncode != 0 and p.stderr.strip().count("\n") == 0 and "--epochs must be positive" in p.stderr
+    code, _ = _main(monkeypatch, capsys, "--epochs", "0", "--results", str(res))
+    assert isinstance(code, str) and "\n" not in code and "--epochs must be positive" in code
     assert not res.exists()
 
 
-def test_the_table_prints_the_recorded_runs(tmp_path):
+def test_the_table_prints_the_recorded_runs(tmp_path, monkeypatch, capsys):
     res = tmp_path / "r.json"
     res.write_text(json.dumps([{"seed": 0, "epochs": 9.9, "precision": "bf16", "kernels": "amx", "val_acc": 0.9,
                                 "train_seconds": 500.0, "images_per_s": 900.0}]))
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "reference_airbench.py"), "--table", "--results", str(res)],
-                       capture_output=True, text=True, check=True)
-    assert "| as stored (JPEG q75) | 9.9 | 0 | bf16 on amx | 90.00 | 500 | 900 |" in p.stdout
+    code, out = _main(monkeypatch, capsys, "--table", "--results", str(res))
+    assert code == 0 and "| as stored (JPEG q75) | 9.9 | 0 | bf16 on amx | 90.00 | 500 | 900 |" in out
 
 
 def test_reencoding_loses_more_the_lower_the_quality():
@@ -108,16 +119,15 @@ def test_reencoding_loses_more_the_lower_the_quality():
     assert 0 < err[95] < err[75] < err[30]
 
 
-def test_a_bad_quality_exits_with_one_line(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "reference_airbench.py"), "--reencode", "100",
-                        "--results", str(tmp_path / "r.json")], capture_output=True, text=True)
-    assert p.returncode != 0 and p.stderr.strip().count("\n") == 0 and "JPEG quality from 1 to 95" in p.stderr
+def test_a_bad_quality_exits_with_one_line(tmp_path, monkeypatch, capsys):
+    code, _ = _main(monkeypatch, capsys, "--reencode", "100", "--results", str(tmp_path / "r.json"))
+    assert isinstance(code, str) and "\n" not in code and "JPEG quality from 1 to 95" in code
 
 
-def test_the_manuals_reference_table_is_the_one_the_results_give():
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "reference_airbench.py"), "--table"],
-                       capture_output=True, text=True, check=True)
+def test_the_manuals_reference_table_is_the_one_the_results_give(monkeypatch, capsys):
+    code, out = _main(monkeypatch, capsys, "--table")
+    assert code == 0
     doc = (ROOT / "docs" / "results.md").read_text()
     block = doc.split("<!-- reference table: python bench/reference_airbench.py --table -->\n")[1]
     block = block.split("  <!-- end of reference table -->")[0]
-    assert [line.strip() for line in block.strip().splitlines()] == p.stdout.strip().splitlines()
+    assert [line.strip() for line in block.strip().splitlines()] == out.strip().splitlines()
