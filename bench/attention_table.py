@@ -471,7 +471,7 @@ def plot(results: List[dict], path: Path, num: Optional[str] = None, epochs: int
     results = at_budget(results, epochs)
     if num is None:
         num = statistics.mode(numerics(r) for r in results)
-    results = [r for r in results if numerics(r) == num]
+    results = split_by_options([r for r in results if numerics(r) == num])  # one marker per model
     names = ordered(r["name"] for r in results)
     colour = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(names)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), dpi=100)

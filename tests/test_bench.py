@@ -285,7 +285,7 @@ def test_a_sweep_neither_counts_nor_pairs_a_same_named_run_built_with_other_mode
     assert tagged == []  # a variant's runs must carry its overrides
 
 
-def test_the_report_never_averages_or_pairs_same_named_runs_of_different_models():
+def test_the_report_never_averages_or_pairs_same_named_runs_of_different_models(tmp_path):
     """An earlier round's runs under a config's name (other model options) get their own row,
     ``NAME/earlier-1``, paired with the baseline's earlier runs where it has them; the runs built as the
     config builds now keep the name. Nothing is averaged across the two."""
@@ -313,6 +313,9 @@ def test_the_report_never_averages_or_pairs_same_named_runs_of_different_models(
     gone = [dict(r, config="configs/gone.yaml") for r in rs if r["name"] == "resnet_fast_se"]
     assert [r["name"] for r in table.split_by_options(gone)] == ["resnet_fast_se/earlier-1"] * 3 + ["resnet_fast_se"] * 3
     assert table.split_by_options(rs[6:]) == rs[6:]  # one set of options per name: unchanged
+    drawn = table.plot(rs, tmp_path / "plot.png", table.numerics(rs[0]))  # the plot: one marker per model too
+    assert drawn == {"resnet_fast_none": 3, "resnet_fast_none/earlier-1": 3, "resnet_fast_se": 3,
+                     "resnet_fast_se/earlier-1": 3}
 
 
 @pytest.mark.parametrize("recipe", ["cpu", "vit_cpu"])
