@@ -30,14 +30,15 @@ def _r(name: str, seed: int, acc: float, seconds: float = 100.0, load=None) -> d
             "eval_split": "validation", "git": "x", "load_mean": load}
 
 
-def _table_main(monkeypatch, capsys, *args) -> tuple:
-    """``python bench/attention_table.py ARGS`` in this process: (exit code, stdout, stderr) as the process
-    would end (``run_main``'s one-line errors; a ``sys.exit(message)`` prints the message, status 1)."""
+def _script_main(script: str, monkeypatch, capsys, *args) -> tuple:
+    """``python bench/SCRIPT ARGS`` in this process: (exit code, stdout, stderr) as the process would end
+    (``run_main``'s one-line errors; a ``sys.exit(message)`` prints the message, status 1)."""
     import runpy
 
-    monkeypatch.setattr(sys, "argv", ["attention_table.py", *args])
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     try:
-        runpy.run_path(str(ROOT / "bench" / "attention_table.py"), run_name="__main__")
+        runpy.run_path(str(ROOT / "bench" / script), run_name="__main__")
         code = 0
     except SystemExit as e:
         code = e.code
@@ -45,6 +46,10 @@ def _table_main(monkeypatch, capsys, *args) -> tuple:
     if isinstance(code, str):
         code, err = 1, err + code + "\n"
     return code, out, err
+
+
+def _table_main(monkeypatch, capsys, *args) -> tuple:
+    return _script_main("attention_table.py", monkeypatch, capsys, *args)
 
 
 def test_t_quantiles_are_students():
@@ -486,30 +491,20 @@ def test_gpu_table_skips_the_runs_the_table_already_holds_on_this_kernel_family(
 
 
 def test_a_missing_or_bad_config_is_one_line_and_leaves_the_results_file_alone(tmp_path, monkeypatch, capsys):
-    import runpy
-
     out = tmp_path / "results.json"
     out.write_text(json.dumps([_r("resnet_fast_none", 0, 0.9)]))
     before = out.read_text()
     for args in (["--configs", "configs/nope.yaml"],
                  ["--configs", "configs/attention/resnet_fast_se.yaml", "--tag", "x", "--set", "model.nope=1"]):
-        monkeypatch.setattr(sys, "argv", ["attention_table.py", *args, "--seeds", "0", "--results", str(out),
-                                          "--runs", str(tmp_path / "runs")])
-        with pytest.raises(SystemExit) as e:  # as `python bench/attention_table.py ARGS` ends
-            runpy.run_path(str(ROOT / "bench" / "attention_table.py"), run_name="__main__")
-        err = capsys.readouterr().err.strip()
-        assert e.value.code not in (0, None) and "\n" not in err and "nope" in err
+        code, _, err = _table_main(monkeypatch, capsys, *args, "--seeds", "0", "--results", str(out),
+                                   "--runs", str(tmp_path / "runs"))
+        assert code not in (0, None) and err.count("\n") == 1 and "nope" in err
         assert err.startswith("attention_table.py: ")
         assert out.read_text() == before and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("script", ["throughput.py", "train_overhead.py", "vit_ops.py", "maps_overhead.py"])
 def test_a_bench_scripts_missing_config_is_one_line_naming_it(script, monkeypatch, capsys):
-    import runpy
-
-    monkeypatch.setattr(sys, "argv", [script, "--config", "configs/nope.yaml"])
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    with pytest.raises(SystemExit) as e:  # as `python bench/SCRIPT --config configs/nope.yaml` ends
-        runpy.run_path(str(ROOT / "bench" / script), run_name="__main__")
-    assert e.value.code not in (0, None)
-    assert capsys.readouterr().err.strip() == f"{script}: config file 'configs/nope.yaml' not found"
+    code, _, err = _script_main(script, monkeypatch, capsys, "--config", "configs/nope.yaml")
+    assert code not in (0, None)
+    assert err == f"{script}: config file 'configs/nope.yaml' not found\n"

@@ -4,14 +4,12 @@ schedule is airbench's, and a short run on synthetic images trains and is record
 from __future__ import annotations
 
 import json
-import runpy
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ROOT
-from test_bench import _load
+from test_bench import _load, _script_main
 
 ref = _load("reference_airbench")
 
@@ -83,22 +81,13 @@ def test_a_short_run_on_synthetic_images_runs_end_to_end_and_refuses_too_few_ima
 
 
 def _main(monkeypatch, capsys, *args) -> tuple:
-    """``python bench/reference_airbench.py ARGS`` in this process: (exit code, stdout). A ``sys.exit(message)``
-    ends the process with the message as its one stderr line and status 1: that message is the code here."""
-    monkeypatch.setattr(sys, "argv", ["reference_airbench.py", *args])
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    try:
-        runpy.run_path(str(ROOT / "bench" / "reference_airbench.py"), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().out
+    return _script_main("reference_airbench.py", monkeypatch, capsys, *args)
 
 
 def test_bad_epochs_exit_with_one_line(tmp_path, monkeypatch, capsys):
     res = tmp_path / "r.json"
-    code, _ = _main(monkeypatch, capsys, "--epochs", "0", "--results", str(res))
-    assert isinstance(code, str) and "\n" not in code and "--epochs must be positive" in code
+    code, _, err = _main(monkeypatch, capsys, "--epochs", "0", "--results", str(res))
+    assert code == 1 and err.count("\n") == 1 and "--epochs must be positive" in err
     assert not res.exists()
 
 
@@ -106,7 +95,7 @@ def test_the_table_prints_the_recorded_runs(tmp_path, monkeypatch, capsys):
     res = tmp_path / "r.json"
     res.write_text(json.dumps([{"seed": 0, "epochs": 9.9, "precision": "bf16", "kernels": "amx", "val_acc": 0.9,
                                 "train_seconds": 500.0, "images_per_s": 900.0}]))
-    code, out = _main(monkeypatch, capsys, "--table", "--results", str(res))
+    code, out, _ = _main(monkeypatch, capsys, "--table", "--results", str(res))
     assert code == 0 and "| as stored (JPEG q75) | 9.9 | 0 | bf16 on amx | 90.00 | 500 | 900 |" in out
 
 
@@ -120,12 +109,12 @@ def test_reencoding_loses_more_the_lower_the_quality():
 
 
 def test_a_bad_quality_exits_with_one_line(tmp_path, monkeypatch, capsys):
-    code, _ = _main(monkeypatch, capsys, "--reencode", "100", "--results", str(tmp_path / "r.json"))
-    assert isinstance(code, str) and "\n" not in code and "JPEG quality from 1 to 95" in code
+    code, _, err = _main(monkeypatch, capsys, "--reencode", "100", "--results", str(tmp_path / "r.json"))
+    assert code == 1 and err.count("\n") == 1 and "JPEG quality from 1 to 95" in err
 
 
 def test_the_manuals_reference_table_is_the_one_the_results_give(monkeypatch, capsys):
-    code, out = _main(monkeypatch, capsys, "--table")
+    code, out, _ = _main(monkeypatch, capsys, "--table")
     assert code == 0
     doc = (ROOT / "docs" / "results.md").read_text()
     block = doc.split("<!-- reference table: python bench/reference_airbench.py --table -->\n")[1]
