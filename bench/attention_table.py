@@ -41,7 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from visattn.errors import CheckpointError, run_main  # noqa: E402
+from visattn.errors import CheckpointError, VisattnError, run_main  # noqa: E402
 from visattn.runtime import Interrupted, write_atomic  # noqa: E402
 
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
@@ -320,29 +320,24 @@ def split_by_options(results: List[dict]) -> List[dict]:
     name, the others become ``NAME/earlier-K`` (K = 1, 2, ... in the order the file first holds them). Like any
     variant these pair with ``resnet_fast_none/earlier-K`` where the baseline was split too, else with
     ``resnet_fast_none``."""
-    sets: Dict[str, List[str]] = {}
+    sets: Dict[str, List[str]] = {}  # name -> its model options (canonical text), in the order the file holds them
     for r in results:
         opts = sets.setdefault(r["name"], [])
         if _canon(r.get("model")) not in opts:
             opts.append(_canon(r.get("model")))
-    keep: Dict[str, str] = {}
+    label: Dict[Tuple[str, str], str] = {}  # (name, options) -> the row's name, for the names to split
     for name, opts in sets.items():
         if len(opts) > 1:
             r = next(r for r in results if r["name"] == name)
             try:
                 now = _canon(planned_options(r["config"], r.get("overrides", [])))
-            except Exception:  # the config is gone or no longer loads: the newest runs keep the name
+            except VisattnError:  # the config is gone or no longer loads: the newest runs keep the name
                 now = None
-            keep[name] = now if now in opts else _canon(next(r for r in reversed(results)
-                                                             if r["name"] == name).get("model"))
-    out = []
-    for r in results:
-        name, mine = r["name"], _canon(r.get("model"))
-        if name in keep and mine != keep[name]:
-            earlier = [o for o in sets[name] if o != keep[name]]
-            r = dict(r, name=f"{name}/earlier-{earlier.index(mine) + 1}")
-        out.append(r)
-    return out
+            keep = now if now in opts else _canon(next(r for r in reversed(results) if r["name"] == name).get("model"))
+            earlier = [o for o in opts if o != keep]
+            label.update({(name, o): f"{name}/earlier-{k}" for k, o in enumerate(earlier, start=1)})
+    return [dict(r, name=label[r["name"], _canon(r.get("model"))]) if (r["name"], _canon(r.get("model"))) in label
+            else r for r in results]
 
 
 def table(results: List[dict]) -> str:
