@@ -1,4 +1,4 @@
-"""The README's attention comparison at the CPU recipe's full budget, paired by seed against no attention.
+"""The README's attention tables: each config trained for a fixed number of epochs, paired by seed against no attention.
 
     python bench/attention_table.py                          # every config below, seeds until the CIs are tight
     python bench/attention_table.py --configs configs/attention/resnet_fast_se.yaml --seeds 0 1
@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from visattn.errors import CheckpointError, VisattnError, run_main  # noqa: E402
+from visattn.options import describe  # noqa: E402
 from visattn.runtime import Interrupted, write_atomic  # noqa: E402
 
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
@@ -564,7 +565,7 @@ def plan(results: List[dict], configs: List[str], seed: int, target: float, epoc
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=describe(__doc__))
     ap.add_argument("--configs", nargs="*", default=CNN_CONFIGS + TRANSFORMER_CONFIGS)
     ap.add_argument("--seeds", nargs="*", type=int, default=None, help="exactly these seeds (default: adaptive)")
     ap.add_argument("--max-seeds", type=int, default=10)

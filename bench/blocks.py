@@ -38,6 +38,7 @@ from timm.layers.cbam import CbamModule, SpatialAttn  # noqa: E402
 
 import visattn  # noqa: E402
 from visattn.attention.spatial import coord_mip  # noqa: E402
+from visattn.options import describe  # noqa: E402
 
 try:  # coordinate attention arrived in timm 1.0.16 (timm/layers/coord_attn.py)
     from timm.layers.coord_attn import CoordAttn
@@ -125,7 +126,7 @@ VARIANTS = ("visattn eager", "timm eager", "visattn compiled", "timm compiled")
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=describe(__doc__))
     p.add_argument("--repeats", type=int, default=7, help="timed forward+backward calls per block and side")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())

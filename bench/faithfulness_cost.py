@@ -44,6 +44,7 @@ from visattn import engine  # noqa: E402
 from visattn.config import Config, load_config  # noqa: E402
 from visattn.data import Placement, TensorLoader, normalize  # noqa: E402
 from visattn.maps import log_attention_maps  # noqa: E402
+from visattn.options import describe  # noqa: E402
 
 DEFAULT_CONFIGS = ("configs/attention/resnet_fast_cbam.yaml", "configs/attention/resnet_fast_gc.yaml",
                    "configs/attention/resnet_fast_coord.yaml", "configs/cct_2.yaml", "configs/vit_tiny.yaml")
@@ -118,7 +119,7 @@ def measure(cfg: Config, steps: int, repeats: int, epoch_images: int, budget: fl
 
 
 def main(argv: List[str] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=describe(__doc__))
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     ap.add_argument("--steps", type=int, default=3, help="timed training steps per repeat")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (medians are reported)")

@@ -39,6 +39,7 @@ from visattn.data import ImageSet, Placement, TensorLoader, load_splits, normali
 from visattn.errors import DataError, run_main
 from visattn.maps import read_maps, record_attention
 from visattn.models import create_model
+from visattn.options import describe
 from visattn.trainer import log_maps
 
 EPOCH_IMAGES = 45_000  # CIFAR-10's 50,000 training images less the 5,000 held out for validation
@@ -195,7 +196,7 @@ def recording_off(cfg: Config, batch: int, repeats: int) -> Dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=describe(__doc__))
     ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     ap.add_argument("--steps", type=int, default=3, help="timed training steps per repeat")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats (medians are reported)")

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from attention_table import kernels, numerics, run_resuming  # noqa: E402
 
+from visattn.options import describe  # noqa: E402
 from visattn.runtime import Interrupted, write_atomic  # noqa: E402
 
 # airbench94's setting of the levers: batch 1024 (lr 1.5 in mean-loss form) with lookahead averaging
@@ -132,7 +133,7 @@ def table(results: list[dict], variants: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=describe(__doc__))
     ap.add_argument("--recipe", default="cpu", choices=list(RECIPES))
     ap.add_argument("--variants", nargs="*", default=None, help="default: every variant of the recipe")
     ap.add_argument("--seeds", nargs="*", type=int, default=[0])

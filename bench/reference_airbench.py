@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from visattn.options import describe  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "reference_airbench.json"
 MEAN = (0.4914, 0.4822, 0.4465)  # CIFAR-10's channel statistics, as airbench normalises
 STD = (0.2470, 0.2435, 0.2616)
@@ -249,7 +251,7 @@ def main() -> None:
     from visattn import engine
     from visattn.runtime import write_atomic
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=describe(__doc__))
     ap.add_argument("--epochs", type=float, default=9.9)
     ap.add_argument("--seeds", type=int, nargs="*", default=[0])
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")

@@ -44,6 +44,7 @@ from visattn import create_model, engine  # noqa: E402
 from visattn.attention.token import SDPA_CPU_MODES, MultiHeadSelfAttention, sdpa_cpu_mode  # noqa: E402
 from visattn.config import load_config  # noqa: E402
 from visattn.errors import run_main  # noqa: E402
+from visattn.options import describe  # noqa: E402
 
 
 def matmul_tflops(n: int, dtype: torch.dtype, repeats: int) -> float:
@@ -214,7 +215,7 @@ def variants(setup: Setup, compile_: bool, baseline: bool, sdpa: Sequence[str] =
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=describe(__doc__))
     ap.add_argument("--config", nargs="+", default=[str(ROOT / "configs" / "cifar10_cpu.yaml")],
                     help="one or more configs, measured in one process against one ceiling")
     ap.add_argument("--steps", type=int, default=8)

@@ -19,6 +19,7 @@ from typing import List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from visattn.options import describe  # noqa: E402
 from visattn.runtime import complete_rows  # noqa: E402
 
 
@@ -39,7 +40,7 @@ def time_to(rs: List[dict], target: float) -> Optional[dict]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=describe(__doc__))
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--targets", nargs="+", type=float, default=[0.94, 0.95])
     args = ap.parse_args(argv)

@@ -25,6 +25,7 @@ from visattn.config import load_config
 from visattn.data import ImageSet, Placement, TensorLoader
 from visattn.errors import run_main
 from visattn.models import create_model
+from visattn.options import describe
 
 
 def bare_loop(model, batches, opt, precision):
@@ -47,7 +48,7 @@ def visattn_loop(model, loader, opt, sched, precision):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=describe(__doc__))
     ap.add_argument("--config", default="configs/cifar10_cpu.yaml", help="the model (and its options) to time")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--steps", type=int, default=12)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # noqa: E402  (bench/throughput.py: model building, step, FLOP count)
 
 from visattn.errors import run_main  # noqa: E402
+from visattn.options import describe  # noqa: E402
 
 CATEGORIES: List[Tuple[str, Tuple[str, ...]]] = [
     ("matmul", ("aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::convolution",
@@ -107,7 +108,7 @@ def print_tables(ops: Dict[str, Tuple[int, float]], flop: Dict[str, int], steps:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=describe(__doc__))
     ap.add_argument("--config", default=str(throughput.ROOT / "configs" / "vit_tiny.yaml"))
     ap.add_argument("--batch", type=int, default=0, help="batch size (default: the config's)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: PyTorch's)")

@@ -52,6 +52,30 @@ def _table_main(monkeypatch, capsys, *args) -> tuple:
     return _script_main("attention_table.py", monkeypatch, capsys, *args)
 
 
+def _description(help_text: str) -> str:
+    """The description paragraph of an argparse ``--help`` (the one after the usage lines), on one line."""
+    return " ".join(help_text.split("\n\n")[1].split())
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "bench").glob("*.py")))
+def test_every_bench_script_says_in_one_whole_sentence_what_it_does(script, monkeypatch, capsys):
+    """``--help`` opens with the script's first docstring paragraph in full, not a line cut mid-sentence."""
+    code, out, _ = _script_main(script, monkeypatch, capsys, "--help")
+    text = _description(out)
+    assert code == 0 and text[0].isupper() and text.endswith(".") and "``" not in text, text
+
+
+@pytest.mark.parametrize("module", ["evaluate", "visualize"])
+def test_the_map_and_evaluation_tools_say_what_they_do(module, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"visattn.{module}").main(["--help"])
+    text = _description(capsys.readouterr().out)
+    assert e.value.code == 0 and text[0].isupper() and text.endswith(".") and "``" not in text, text
+    assert "python -m" not in text  # the usage line above says how to call it
+
+
 def test_t_quantiles_are_students():
     stats = pytest.importorskip("scipy.stats")
     for df, q in enumerate(table.T95, start=1):

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .errors import VisattnError
+from .options import describe
 
 
 def load_model_from_checkpoint(path: str, device: torch.device) -> tuple[torch.nn.Module, Any, Dict[str, Any]]:
@@ -81,7 +82,7 @@ def evaluate_checkpoint(checkpoint: str, data: Optional[str] = None, tta: Option
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m visattn.evaluate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m visattn.evaluate", description=describe(__doc__))
     p.add_argument("--checkpoint", required=True, help="a visattn checkpoint (RUN/best.pt or RUN/last.pt)")
     p.add_argument("--data", default=None, help="dataset path (folder, .tar.gz, cifar-10-batches-py) or 'synthetic'; "
                                                 "default: the run's own data.root")

@@ -1,13 +1,23 @@
 """Checks of command-line options shared by ``python -m visattn.evaluate`` and ``python -m visattn.visualize``:
-each bad value is one :class:`~visattn.errors.ConfigError` line naming the flag, never a traceback."""
+each bad value is one :class:`~visattn.errors.ConfigError` line naming the flag, never a traceback; and
+:func:`describe`, the ``--help`` description of every command-line tool (``bench/`` included)."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Union
 
 import torch
 
 from .errors import ConfigError, VisattnError
+
+
+def describe(doc: str) -> str:
+    """A script's ``--help`` description from its module docstring: the whole first paragraph on one line, its
+    literals unquoted, without a leading ````command``:`` (the usage line argparse prints above it anyway)."""
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    text = re.sub(r"^``[^`]+``:\s*", "", text).replace("``", "")
+    return text[:1].upper() + text[1:]
 
 
 def check_range(flag: str, value: Union[int, float], low: Union[int, float], high: Union[int, float]) -> None:

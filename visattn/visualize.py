@@ -62,6 +62,7 @@ from .maps.overlay import COLORMAPS, blend, to_uint8
 from .maps.readout import LayerMap, read_maps
 from .maps.record import find_taps, probe_pass
 from .maps.scale import NORMS, caption
+from .options import describe
 
 TOP_K = 3  # classes listed per image in predictions.json
 
@@ -360,7 +361,7 @@ def _save_png(hwc: np.ndarray, path: Path) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m visattn.visualize", description=__doc__.splitlines()[0].strip("`: "),
+    p = argparse.ArgumentParser(prog="python -m visattn.visualize", description=describe(__doc__),
                                 epilog="--images: one PNG per image and attention layer, plus predictions.json, in --out. "
                                        "--validation N: TensorBoard's grids of N held-out images, one PNG per tag. "
                                        "--faithfulness N: the faithfulness table of N held-out images.")
