@@ -222,6 +222,8 @@ def test_visualize_cli_writes_maps_and_predictions(cnn_run, user_images, tmp_pat
     assert [e["mode"] for e in result["images"]] == ["RGBA", "L"]
     assert [e["size"] for e in result["images"]] == [[50, 40], [32, 32]]
     assert [entry["name"] for entry in result["layers"]] == layers
+    assert proc.stdout.splitlines()[-1] == (f"wrote {2 * len(layers)} picture(s), {len(layers)} map(s) per image, "
+                                           f"and predictions.json to {out}")
 
     # The same prediction as the model makes on the same resized input, in this process.
     model, _, _ = load_model_from_checkpoint(str(ckpt), torch.device("cpu"))

@@ -434,7 +434,7 @@ def _run(args: argparse.Namespace) -> int:
     n_maps = sum(len(e["maps"]) for e in result["images"])
     for e in result["images"]:
         print(f"{e['image']}: {e['pred']} ({e['confidence']:.1%})")
-    print(f"wrote {n_maps} map(s) for {len(result['layers'])} layer(s) and predictions.json to {args.out}")
+    print(f"wrote {n_maps} picture(s), {len(result['layers'])} map(s) per image, and predictions.json to {args.out}")
     return 0
 
 
