@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -56,3 +57,40 @@ def test_every_docs_page_is_reachable_from_the_readme():
     linked = {(ROOT / t.partition("#")[0]).resolve() for _, line in prose(ROOT / "README.md")
               for t in LINK.findall(line) if t.startswith("docs/")}
     assert {p.resolve() for p in PAGES[1:]} <= linked | {(ROOT / "docs" / "index.md").resolve()}
+
+
+class _Unit(nn.Module):
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return x + self.bn2(self.conv2(self.bn1(self.conv1(x)).relu()))
+
+
+def _users_net() -> nn.Module:
+    """The user's own model the snippets name: ``body`` = conv, BN, ReLU, conv, GroupNorm, ReLU (as the docs'
+    comment says), then two residual units with a ``bn2`` each."""
+    net = nn.Module()
+    net.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                             nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(), _Unit(16), _Unit(16))
+    return net
+
+
+@pytest.mark.parametrize("md, heading", [("README.md", "## 3. Put a block into a timm or torchvision model"),
+                                         ("docs/blocks.md", "## In other people's models")])
+def test_the_insert_attention_snippets_run_and_put_as_many_blocks_as_their_comments_say(md, heading, monkeypatch):
+    import visattn
+
+    text = (ROOT / md).read_text()
+    section = text[text.index(heading):]
+    section = section[:section.find("\n## ", 1)]
+    code = "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
+    said = [int(m.group(1)) if (m := re.search(r"#\s*(\d+):", line)) else None
+            for line in code.splitlines() if "insert_attention(" in line]
+    assert len(said) >= 3 and None not in said, said  # every insertion says how many blocks it puts
+    put, insert = [], visattn.insert_attention
+    monkeypatch.setattr(visattn, "insert_attention", lambda *a, **k: put.append(insert(*a, **k)) or put[-1])
+    exec(compile(code, md, "exec"), {"my_net": _users_net(), "MyNet": _users_net})
+    assert put == said

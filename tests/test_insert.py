@@ -276,3 +276,62 @@ def test_timm_resnet_with_its_own_se_gets_it_replaced():
     assert insert_attention(model, "eca") == 8
     assert isinstance(model.layer1[0].se, EfficientChannelAttention)
     forward_backward(model, EfficientChannelAttention)
+
+
+class _OwnNet(nn.Module):
+    """A user's own model: no residual blocks or SE modules that insert_attention knows."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                                  nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.ReLU())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def test_insert_at_named_modules_of_your_own_model_starts_as_the_identity_and_learns():
+    torch.manual_seed(0)
+    model, x = _OwnNet().eval(), torch.randn(4, 3, 16, 16)
+    with torch.no_grad():
+        before, weights = model(x), copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="no residual blocks") as e:
+        insert_attention(model, "cbam")  # no family rule applies ...
+    assert "at=" in str(e.value)  # ... and the error says how to name the places
+    assert insert_attention(model, "cbam", at="body.[14]") == 2  # an fnmatch pattern: the BN and the GroupNorm
+    assert [type(m).__name__ for m in model.body] == ["Conv2d", "AttnAfter", "ReLU", "Conv2d", "AttnAfter", "ReLU"]
+    assert [m.attn.channel.channels for m in (model.body[1], model.body[4])] == [16, 32]
+    assert not model.body[1].attn.training  # the host's mode
+    with torch.no_grad():
+        assert torch.equal(model(x), before)  # init="identity" by default: the model computes what it did
+    moved = {k.replace(".inner.", ".") for k in model.state_dict() if ".attn." not in k}
+    assert moved == set(weights)  # the named modules' parameters moved to NAME.inner.*, nothing else changed
+    forward_backward(model.train(), CBAM, size=16)
+
+
+def test_insert_at_takes_sequential_layers_and_adds_to_a_model_that_has_blocks():
+    from torchvision.models import mobilenet_v2
+
+    model = mobilenet_v2(weights=None, num_classes=10)  # no SE, no residual rule: only at= can place a block
+    assert insert_attention(model, "se", at=["features.0", "features.18"]) == 2  # Conv2dNormActivation: conv, BN, ReLU6
+    assert [model.features[i].attn.channels for i in (0, 18)] == [32, 1280]
+    with pytest.raises(ValueError, match="cannot tell how many channels InvertedResidual outputs"):
+        insert_attention(model, "eca", at="features.1")  # a module whose width its type does not say
+    assert insert_attention(model, "eca", at="features.1.conv") == 1  # its branch (ends in a BN): another kind
+    assert model.features[1].conv.attn.channels == 16
+    forward_backward(model, SqueezeExcite)
+    with pytest.raises(ValueError, match="'features.0' already holds"):
+        insert_attention(model, "eca", at="features.0")
+
+
+def test_insert_at_refuses_names_it_cannot_use_and_leaves_the_model_unchanged():
+    model = _OwnNet()
+    keys = list(model.state_dict())
+    with pytest.raises(ValueError, match=r"at='bdy.1' names no module of _OwnNet; .*'body.1'"):
+        insert_attention(model, "se", at=["body.1", "bdy.1"])
+    with pytest.raises(ValueError, match="cannot tell how many channels Linear outputs"):
+        insert_attention(model, "se", at=["body.1", "head"])
+    with pytest.raises(ValueError, match="at= takes module names"):
+        insert_attention(model, "se", at=[""])
+    assert list(model.state_dict()) == keys and type(model.body[1]) is nn.BatchNorm2d

@@ -7,7 +7,8 @@
   ResNet family (``timm.models.resnet``) has that argument.
 * :func:`insert_attention` puts a block into an already built torchvision or timm model of the families
   below: it replaces the model's own squeeze-and-excitation modules where the model has them, and otherwise
-  adds one block per residual block after the residual branch's last norm (before the residual add).
+  adds one block per residual block after the residual branch's last norm (before the residual add). With
+  ``at=`` it puts one after each named module of any model, your own included.
 
 Where each block goes (the model's own parameter names are kept everywhere except torchvision ResNets):
 
@@ -29,9 +30,11 @@ input width (pass options such as ``rd_ratio=0.25`` to mirror the original).
 """
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import inspect
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -225,12 +228,63 @@ def _residual_sites(model: nn.Module) -> List[Site]:
     return sites
 
 
+def _out_channels(module: nn.Module) -> Optional[int]:
+    """How many channels a module's ``(B, C, H, W)`` output has, where its type says: a 2-d conv, a batch or
+    group norm, or a ``Sequential`` (e.g. torchvision's ``Conv2dNormActivation``) ending in one of those and
+    parameter-free layers."""
+    if isinstance(module, nn.Conv2d):
+        return module.out_channels
+    if isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm, nn.InstanceNorm2d)):
+        return module.num_features
+    if isinstance(module, nn.GroupNorm):
+        return module.num_channels
+    if isinstance(module, nn.Sequential):
+        for child in reversed(module):
+            width = _out_channels(child)
+            if width is not None or _first_param(child) is not None:
+                return width
+    return None
+
+
+def _named_sites(model: nn.Module, at: Union[str, Sequence[str]]) -> List[Site]:
+    """One site after each module of ``model`` named by ``at`` (names as in ``named_modules()``, or
+    ``fnmatch`` patterns such as ``"layer*.0.bn2"``); the module becomes ``AttnAfter(inner=<module>, attn=...)``."""
+    patterns = [at] if isinstance(at, str) else list(at) if isinstance(at, (list, tuple)) else [at]
+    if not patterns or not all(isinstance(p, str) and p for p in patterns):
+        raise ValueError(f"at= takes module names or patterns (non-empty strings), got {at!r}")
+    modules = dict(model.named_modules())
+    names = [n for n in modules if n]
+    picked: List[str] = []
+    for pattern in patterns:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        if not hits:
+            near = difflib.get_close_matches(pattern, names, n=3) or names[:3]
+            raise ValueError(f"at={pattern!r} names no module of {type(model).__name__}; "
+                             f"modules are named like {', '.join(map(repr, near))} (see model.named_modules())")
+        picked += [n for n in hits if n not in picked]
+    sites: List[Site] = []
+    for path in picked:
+        module, channels = modules[path], _out_channels(modules[path])
+        taken = isinstance(module, (AttnAfter, *_visattn_classes()))  # a block, or a module with one after it
+        if channels is None and not taken:
+            raise ValueError(f"at={path!r}: cannot tell how many channels {type(module).__name__} outputs; name a "
+                             "Conv2d, a BatchNorm2d or GroupNorm, or a Sequential ending in one")
+        parent_path, _, attr = path.rpartition(".")
+
+        def install(block: nn.Module, parent: nn.Module = modules[parent_path], attr: str = attr) -> None:
+            setattr(parent, attr, AttnAfter(getattr(parent, attr), block))
+
+        sites.append((path, channels or 0, _first_param(module), module.training, None if taken else install))
+    return sites
+
+
 def _visattn_classes() -> tuple:
     return tuple(c for c in (ATTENTION.get(n) for n in list_attention()) if inspect.isclass(c))
 
 
-def insert_attention(model: nn.Module, name: str, **kwargs: Any) -> int:
-    """Put block ``name`` (built with ``kwargs``) into a torchvision or timm CNN; returns how many were put.
+def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], None] = None, **kwargs: Any) -> int:
+    """Put block ``name`` (built with ``kwargs``) into a torchvision or timm CNN, or after the modules ``at``
+    names in any model; returns how many were put.
 
     Supported: torchvision and timm ResNet, RegNet (X and Y), ConvNeXt, EfficientNet and MobileNetV3. If the
     model has squeeze-and-excitation modules of its own (RegNet-Y, EfficientNet, MobileNetV3, timm SE-ResNets),
@@ -244,31 +298,41 @@ def insert_attention(model: nn.Module, name: str, **kwargs: Any) -> int:
     moves the blocks from there (``init="default"`` gives the paper's block, whose sigmoid gates start near
     0.5 and halve the signal they gate).
 
+    ``at``: a module name of ``model.named_modules()`` or a list of them, each may be an ``fnmatch`` pattern
+    (``"body.*.bn2"``): one block after each module named, in any model (your own included), instead of the
+    family rule. Each named module must output a ``(B, C, H, W)`` map and be a ``Conv2d``, a ``BatchNorm2d`` or
+    ``GroupNorm``, or a ``Sequential`` ending in one (that gives ``C``); it becomes
+    ``AttnAfter(inner=<module>, attn=<block>)``, so its parameters move to ``<name>.inner.*``: load weights
+    before inserting. Unlike the family rule, ``at`` may add blocks to a model that already holds some.
+
     New blocks are trainable, on the device and dtype of the layer they follow or replace, in the host
     block's train/eval mode. Raises ``ValueError`` (and leaves the model unchanged) if the model holds none
-    of these blocks, or already holds a visattn block or another attention block in the slot.
+    of these blocks (or ``at`` names no module, or one whose width it cannot tell), or already holds a visattn
+    block or another attention block in the slot.
     """
     _check_feature_block(name, kwargs)
     if "init" in attention_options(name):
         kwargs.setdefault("init", "identity")
     held = [p for p, m in model.named_modules() if isinstance(m, _visattn_classes()) and p]
-    if held:
+    if held and at is None:
         raise ValueError(
             f"{type(model).__name__} already holds a visattn attention block at {held[0]!r}"
             f"{f' (and {len(held) - 1} more)' if len(held) > 1 else ''}; insert into a fresh model"
         )
-    sites = _se_sites(model) or _residual_sites(model)
+    sites = _named_sites(model, at) if at is not None else _se_sites(model) or _residual_sites(model)
     if not sites:
         raise ValueError(
             f"insert_attention found no residual blocks or SE modules it knows in {type(model).__name__}: it "
             f"supports {SUPPORTED_FAMILIES} "
-            "from torchvision and timm; for another model build the block with visattn.create_attention(name, "
-            "channels) and call it in the model's forward after a residual branch's last norm"
+            "from torchvision and timm; for another model name the modules to follow, insert_attention(model, "
+            "name, at=['body.1', ...]), or build the block with visattn.create_attention(name, channels) and "
+            "call it in the model's forward after a residual branch's last norm"
         )
     # check everything before changing anything, so a refusal leaves the model as it was
     taken = [path for path, _, _, _, install in sites if install is None]
     if taken:
-        raise ValueError(f"residual block slot {taken[0]!r} already holds an attention block")
+        raise ValueError(f"{'slot' if at is None else 'module'} {taken[0]!r} already holds an attention block"
+                         f"{'' if at is None else ' (or is one)'}")
     for path, channels, like, training, install in sites:
         block = create_attention(name, channels, **kwargs)
         if like is not None:
