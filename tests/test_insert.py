@@ -325,6 +325,16 @@ def test_insert_at_takes_sequential_layers_and_adds_to_a_model_that_has_blocks()
         insert_attention(model, "eca", at="features.0")
 
 
+def test_insert_at_takes_timms_channels_first_layer_norm_and_refuses_a_channels_last_one():
+    model = timm.create_model("convnext_atto", pretrained=False, num_classes=10)
+    assert type(model.stem[1]).__name__ == "LayerNorm2d"
+    assert insert_attention(model, "coord", at="stem.1") == 1 and model.stem[1].attn.channels == 40
+    forward_backward(model)
+    channels_last = nn.Sequential(nn.Conv2d(3, 8, 1), nn.LayerNorm(8))
+    with pytest.raises(ValueError, match="cannot tell how many channels LayerNorm outputs"):
+        insert_attention(channels_last, "se", at="1")
+
+
 def test_insert_at_refuses_names_it_cannot_use_and_leaves_the_model_unchanged():
     model = _OwnNet()
     keys = list(model.state_dict())

@@ -230,8 +230,13 @@ def _residual_sites(model: nn.Module) -> List[Site]:
 
 def _out_channels(module: nn.Module) -> Optional[int]:
     """How many channels a module's ``(B, C, H, W)`` output has, where its type says: a 2-d conv, a batch or
-    group norm, or a ``Sequential`` (e.g. torchvision's ``Conv2dNormActivation``) ending in one of those and
+    group norm, timm's ``LayerNorm2d`` (a channels-first layer norm; a plain ``LayerNorm`` is channels-last and
+    refused), or a ``Sequential`` (e.g. torchvision's ``Conv2dNormActivation``) ending in one of those and
     parameter-free layers."""
+    from timm.layers import LayerNorm2d
+
+    if isinstance(module, LayerNorm2d):
+        return module.normalized_shape[0]
     if isinstance(module, nn.Conv2d):
         return module.out_channels
     if isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm, nn.InstanceNorm2d)):
@@ -268,7 +273,7 @@ def _named_sites(model: nn.Module, at: Union[str, Sequence[str]]) -> List[Site]:
         taken = isinstance(module, (AttnAfter, *_visattn_classes()))  # a block, or a module with one after it
         if channels is None and not taken:
             raise ValueError(f"at={path!r}: cannot tell how many channels {type(module).__name__} outputs; name a "
-                             "Conv2d, a BatchNorm2d or GroupNorm, or a Sequential ending in one")
+                             "Conv2d, a BatchNorm2d, GroupNorm or timm LayerNorm2d, or a Sequential ending in one")
         parent_path, _, attr = path.rpartition(".")
 
         def install(block: nn.Module, parent: nn.Module = modules[parent_path], attr: str = attr) -> None:
@@ -300,8 +305,8 @@ def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], 
 
     ``at``: a module name of ``model.named_modules()`` or a list of them, each may be an ``fnmatch`` pattern
     (``"body.*.bn2"``): one block after each module named, in any model (your own included), instead of the
-    family rule. Each named module must output a ``(B, C, H, W)`` map and be a ``Conv2d``, a ``BatchNorm2d`` or
-    ``GroupNorm``, or a ``Sequential`` ending in one (that gives ``C``); it becomes
+    family rule. Each named module must output a ``(B, C, H, W)`` map and be a ``Conv2d``, a ``BatchNorm2d``,
+    ``GroupNorm`` or timm ``LayerNorm2d``, or a ``Sequential`` ending in one (that gives ``C``); it becomes
     ``AttnAfter(inner=<module>, attn=<block>)``, so its parameters move to ``<name>.inner.*``: load weights
     before inserting. Unlike the family rule, ``at`` may add blocks to a model that already holds some.
 
