@@ -321,11 +321,11 @@ def split_by_options(results: List[dict]) -> List[dict]:
     name, the others become ``NAME/earlier-K`` (K = 1, 2, ... in the order the file first holds them). Like any
     variant these pair with ``resnet_fast_none/earlier-K`` where the baseline was split too, else with
     ``resnet_fast_none``."""
-    sets: Dict[str, List[str]] = {}  # name -> its model options (canonical text), in the order the file holds them
-    for r in results:
-        opts = sets.setdefault(r["name"], [])
-        if _canon(r.get("model")) not in opts:
-            opts.append(_canon(r.get("model")))
+    keys = [(r["name"], _canon(r.get("model"))) for r in results]  # (name, model options as canonical text)
+    sets: Dict[str, List[str]] = {}  # name -> its model options, in the order the file holds them
+    for name, mine in keys:
+        if mine not in sets.setdefault(name, []):
+            sets[name].append(mine)
     label: Dict[Tuple[str, str], str] = {}  # (name, options) -> the row's name, for the names to split
     for name, opts in sets.items():
         if len(opts) > 1:
@@ -337,8 +337,7 @@ def split_by_options(results: List[dict]) -> List[dict]:
             keep = now if now in opts else _canon(next(r for r in reversed(results) if r["name"] == name).get("model"))
             earlier = [o for o in opts if o != keep]
             label.update({(name, o): f"{name}/earlier-{k}" for k, o in enumerate(earlier, start=1)})
-    return [dict(r, name=label[r["name"], _canon(r.get("model"))]) if (r["name"], _canon(r.get("model"))) in label
-            else r for r in results]
+    return [dict(r, name=label[k]) if k in label else r for r, k in zip(results, keys)]
 
 
 def table(results: List[dict]) -> str:
