@@ -95,6 +95,35 @@ def test_bad_recipe_options_are_named(option, value):
         create_model("resnet_fast", **{option: value})
 
 
+def test_group_skip_adds_each_group_input_to_its_units_output():
+    """airbench96's group: conv-pool-BN-GELU, then two plain convs whose output is added to that first one's."""
+    kw = dict(widths=[8, 16, 16], units=[2, 2, 2], stem_width=8, block="plain")
+    torch.manual_seed(0)
+    plain = create_model("resnet_fast", **kw)
+    torch.manual_seed(0)
+    skip = create_model("resnet_fast", group_skip=True, **kw)
+    assert sum(p.numel() for p in skip.parameters()) == sum(p.numel() for p in plain.parameters())
+    skip.load_state_dict(plain.state_dict())
+    plain.eval(), skip.eval()
+    g_plain, g_skip = plain.layers[1], skip.layers[1]
+    x = torch.randn(2, 8, 8, 8)
+    h = g_skip.act(g_skip.bn(g_skip.pool(g_skip.conv(x))))
+    torch.testing.assert_close(g_skip(x), h + g_skip.units(h))
+    torch.testing.assert_close(g_plain(x), g_plain.units(h))
+    with torch.no_grad():  # the units' last BN silenced: the group with the skip returns its first conv's output
+        g_skip.units[-1].bn.weight.zero_()
+        g_skip.units[-1].bn.bias.zero_()
+    torch.testing.assert_close(g_skip(x), h)
+    assert g_skip.units(h).abs().max() == 0
+
+
+@pytest.mark.parametrize("units,value,message", [([0, 1, 1], True, "at least one unit in every group"),
+                                                 ([1, 1, 1], "yes", "group_skip must be true or false")])
+def test_group_skip_refuses_what_it_cannot_build(units, value, message):
+    with pytest.raises(ValueError, match=message):
+        create_model("resnet_fast", units=units, group_skip=value)
+
+
 def test_norm_biases_get_their_own_faster_group_and_schedule():
     m = create_model("resnet_fast", widths=[8, 16, 16], stem_width=8, bn_scale="frozen")
     opt = engine.build_optimizer(m, "sgd", 0.1, 5e-4, norm_bias_lr_scale=64)

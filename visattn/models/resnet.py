@@ -146,11 +146,13 @@ UNITS = {"residual": FastUnit, "plain": PlainUnit}
 class FastGroup(nn.Module):
     """conv3x3 -> max-pool 2 -> BN -> GELU -> unit(s); halves the resolution. The attention block goes where
     ``position`` says (:data:`POSITIONS`): into each unit, or (``"group_act"``) once, as ``self.attn``, between
-    the GELU and the units."""
+    the GELU and the units. ``skip``: a residual connection around all the units (``h + units(h)``, airbench96's
+    group of three convs with ``block="plain"`` and two units)."""
 
     def __init__(self, cin: int, cout: int, units: int, attention: str, attn_kwargs: Dict[str, Any],
-                 block: str = "residual", position: str = "unit_bn"):
+                 block: str = "residual", position: str = "unit_bn", skip: bool = False):
         super().__init__()
+        self.skip = skip
         self.conv = conv3x3(cin, cout)
         self.pool = nn.MaxPool2d(2)
         self.bn = nn.BatchNorm2d(cout)
@@ -161,7 +163,8 @@ class FastGroup(nn.Module):
         self.units = nn.Sequential(*[UNITS[block](cout, unit_attn, attn_kwargs, post) for _ in range(units)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.units(self.attn(self.act(self.bn(self.pool(self.conv(x))))))
+        h = self.attn(self.act(self.bn(self.pool(self.conv(x)))))
+        return h + self.units(h) if self.skip else self.units(h)
 
 
 class WhiteningStem(nn.Module):
@@ -216,7 +219,8 @@ class FastResNet(nn.Module):
     every BatchNorm (airbench: 0.4 in PyTorch's convention, 1e-12), ``bn_scale="frozen"`` (BN scales fixed at 1,
     only the biases train), ``conv_init="dirac"`` (each 3x3 conv starts as the identity on its first input
     channels), ``whiten_bias_epochs=N`` (the whitening stem's bias trains for the first N epochs only) and
-    ``head_scale`` (airbench: 1/9). These options reach the backbone's layers only: attention blocks keep
+    ``head_scale`` (airbench: 1/9). ``group_skip=True`` adds a residual connection around each group's units
+    (airbench96's network: ``block="plain"``, ``units=(2, 2, 2)``, widths 128-512-512). These options reach the backbone's layers only: attention blocks keep
     their own initialisation, norms and trainability.
 
     ``attn_position`` says where each group's block sits (:data:`POSITIONS`): ``"unit_bn"`` (the default: after
@@ -229,12 +233,16 @@ class FastResNet(nn.Module):
                  num_classes: int = 10, attention: AttnSpec = "none", attn_kwargs: Optional[Dict[str, Any]] = None,
                  in_chans: int = 3, head_scale: float = 1.0, stem: str = "conv", block: str = "residual",
                  bn_momentum: float = 0.1, bn_eps: float = 1e-5, bn_scale: str = "learn", conv_init: str = "kaiming",
-                 whiten_bias_epochs: int = 0, attn_position: str = "unit_bn"):
+                 whiten_bias_epochs: int = 0, attn_position: str = "unit_bn", group_skip: bool = False):
         super().__init__()
         _check_counts("widths", widths, 1)
         _check_counts("units", units, 0, 64)
         _check_counts("stem_width", stem_width, 1, one=True)
         _check_fast_options(widths, units, stem, block, bn_scale, conv_init, attn_position)
+        if not isinstance(group_skip, bool):
+            raise ValueError(f"group_skip must be true or false, not {group_skip!r}")
+        if group_skip and 0 in units:
+            raise ValueError("group_skip needs at least one unit in every group (units has a 0)")
         names = _per_stage(attention, len(widths))
         kw = dict(attn_kwargs or {})
         if stem == "whiten":
@@ -246,7 +254,7 @@ class FastResNet(nn.Module):
         self.whiten_bias_epochs = whiten_bias_epochs if stem == "whiten" else 0
         groups, cin = [], stem_width
         for w, u, name in zip(widths, units, names):
-            groups.append(FastGroup(cin, w, u, name, kw, block, attn_position))
+            groups.append(FastGroup(cin, w, u, name, kw, block, attn_position, group_skip))
             cin = w
         self.layers = nn.Sequential(*groups)
         self.pool = nn.AdaptiveMaxPool2d(1)
