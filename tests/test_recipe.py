@@ -104,7 +104,8 @@ def test_group_skip_adds_each_group_input_to_its_units_output():
     skip = create_model("resnet_fast", group_skip=True, **kw)
     assert sum(p.numel() for p in skip.parameters()) == sum(p.numel() for p in plain.parameters())
     skip.load_state_dict(plain.state_dict())
-    plain.eval(), skip.eval()
+    plain.eval()
+    skip.eval()
     g_plain, g_skip = plain.layers[1], skip.layers[1]
     x = torch.randn(2, 8, 8, 8)
     h = g_skip.act(g_skip.bn(g_skip.pool(g_skip.conv(x))))

@@ -219,9 +219,9 @@ class FastResNet(nn.Module):
     every BatchNorm (airbench: 0.4 in PyTorch's convention, 1e-12), ``bn_scale="frozen"`` (BN scales fixed at 1,
     only the biases train), ``conv_init="dirac"`` (each 3x3 conv starts as the identity on its first input
     channels), ``whiten_bias_epochs=N`` (the whitening stem's bias trains for the first N epochs only) and
-    ``head_scale`` (airbench: 1/9). ``group_skip=True`` adds a residual connection around each group's units
-    (airbench96's network: ``block="plain"``, ``units=(2, 2, 2)``, widths 128-512-512). These options reach the backbone's layers only: attention blocks keep
-    their own initialisation, norms and trainability.
+    ``head_scale`` (airbench: 1/9); ``group_skip=True`` adds a residual connection around each group's units
+    (airbench96's network: ``block="plain"``, ``units=(2, 2, 2)``, widths 128-512-512). These options reach the
+    backbone's layers only: attention blocks keep their own initialisation, norms and trainability.
 
     ``attn_position`` says where each group's block sits (:data:`POSITIONS`): ``"unit_bn"`` (the default: after
     the unit's BN, before its GELU or residual add), ``"unit_act"`` (after the unit's GELU) or ``"group_act"``
