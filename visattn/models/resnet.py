@@ -238,11 +238,7 @@ class FastResNet(nn.Module):
         _check_counts("widths", widths, 1)
         _check_counts("units", units, 0, 64)
         _check_counts("stem_width", stem_width, 1, one=True)
-        _check_fast_options(widths, units, stem, block, bn_scale, conv_init, attn_position)
-        if not isinstance(group_skip, bool):
-            raise ValueError(f"group_skip must be true or false, not {group_skip!r}")
-        if group_skip and 0 in units:
-            raise ValueError("group_skip needs at least one unit in every group (units has a 0)")
+        _check_fast_options(widths, units, stem, block, bn_scale, conv_init, attn_position, group_skip)
         names = _per_stage(attention, len(widths))
         kw = dict(attn_kwargs or {})
         if stem == "whiten":
@@ -281,7 +277,7 @@ class FastResNet(nn.Module):
 
 
 def _check_fast_options(widths: Sequence[int], units: Sequence[int], stem: str, block: str, bn_scale: str,
-                        conv_init: str, attn_position: str = "unit_bn") -> None:
+                        conv_init: str, attn_position: str = "unit_bn", group_skip: bool = False) -> None:
     if len(widths) != len(units):
         raise ValueError(f"widths has {len(widths)} entries but units has {len(units)}")
     for what, value, valid in (("stem", stem, ("conv", "whiten")), ("block", block, tuple(UNITS)),
@@ -289,6 +285,10 @@ def _check_fast_options(widths: Sequence[int], units: Sequence[int], stem: str, 
                                ("attn_position", attn_position, tuple(POSITIONS))):
         if value not in valid:
             raise ValueError(f"{what} must be one of {', '.join(valid)}, not {value!r}")
+    if not isinstance(group_skip, bool):
+        raise ValueError(f"group_skip must be true or false, not {group_skip!r}")
+    if group_skip and 0 in units:
+        raise ValueError("group_skip needs at least one unit in every group (units has a 0)")
 
 
 def _configure_norms(model: nn.Module, momentum: float, eps: float, frozen_scale: bool) -> None:
