@@ -244,6 +244,45 @@ def test_whitened_tokenizer_whitens_the_patches_of_its_images():
         create_model("cct_2", tokenizer_init="whiten", conv_channels=32)
 
 
+def test_frozen_whitened_tokenizer_keeps_its_whitening_filters_and_trains_the_rest():
+    from visattn.engine import build_optimizer
+    from visattn.models.cct import PartlyFrozenConv2d
+
+    torch.manual_seed(0)
+    model = create_model("cct_2", tokenizer_init="whiten_frozen", tokenizer_norm="bn", **SHALLOW)
+    conv = model.tokenizer.layers[0]
+    assert model.needs_data_init and isinstance(conv, PartlyFrozenConv2d)
+    assert conv.frozen.shape == (54, 3, 3, 3) and conv.weight.shape == (10, 3, 3, 3) and not conv.frozen.requires_grad
+    images = torch.randint(0, 256, (32, 3, 32, 32), dtype=torch.uint8)
+    mean, std = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+    model.data_init(images, mean, std)
+    from visattn.models.resnet import patch_whitening_filters
+
+    x = (images.float() / 255 - 0.5) / 0.25
+    torch.testing.assert_close(conv.frozen, patch_whitening_filters(x, 3))
+    # one convolution with all 64 filters, the frozen ones first
+    torch.testing.assert_close(conv(x), torch.nn.functional.conv2d(x, torch.cat([conv.frozen, conv.weight]), padding=1))
+    frozen, trained = conv.frozen.detach().clone(), conv.weight.detach().clone()
+    for name in ("muon", "adamw", "sgd"):
+        opt = build_optimizer(model, name, lr=0.1, weight_decay=0.5)
+        for _ in range(2):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), torch.arange(32) % 10).backward()
+            opt.step()
+        assert conv.frozen.grad is None and torch.equal(conv.frozen, frozen), name  # no step, no weight decay
+    assert not torch.equal(conv.weight, trained)  # the other filters learn
+    state = model.state_dict()
+    assert "tokenizer.layers.0.frozen" in state  # saved and restored with the checkpoint
+    clone = create_model("cct_2", tokenizer_init="whiten_frozen", tokenizer_norm="bn", **SHALLOW)
+    clone.load_state_dict(state)
+    model.eval(), clone.eval()
+    torch.testing.assert_close(clone(x), model(x))
+    with pytest.raises(ValueError, match="'whiten_frozen' needs 54 filters"):
+        create_model("cct_2", tokenizer_init="whiten_frozen", conv_channels=32)
+    whole = create_model("cct_2", tokenizer_init="whiten_frozen", conv_channels=54, **SHALLOW)
+    assert not any(p.requires_grad for p in whole.tokenizer.layers[0].parameters())  # all 54 filters whitening
+
+
 def test_the_trainer_whitens_the_tokenizer_from_its_training_images(tmp_path):
     from visattn.config import build_config, read_yaml
     from visattn.models.resnet import patch_whitening_filters

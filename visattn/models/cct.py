@@ -24,10 +24,30 @@ from .resnet import patch_whitening_filters
 from .vit import Size, TokenClassifier, to_2tuple
 
 NORMS = ("none", "bn")
-INITS = ("kaiming", "whiten")
+INITS = ("kaiming", "whiten", "whiten_frozen")
 ACTS = {"relu": lambda: nn.ReLU(inplace=True), "gelu": nn.GELU}
 
-__all__ = ["ConvTokenizer", "CompactConvTransformer", "cct_2", "cct_7"]
+__all__ = ["PartlyFrozenConv2d", "ConvTokenizer", "CompactConvTransformer", "cct_2", "cct_7"]
+
+
+class PartlyFrozenConv2d(nn.Conv2d):
+    """A bias-free convolution whose first ``n_frozen`` filters are fixed (``frozen``, a parameter with
+    ``requires_grad=False``: no gradient, no weight decay, no optimizer state) and whose other filters
+    (``weight``) train. The output is that of one convolution with ``cat([frozen, weight])`` as its filters."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, n_frozen: int, padding: int = 0):
+        if not 0 < n_frozen < out_channels:
+            raise ValueError(f"n_frozen must be between 1 and out_channels - 1 ({out_channels - 1}), got {n_frozen}")
+        super().__init__(in_channels, out_channels - n_frozen, kernel_size, padding=padding, bias=False)
+        self.frozen = nn.Parameter(torch.zeros(n_frozen, in_channels, kernel_size, kernel_size), requires_grad=False)
+
+    @property
+    def filters(self) -> torch.Tensor:
+        """All ``out_channels`` filters, the frozen ones first."""
+        return torch.cat([self.frozen, self.weight])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._conv_forward(x, self.filters, None)
 
 
 class ConvTokenizer(nn.Module):
@@ -42,7 +62,9 @@ class ConvTokenizer(nn.Module):
     ``pools=1`` give 16x16 tokens on a 32x32 image. ``init="whiten"`` starts the first convolution's first
     ``2 C k^2`` filters as the whitening filters of the training images' ``k x k`` patches and their negatives
     (computed by :meth:`data_init` before training, as the CNN recipe's whitening stem; here they go on
-    training), the rest Kaiming; ``"kaiming"`` (the default): all Kaiming.
+    training), the rest Kaiming; ``"whiten_frozen"`` does the same but keeps the whitening filters fixed, as
+    airbench's frozen whitening layer (the first convolution is then a :class:`PartlyFrozenConv2d`: only its
+    other filters train); ``"kaiming"`` (the default): all Kaiming.
     """
 
     def __init__(self, in_chans: int, dim: int, n_conv_layers: int = 1, kernel_size: int = 3, conv_channels: int = 64,
@@ -59,14 +81,20 @@ class ConvTokenizer(nn.Module):
             if value not in valid:
                 raise ValueError(f"unknown tokenizer {what} {value!r}; valid: {', '.join(map(str, valid))}")
         chans = [in_chans] + [conv_channels] * (n_conv_layers - 1) + [dim]
-        if init == "whiten" and 2 * in_chans * kernel_size**2 > chans[1]:
-            raise ValueError(f"tokenizer init 'whiten' needs {2 * in_chans * kernel_size**2} filters in the first "
+        n_whiten = 2 * in_chans * kernel_size**2
+        if init.startswith("whiten") and n_whiten > chans[1]:
+            raise ValueError(f"tokenizer init {init!r} needs {n_whiten} filters in the first "
                              f"convolution ({kernel_size}x{kernel_size} patches of {in_chans} channels, and negatives); "
                              f"it has {chans[1]}")
         self.init = init
         layers = []
         for i, (cin, cout) in enumerate(zip(chans[:-1], chans[1:])):
-            layers.append(nn.Conv2d(cin, cout, kernel_size, stride=1, padding=kernel_size // 2, bias=False))
+            if i == 0 and init == "whiten_frozen" and n_whiten < cout:
+                layers.append(PartlyFrozenConv2d(cin, cout, kernel_size, n_whiten, padding=kernel_size // 2))
+            elif i == 0 and init == "whiten_frozen":  # every filter a whitening filter: the whole convolution is fixed
+                layers.append(nn.Conv2d(cin, cout, kernel_size, padding=kernel_size // 2, bias=False).requires_grad_(False))
+            else:
+                layers.append(nn.Conv2d(cin, cout, kernel_size, stride=1, padding=kernel_size // 2, bias=False))
             if norm == "bn":
                 layers.append(nn.BatchNorm2d(cout))
             layers.append(ACTS[act]())
@@ -82,13 +110,14 @@ class ConvTokenizer(nn.Module):
 
     @torch.no_grad()
     def data_init(self, images: torch.Tensor) -> None:
-        """``init="whiten"``: set the first convolution's first filters from ``images`` (normalised float
-        ``(N, C, H, W)``); no-op otherwise."""
-        if self.init != "whiten":
+        """``init="whiten"`` or ``"whiten_frozen"``: set the first convolution's first filters from ``images``
+        (normalised float ``(N, C, H, W)``); no-op otherwise."""
+        if not self.init.startswith("whiten"):
             return
         conv = self.layers[0]
         filters = patch_whitening_filters(images, conv.kernel_size[0])
-        conv.weight[: len(filters)] = filters.to(conv.weight.dtype)
+        target = conv.frozen if isinstance(conv, PartlyFrozenConv2d) else conv.weight
+        target[: len(filters)] = filters.to(target.dtype)
 
     def grid_size(self, img_size: Tuple[int, int]) -> Tuple[int, int]:
         """Token grid for an ``img_size`` input: each max-pool (3, stride 2, pad 1) maps ``s`` to ``ceil(s/2)``."""
@@ -121,7 +150,7 @@ class CompactConvTransformer(TokenClassifier):
                                   tokenizer_act, pool_kernel, pools, tokenizer_init)
         super().__init__(tokenizer, tokenizer.grid_size(img_size), img_size, num_classes, dim=dim, depth=depth,
                          num_heads=num_heads, pool=pool, attn_drop_rate=attn_drop_rate, **kwargs)
-        self.needs_data_init = tokenizer_init == "whiten"  # the trainer then calls data_init with training images
+        self.needs_data_init = tokenizer_init.startswith("whiten")  # the trainer then calls data_init with training images
 
     def data_init(self, images_uint8: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> None:
         """Compute the tokenizer's whitening filters from training images (uint8 ``(N, C, H, W)``)."""
