@@ -48,3 +48,14 @@ def test_attention_configs_are_the_cpu_recipe_with_one_block(path):
     assert cfg["model.attention"] == block
     if block != "none":  # every block ships starting as the identity, at one position for all
         assert cfg["model.attn_kwargs.init"] == "identity" and cfg["model.attn_position"] == "unit_bn"
+
+
+def test_the_wide_transformer_config_is_the_transformer_recipe_wider():
+    """``vit_cpu_wide`` is ``vit_cpu`` with width 256 and MLP ratio 4 and nothing else, so its paired gain over
+    ``vit_cpu`` (docs/results.md) is the gain of those two keys."""
+    base = _flat(load_config(ROOT / "configs" / "vit_cpu.yaml").to_dict())
+    wide = _flat(load_config(ROOT / "configs" / "vit_cpu_wide.yaml").to_dict())
+    differ = {k for k in base.keys() | wide.keys() if base.get(k) != wide.get(k)}
+    assert differ == {"name", "run_dir", "model.dim", "model.mlp_ratio"}
+    assert (base["model.dim"], base["model.mlp_ratio"]) == (192, 2.0)
+    assert (wide["model.dim"], wide["model.mlp_ratio"]) == (256, 4.0)
