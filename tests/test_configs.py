@@ -31,6 +31,12 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def _differ(a: Path, b: Path) -> tuple[dict, dict, set]:
+    """Both configs resolved and flattened to dotted keys, and the keys whose values differ."""
+    fa, fb = _flat(load_config(a).to_dict()), _flat(load_config(b).to_dict())
+    return fa, fb, {k for k in fa.keys() | fb.keys() if fa.get(k) != fb.get(k)}
+
+
 ATTENTION_CONFIGS = sorted(ROOT.glob("configs/attention/resnet_fast_*.yaml"))
 
 
@@ -38,9 +44,7 @@ ATTENTION_CONFIGS = sorted(ROOT.glob("configs/attention/resnet_fast_*.yaml"))
 def test_attention_configs_are_the_cpu_recipe_with_one_block(path):
     """The attention table compares like with like: each config is configs/cifar10_cpu.yaml but for its block
     (and its name, run folder and map logging), so ``resnet_fast_none`` is the CPU recipe itself."""
-    recipe = _flat(load_config(ROOT / "configs" / "cifar10_cpu.yaml").to_dict())
-    cfg = _flat(load_config(path).to_dict())
-    differ = {k for k in recipe.keys() | cfg.keys() if recipe.get(k) != cfg.get(k)}
+    _, cfg, differ = _differ(ROOT / "configs" / "cifar10_cpu.yaml", path)
     allowed = {"name", "run_dir", "model.attention", "model.attn_kwargs.init", "model.attn_position"}
     allowed |= {k for k in differ if k.startswith("log.")}
     assert differ <= allowed, sorted(differ - allowed)
@@ -53,9 +57,7 @@ def test_attention_configs_are_the_cpu_recipe_with_one_block(path):
 def test_the_wide_transformer_config_is_the_transformer_recipe_wider():
     """``vit_cpu_wide`` is ``vit_cpu`` with width 256 and MLP ratio 4 and nothing else, so its paired gain over
     ``vit_cpu`` (docs/results.md) is the gain of those two keys."""
-    base = _flat(load_config(ROOT / "configs" / "vit_cpu.yaml").to_dict())
-    wide = _flat(load_config(ROOT / "configs" / "vit_cpu_wide.yaml").to_dict())
-    differ = {k for k in base.keys() | wide.keys() if base.get(k) != wide.get(k)}
+    base, wide, differ = _differ(ROOT / "configs" / "vit_cpu.yaml", ROOT / "configs" / "vit_cpu_wide.yaml")
     assert differ == {"name", "run_dir", "model.dim", "model.mlp_ratio"}
     assert (base["model.dim"], base["model.mlp_ratio"]) == (192, 2.0)
     assert (wide["model.dim"], wide["model.mlp_ratio"]) == (256, 4.0)
