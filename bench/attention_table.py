@@ -36,7 +36,7 @@ import statistics
 import sys
 import threading
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -392,9 +392,13 @@ def shipped(results: List[dict], config: str, options: Optional[dict] = None) ->
     (the runs are deterministic for a seed, precision and kernel family); round 2's runs of the same name,
     with other block options, do not. ``options``: the model options to match (default: the config's)."""
     want, name = _canon(planned_options(config) if options is None else options), Path(config).stem
-    return [dict(r, name=name) for r in results
-            if r["config"] == config and _canon(r.get("model")) == want
-            and all(o.startswith("model.") for o in r.get("overrides", []))]
+    return [dict(r, name=name) for r in results if _ships(r, config, want)]
+
+
+def _ships(r: dict, config: str, want: str) -> bool:
+    """Whether run ``r`` is ``config`` with the model options ``want`` (:func:`_canon`), whatever its tag."""
+    return (r["config"] == config and _canon(r.get("model")) == want
+            and all(o.startswith("model.") for o in r.get("overrides", [])))
 
 
 def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[Dict[str, dict]] = None,
@@ -521,12 +525,19 @@ def current(results: List[dict], configs: Sequence[str], tag: str = "", sets: Se
     """``results`` less the runs that bear the name of one of ``configs`` (as a sweep with ``tag``, ``sets`` and
     ``backbone`` names them) but recorded other model options than that config builds now: an earlier
     round's run of the same name (another block initialisation or position, or none recorded) is neither
-    counted as done nor paired, so a sweep on that machine runs the config as it is."""
+    counted as done nor paired, so a sweep on that machine runs the config as it is. A sweep of the configs as
+    they ship (no ``tag``) also counts their :func:`shipped` runs under another tag (a placement run with what
+    the config now ships), as the README's summary does, rather than running them again."""
     want = {}
     for c in configs:
         t = variant(c, tag, backbone)
         want[run_name(c, t)] = _canon(planned_options(c, sets if t else ()))
-    return [r for r in results if r["name"] not in want or _canon(r.get("model")) == want[r["name"]]]
+    kept = [r for r in results if r["name"] not in want or _canon(r.get("model")) == want[r["name"]]]
+    if tag:
+        return kept
+    ships = {c: _canon(planned_options(c)) for c in configs}
+    return kept + [dict(r, name=Path(c).stem) for c in configs for r in results
+                   if r["name"] != Path(c).stem and _ships(r, c, ships[c])]
 
 
 def merge(results: List[dict], others: List[dict]) -> List[dict]:
@@ -542,25 +553,31 @@ def merge(results: List[dict], others: List[dict]) -> List[dict]:
     return new
 
 
-def plan(results: List[dict], configs: List[str], seed: int, target: float, epochs: Optional[int] = None,
-         tag: str = "", prec: Optional[str] = None, backbone: bool = False) -> List[str]:
+def plan(results: List[dict], configs: List[str], seed: int, target: float,
+         epochs: Union[None, int, Mapping[str, int]] = None, tag: str = "", prec: Optional[str] = None,
+         backbone: bool = False) -> List[str]:
     """The configs of ``configs`` still to run at ``seed`` in an adaptive sweep.
 
     Every config gets the first :data:`MIN_PAIRS` seeds. From then on a config gets another seed only while its
     paired difference to the baseline is wider than ``target`` (or has fewer than :data:`MIN_PAIRS` pairs), and
     the baseline runs at a seed only when some other config does, so the hours go to the undecided configs.
-    Runs already in ``results`` are never repeated. ``epochs``: the budget (pairs are counted at it);
-    ``tag``: the variant of the non-baseline configs (the baseline runs untagged unless ``backbone``).
+    Runs already in ``results`` are never repeated. ``epochs``: the budget, one for all or one per config
+    (runs and pairs count only at it: a sweep at 4 epochs is not done because the config ran at 16);
+    ``prec``: the :func:`numerics` the sweep runs in (runs and pairs count only in it); ``tag``: the variant
+    of the non-baseline configs (the baseline runs untagged unless ``backbone``).
     """
+    budget = (lambda c: epochs.get(c)) if isinstance(epochs, Mapping) else (lambda c: epochs)  # noqa: E731
+    here = [r for r in results if prec is None or numerics(r) == prec]
+
     def open_(config: str) -> bool:
-        d = paired(results, run_name(config, tag), epochs)
+        d = paired(here, run_name(config, tag), budget(config))
         return d is None or d[2] < MIN_PAIRS or d[1] > target
 
     others = [c for c in configs if Path(c).stem != BASELINE]
     wanted = others if seed < MIN_PAIRS else [c for c in others if open_(c)]
     if wanted:
         wanted = [c for c in configs if Path(c).stem == BASELINE] + wanted
-    return [c for c in wanted if not ran(results, c, seed, epochs, variant(c, tag, backbone), prec)]
+    return [c for c in wanted if not ran(here, c, seed, budget(c), variant(c, tag, backbone))]
 
 
 def main() -> None:
@@ -629,7 +646,7 @@ def main() -> None:
             todo = [c for c in args.configs
                     if not ran(live, c, seed, epochs_of[c], variant(c, args.tag, args.backbone), prec)]
         else:
-            todo = plan(live, args.configs, seed, args.target, args.epochs, args.tag, prec, args.backbone)
+            todo = plan(live, args.configs, seed, args.target, epochs_of, args.tag, prec, args.backbone)
         for config in todo:
             tag = variant(config, args.tag, args.backbone)
             r = run_one(config, seed, epochs_of[config], Path(args.runs), args.data_root, tag,

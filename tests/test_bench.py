@@ -9,6 +9,7 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -312,6 +313,53 @@ def test_a_sweep_neither_counts_nor_pairs_a_same_named_run_built_with_other_mode
     assert (m, n) == (pytest.approx(1.0), 1)  # paired with the one current run only (round 2's: -1.0 each)
     tagged = table.current([dict(_r("resnet_fast_se/w", 0, 0.9), model=now[se])], [se], "w", ["model.widths=[8,8,8]"])
     assert tagged == []  # a variant's runs must carry its overrides
+
+
+def test_a_sweep_at_one_budget_neither_counts_nor_pairs_the_runs_of_another_budget_or_machine():
+    """After a 16-epoch sweep (or another machine's runs), the 4-epoch sweep still plans its own runs: a run at
+    16 epochs is not the 4-epoch run, and pairs at 16 epochs or on other kernels do not close its interval."""
+    none, gc = "configs/attention/resnet_fast_none.yaml", "configs/attention/resnet_fast_gc.yaml"
+    now = {c: table.planned_options(c) for c in (none, gc)}
+
+    def run(config, s, acc, epochs=4, kernels="avx512_bf16"):
+        return dict(_r(Path(config).stem, s, acc), config=config, model=now[config], epochs=epochs,
+                    kernels=kernels)
+
+    short = [run(none, s, 0.86) for s in range(3)] + [run(gc, s, a) for s, a in enumerate([0.85, 0.87, 0.86])]
+    longer = [run(c, s, 0.91, epochs=16) for c in (none, gc) for s in range(6)]  # tight: +0.00 at 16 epochs
+    elsewhere = [run(c, s, 0.87, kernels="amx") for c in (none, gc) for s in range(3, 9)]  # tight on AMX
+    here = "bf16 on avx512_bf16"
+    rs = short + longer + elsewhere
+    assert table.plan(rs, [none, gc], 3, 0.5, 4, prec=here) == [none, gc]  # 4 epochs: wide, so a 4th seed
+    assert table.plan(rs, [none, gc], 3, 0.5, {none: 4, gc: 4}, prec=here) == [none, gc]  # budgets per config
+    assert table.plan(rs, [none, gc], 3, 0.5, 16, prec=here) == []  # 16 epochs: tight, and seed 3 ran
+    assert table.plan(rs, [none, gc], 6, 0.5, 16, prec=here) == []
+    assert table.plan(short + longer, [none, gc], 2, 0.5, 16, prec=here) == []
+
+
+def test_a_sweep_of_the_shipped_configs_counts_the_placement_runs_that_built_them():
+    """The placement ablation ran ``resnet_fast_se/identity-unit_bn``, which is what ``resnet_fast_se`` ships:
+    a sweep of the shipped configs takes those runs as its own (as the README's summary does) instead of
+    training them again, and a run under another placement is not taken."""
+    none, se = "configs/attention/resnet_fast_none.yaml", "configs/attention/resnet_fast_se.yaml"
+    now = {c: table.planned_options(c) for c in (none, se)}
+    other = dict(now[se], attn_position="group_act")
+
+    def run(name, config, s, acc, model, overrides=()):
+        return dict(_r(name, s, acc), config=config, model=model, overrides=list(overrides))
+
+    rs = ([run("resnet_fast_none", none, s, 0.860, now[none]) for s in range(3)]
+          + [run("resnet_fast_se/identity-unit_bn", se, s, 0.865, now[se], ["model.attn_position=unit_bn"])
+             for s in range(3)]
+          + [run("resnet_fast_se/identity-group_act", se, s, 0.80, other, ["model.attn_position=group_act"])
+             for s in range(3)])
+    live = table.current(rs, [none, se])
+    assert sorted((r["name"], r["seed"]) for r in live if r["name"] == "resnet_fast_se") == [
+        ("resnet_fast_se", 0), ("resnet_fast_se", 1), ("resnet_fast_se", 2)]
+    assert table.paired(live, "resnet_fast_se") == (pytest.approx(0.5), pytest.approx(0.0), 3)
+    assert table.plan(live, [none, se], 0, 0.5, 4) == []  # nothing to train again
+    assert table.plan(table.current(rs, [none, se], "x", ["model.attn_position=unit_act"]), [none, se], 0,
+                      0.5, 4, "x") == [se]  # a tagged sweep is a new variant: nothing of the ablation counts
 
 
 def test_the_report_never_averages_or_pairs_same_named_runs_of_different_models(tmp_path):
