@@ -60,7 +60,9 @@ CONTENDED = {("resnet_fast_se", 0, "53cd2e228a6a1089310ef9ac33078045ac623bbd"):
              ("cct_2", 3, "d2f3e67a0e704d16ede6b842651cb1e4f1c95322-dirty"):
              "a benchmark beside it in epoch 1: 362 images/s there against 990-1002 in epochs 2-4",
              ("resnet_fast_none", 0, "bf3819649118c815f40a2921d99402878a46adbb"):
-             "a one-thread training run (the README screenshot) and tests beside it in epochs 2-4"}
+             "a one-thread training run (the README screenshot) and tests beside it in epochs 2-4",
+             ("resnet_fast_none", 3, "1bdac42065c4c9aac48181581a71c43b7599e497-dirty"):
+             "tests beside it in epochs 1-2: 278-300 images/s there against 456-488 in epochs 3-4"}
 RESULTS = ROOT / "bench" / "results" / "attention_table.json"
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
