@@ -537,9 +537,15 @@ def current(results: List[dict], configs: Sequence[str], tag: str = "", sets: Se
     kept = [r for r in results if r["name"] not in want or _canon(r.get("model")) == want[r["name"]]]
     if tag:
         return kept
-    ships = {c: _canon(planned_options(c)) for c in configs}
-    return kept + [dict(r, name=Path(c).stem) for c in configs for r in results
-                   if r["name"] != Path(c).stem and _ships(r, c, ships[c])]
+    seen = {(r["name"], r["seed"], r["epochs"], numerics(r)) for r in kept}
+    for c in configs:  # one run per seed, budget and kernel family: the config's own name first
+        want_c = _canon(planned_options(c))
+        for r in results:
+            key = (Path(c).stem, r["seed"], r["epochs"], numerics(r))
+            if r["name"] != Path(c).stem and key not in seen and _ships(r, c, want_c):
+                seen.add(key)
+                kept.append(dict(r, name=Path(c).stem))
+    return kept
 
 
 def merge(results: List[dict], others: List[dict]) -> List[dict]:

@@ -358,6 +358,8 @@ def test_a_sweep_of_the_shipped_configs_counts_the_placement_runs_that_built_the
         ("resnet_fast_se", 0), ("resnet_fast_se", 1), ("resnet_fast_se", 2)]
     assert table.paired(live, "resnet_fast_se") == (pytest.approx(0.5), pytest.approx(0.0), 3)
     assert table.plan(live, [none, se], 0, 0.5, 4) == []  # nothing to train again
+    again = table.current(rs + [run("resnet_fast_se", se, 0, 0.865, now[se])], [none, se])
+    assert table.paired(again, "resnet_fast_se")[2] == 3  # the same seed under two names pairs once
     assert table.plan(table.current(rs, [none, se], "x", ["model.attn_position=unit_act"]), [none, se], 0,
                       0.5, 4, "x") == [se]  # a tagged sweep is a new variant: nothing of the ablation counts
 
