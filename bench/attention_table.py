@@ -392,15 +392,19 @@ def shipped(results: List[dict], config: str, options: Optional[dict] = None) ->
     whose model options (recorded per run) equal the config's and whose ``--set`` overrides touched only the
     model. A placement variant whose overrides are what the config now ships is the same run, so it counts
     (the runs are deterministic for a seed, precision and kernel family); round 2's runs of the same name,
-    with other block options, do not. ``options``: the model options to match (default: the config's)."""
+    with other block options, do not. ``options``: the model options to match (default: the config's).
+    A seed run under two names (the config's own and a placement tag) counts once, as the config's own run, per
+    budget and kernel family."""
     want, name = _canon(planned_options(config) if options is None else options), Path(config).stem
-    return [dict(r, name=name) for r in results if _ships(r, config, want)]
-
-
-def _ships(r: dict, config: str, want: str) -> bool:
-    """Whether run ``r`` is ``config`` with the model options ``want`` (:func:`_canon`), whatever its tag."""
-    return (r["config"] == config and _canon(r.get("model")) == want
-            and all(o.startswith("model.") for o in r.get("overrides", [])))
+    mine = sorted((r for r in results if r["config"] == config and _canon(r.get("model")) == want
+                   and all(o.startswith("model.") for o in r.get("overrides", []))),
+                  key=lambda r: r["name"] != name)  # stable: the config's own runs first
+    out, seen = [], set()
+    for r in mine:
+        if (r["seed"], r["epochs"], numerics(r)) not in seen:
+            seen.add((r["seed"], r["epochs"], numerics(r)))
+            out.append(dict(r, name=name))
+    return out
 
 
 def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[Dict[str, dict]] = None,
@@ -537,15 +541,9 @@ def current(results: List[dict], configs: Sequence[str], tag: str = "", sets: Se
     kept = [r for r in results if r["name"] not in want or _canon(r.get("model")) == want[r["name"]]]
     if tag:
         return kept
-    seen = {(r["name"], r["seed"], r["epochs"], numerics(r)) for r in kept}
-    for c in configs:  # one run per seed, budget and kernel family: the config's own name first
-        want_c = _canon(planned_options(c))
-        for r in results:
-            key = (Path(c).stem, r["seed"], r["epochs"], numerics(r))
-            if r["name"] != Path(c).stem and key not in seen and _ships(r, c, want_c):
-                seen.add(key)
-                kept.append(dict(r, name=Path(c).stem))
-    return kept
+    key = lambda r: (r["name"], r["seed"], r["epochs"], numerics(r))  # noqa: E731
+    have = {key(r) for r in kept}
+    return kept + [r for c in configs for r in shipped(results, c) if key(r) not in have]
 
 
 def merge(results: List[dict], others: List[dict]) -> List[dict]:

@@ -472,6 +472,8 @@ def test_shipped_runs_match_the_configs_model_and_only_model_overrides():
     assert [r["name"] for r in table.shipped([run], cfg)] == ["resnet_fast_se"]
     assert table.shipped([dict(run, overrides=["optim.lr=0.1"])], cfg) == []  # another recipe
     assert table.shipped([dict(run, model=dict(model, attention="eca"))], cfg) == []
+    own = dict(run, name="resnet_fast_se", overrides=[], val_acc=0.86)  # the same seed under the config's name
+    assert [r["val_acc"] for r in table.shipped([run, own], cfg)] == [0.86]  # counted once, as its own
 
 
 def test_the_readmes_attention_summary_is_the_one_the_results_give():
