@@ -64,6 +64,8 @@ CONTENDED = {("resnet_fast_se", 0, "53cd2e228a6a1089310ef9ac33078045ac623bbd"):
              ("resnet_fast_none", 3, "1bdac42065c4c9aac48181581a71c43b7599e497-dirty"):
              "tests beside it in epochs 1-2: 278-300 images/s there against 456-488 in epochs 3-4"}
 RESULTS = ROOT / "bench" / "results" / "attention_table.json"
+# the blocks' cost: one process's training steps of every config (python bench/throughput.py ... --out SPEED)
+SPEED = ROOT / "bench" / "results" / "block_speed.json"
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
@@ -407,13 +409,33 @@ def shipped(results: List[dict], config: str, options: Optional[dict] = None) ->
     return out
 
 
+def load_speed(path: Path = SPEED) -> dict:
+    """The committed one-process measurement of the configs' training steps (``{}`` where there is none)."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def speed_ratios(speed: Mapping) -> Dict[str, float]:
+    """Each ``resnet_fast`` config's eager training-step images/s over ``none``'s, from one
+    ``bench/throughput.py --out`` measurement (every ratio from one process, so a busy or slower machine
+    changes both sides alike); keyed by block."""
+    ips = {Path(r["config"]).stem: r["images_per_s"] for r in speed.get("rows", ())
+           if r["step"] == "eager" and r["path"] == "-"}
+    base = ips.get(BASELINE)
+    return {n.removeprefix("resnet_fast_"): v / base for n, v in ips.items()
+            if base and n.startswith("resnet_fast_")}
+
+
 def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[Dict[str, dict]] = None,
-            others: Sequence[Tuple[int, str, str]] = OTHER_BUDGETS) -> str:
+            others: Sequence[Tuple[int, str, str]] = OTHER_BUDGETS, speed: Optional[Mapping] = None) -> str:
     """The README's attention results, from the runs on one kernel family (``num``): the placement ablation
-    (identity-initialised ``se``, ``eca``, ``cbam`` in each position, the recipe's epochs) and every block's
+    (identity-initialised ``se``, ``eca``, ``cbam`` in each position, the recipe's epochs: every run of the
+    config's model at that position, tagged or not, so the shipped position's cell and the block's row count the
+    same runs) and every block's
     paired difference to ``none`` at each budget of :data:`BUDGETS` with its verdict, then at each budget of
     ``others`` (``(epochs, numerics, label)``: runs of another kernel family, paired among themselves), plus
-    its images/s against ``none``'s at the recipe's epochs on ``num``. The blocks' rows are the shipped
+    its training step's images/s against ``none``'s, measured in one process (``speed``, default the
+    committed :data:`SPEED`; the training runs' own images/s come from different sittings and machine loads,
+    so their ratios mix the machine's speed into the block's cost). The blocks' rows are the shipped
     ``configs/attention`` (:func:`shipped`; ``options`` maps a block to the model options to match instead,
     for tests)."""
     from visattn.models.resnet import POSITIONS
@@ -424,14 +446,23 @@ def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[
     for _, n, label in others:
         by_family.setdefault(n, []).append(f'"{label}"')
     also = "".join(f", the {' and '.join(ls)} column{'s' if len(ls) > 1 else ''} in {n}" for n, ls in by_family.items())
-    out = [README_BEGIN, f"Runs in {num}{also}; difference to `none` in points, 95% interval, (pairs).", "",
+    speed = load_speed() if speed is None else speed
+    ratios = speed_ratios(speed)
+    cost = (f" Cost: the eager training step's images/s against `none`'s, measured in one process on {speed['cpu']} "
+            f"({speed['rows'][0]['precision']} on {speed['kernels']}, {speed['threads']} threads, {speed['date']}; `bench/results/block_speed.json`)."
+            if ratios else "")
+    out = [README_BEGIN, f"Runs in {num}{also}; difference to `none` in points, 95% interval, (pairs).{cost}", "",
            "| placement (4 epochs, `init: identity`) | " + " | ".join(f"`{p}`" for p in POSITIONS) + " |",
            "|---|" + "---:|" * len(POSITIONS)]
-    for b in PLACED:
-        out.append(f"| `{b}` | " + " | ".join(cell(paired(rs, f"resnet_fast_{b}/identity-{p}", BUDGETS[0]))
+    for b in PLACED:  # each position's runs as shipped() finds them: the shipped position's cell is the block row's
+        cfg = f"configs/attention/resnet_fast_{b}.yaml"
+        at = {p: (dict(options[b], attn_position=p) if options and b in options
+                  else planned_options(cfg, [f"model.attn_position={p}"])) for p in POSITIONS}
+        base = shipped(rs, "configs/attention/resnet_fast_none.yaml", (options or {}).get("none"))
+        out.append(f"| `{b}` | " + " | ".join(cell(paired(base + shipped(rs, cfg, at[p]), f"resnet_fast_{b}", BUDGETS[0]))
                                            for p in POSITIONS) + " |")
     head = " | ".join(f"{label} | verdict" for _, _, label in columns)
-    out += ["", f"| block (`configs/attention`, as shipped) | {head} | images/s vs `none` ({BUDGETS[0]} epochs) |",
+    out += ["", f"| block (`configs/attention`, as shipped) | {head} | cost: images/s vs `none` |",
             "|---|" + "---:|---|" * len(columns) + "---:|"]
 
     fams = {n: [r for r in results if numerics(r) == n] for _, n, _ in columns}
@@ -441,16 +472,15 @@ def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[
     def runs_of(a: str, e: int, n: str) -> List[dict]:
         return at_budget(as_shipped[a, n], e)
 
-    base = runs_of("none", BUDGETS[0], num)
     for a in ATTENTION:
         if a == "none":
             accs = [" ".join(filter(None, _acc(runs_of(a, e, n)))) for e, n, _ in columns]
-            out.append("| `none` (accuracy ± std) | " + " | ".join(f"{x} | —" for x in accs) + " | 1.00 |")
+            out.append("| `none` (accuracy ± std) | " + " | ".join(f"{x} | —" for x in accs)
+                       + f" | {'1.00' if ratios else '—'} |")
             continue
         ds = [paired(runs_of("none", e, n) + runs_of(a, e, n), f"resnet_fast_{a}", e) for e, n, _ in columns]
-        mine = runs_of(a, BUDGETS[0], num)
-        speed = f"{timing(mine, 'images_per_s') / timing(base, 'images_per_s'):.2f}" if mine and base else "—"
-        out.append(f"| `{a}` | " + " | ".join(f"{cell(d)} | {verdict(d) if d else '—'}" for d in ds) + f" | {speed} |")
+        ratio = f"{ratios[a]:.2f}" if a in ratios else "—"
+        out.append(f"| `{a}` | " + " | ".join(f"{cell(d)} | {verdict(d) if d else '—'}" for d in ds) + f" | {ratio} |")
     return "\n".join(out + [README_END])
 
 

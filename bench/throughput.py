@@ -2,6 +2,8 @@
 
     python bench/throughput.py [--config configs/cifar10_cpu.yaml ...] [--steps 8] [--repeats 3] [--layers]
     python bench/throughput.py --config configs/vit_tiny.yaml configs/cifar10_cpu.yaml --baseline --threads 1
+    python bench/throughput.py --config configs/attention/resnet_fast_*.yaml --no-compile --repeats 5 \
+        --out bench/results/block_speed.json     # the attention summary's cost column
 
 In one process, for every ``--config``:
 1. the ceiling: a large square matmul (``--matmul 4096``) in the config's precision (bf16 on a CPU with AMX),
@@ -11,7 +13,8 @@ In one process, for every ``--config``:
 3. training steps (autocast forward, loss, backward, SGD step) on batches already in memory, eager and then
    under ``torch.compile``; interleaved repeats, medians.
 It prints images/s, achieved TFLOP/s, the fraction of the in-process matmul ceiling, and the speed relative to
-the first row of the config. ``--baseline`` adds, for a transformer (``TokenClassifier``), the same steps on a
+the first row of the config and to the first config's row of the same path and step (``--out`` writes the rows
+as JSON: ``bench/attention_table.py --summary`` reads the blocks' cost from them). ``--baseline`` adds, for a transformer (``TokenClassifier``), the same steps on a
 copy of the model (same weights) running the path as it was before the fast path
 (``TokenClassifier.set_fast_path(False)``): before and after, measured in one process. ``--sdpa`` picks the
 fast path's CPU attention kernel (``visattn.attention.token.sdpa_cpu_mode``; several modes: one row each, on
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import statistics
 import sys
 import time
@@ -39,12 +43,14 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from visattn import create_model, engine  # noqa: E402
 from visattn.attention.token import SDPA_CPU_MODES, MultiHeadSelfAttention, sdpa_cpu_mode  # noqa: E402
 from visattn.config import load_config  # noqa: E402
 from visattn.errors import run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
+from visattn.runtime import write_atomic  # noqa: E402
 
 
 def matmul_tflops(n: int, dtype: torch.dtype, repeats: int) -> float:
@@ -233,6 +239,9 @@ def parse_args() -> argparse.Namespace:
                     help="the fast path's CPU attention kernel(s): several give one row each (default: the library's)")
     ap.add_argument("--layers", action="store_true",
                     help="also time every convolution's forward, input gradient and weight gradient")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="also write the rows as JSON here (e.g. bench/results/block_speed.json, the attention "
+                         "summary's cost column)")
     return ap.parse_args()
 
 
@@ -261,18 +270,43 @@ def main() -> None:
         bs = s.batches[0][0].shape[0]
         print(f"config {s.config}: model {s.name}, batch {bs}, precision {s.precision}; one training step "
               f"{flop / 1e9:.1f} GFLOP = {flop / bs / 1e9:.3f} GFLOP per image (forward + backward)")
-    print("\n| config | path | step | images/s | TFLOP/s | of matmul ceiling | ratio vs first row of its config |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    first = {}
+    print("\n| config | path | step | images/s | TFLOP/s | of matmul ceiling | ratio vs first row of its config | "
+          "images/s vs first config |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    first, first_config, rows = {}, {}, []
     for (i, path, kind, _), ts in zip(runs, times):
         s, t = setups[i], statistics.median(ts)
         first.setdefault(i, t)
         ips, tf = s.batches[0][0].shape[0] * args.steps / t, flops[i] * args.steps / t / 1e12
+        first_config.setdefault((path, kind), ips)
         print(f"| {Path(s.config).stem} | {path} | {kind} | {ips:.0f} | {tf:.3f} | {tf / ceilings[s.dtype]:.0%} | "
-              f"{first[i] / t:.2f} |")
+              f"{first[i] / t:.2f} | {ips / first_config[path, kind]:.2f} |")
+        rows.append({"config": _relative(s.config), "path": path, "step": kind, "images_per_s": ips, "tflops": tf,
+                     "of_ceiling": tf / ceilings[s.dtype], "gflop_per_image": flops[i] / s.batches[0][0].shape[0] / 1e9,
+                     "precision": s.precision, "batch_size": s.batches[0][0].shape[0]})
+    if args.out:
+        write_results(args.out, rows, args)
     if args.layers:
         for s in setups:
             layer_table(s.model, s.batches[0][0], s.precision, s.dtype, args.repeats, ceilings[s.dtype])
+
+
+def _relative(config: str) -> str:
+    """A config's path relative to the repository when it lies inside it (as the attention table names configs)."""
+    path = Path(config).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else config
+
+
+def write_results(path: Path, rows: List[dict], args: argparse.Namespace) -> None:
+    """The rows of one process's measurement, with the machine and the command, as JSON (replacing ``path``
+    atomically: one measurement per file, its ratios all from one process)."""
+    from attention_table import cpu_name, kernels
+
+    meta = {"command": "python bench/throughput.py " + " ".join(sys.argv[1:]), "cpu": cpu_name(),
+            "kernels": kernels(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "steps": args.steps, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d")}
+    write_atomic(path, json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

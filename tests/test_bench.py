@@ -445,10 +445,10 @@ def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family_an
             + [dict(_r("resnet_fast_eca", s, 0.92 + s / 1000), epochs=32, **dict(eca, **gpu)) for s in range(3)]
             + [dict(_r("resnet_fast_eca", 3, 0.50), epochs=32, **eca)])
     cols = ((32, "bf16 on NVIDIA H100 80GB HBM3", "32 epochs, H100"),)
-    text = table.summary(none + placed + other + longer + stale + at32, "bf16 on avx512_bf16", ships, cols)
+    text = table.summary(none + placed + other + longer + stale + at32, "bf16 on avx512_bf16", ships, cols, speed={})
     assert 'Runs in bf16 on avx512_bf16, the "32 epochs, H100" column in bf16 on NVIDIA H100 80GB HBM3;' in text
     placement, blocks = text.split("\n\n")[1:]
-    assert "| 4 epochs | verdict | 16 epochs | verdict | 32 epochs, H100 | verdict | images/s" in blocks
+    assert "| 4 epochs | verdict | 16 epochs | verdict | 32 epochs, H100 | verdict | cost: images/s" in blocks
     rows = {line.split(" | ")[0]: line for line in blocks.splitlines() if line.startswith("| `")}
     se_row = next(line for line in placement.splitlines() if line.startswith("| `se`"))
     assert se_row.removesuffix(" |").split(" | ")[1:] == ["—", "+0.40 ± 0.00 (3)", "—"]
@@ -457,10 +457,71 @@ def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family_an
     # not the stale model's run at 16 epochs; at 32 the H100's three pairs (+1.0, +1.1, +1.2), not the CPU's run
     assert "— | — | +0.50 (1, no interval) | too few seeds | +1.10 ± 0.25 (3) | better" in rows["| `eca`"]
     assert rows["| `gc`"].count("—") == 7
-    assert table.summary(none, "bf16 on avx512_bf16", ships, ()).count("verdict") == 2  # no other column
-    two = table.summary(none, "bf16 on avx512_bf16", ships, ((16, cols[0][1], "16 epochs, H100"),) + cols)
+    assert table.summary(none, "bf16 on avx512_bf16", ships, (), speed={}).count("verdict") == 2  # no other column
+    two = table.summary(none, "bf16 on avx512_bf16", ships, ((16, cols[0][1], "16 epochs, H100"),) + cols, speed={})
     assert '"16 epochs, H100" and "32 epochs, H100" columns in bf16 on NVIDIA H100 80GB HBM3;' in two  # one family
     assert text.startswith(table.README_BEGIN) and text.endswith(table.README_END)
+
+
+def test_the_shipped_positions_placement_cell_counts_the_same_runs_as_the_blocks_row():
+    """A seed run under the config's own name (no tag) is a run of the shipped position: the placement table
+    counts it there, so the two tables never show one configuration with two different figures."""
+    fam = dict(kernels="avx512_bf16", config="configs/attention/resnet_fast_none.yaml", model={"attention": "none"})
+    se = dict(fam, config="configs/attention/resnet_fast_se.yaml", model={"attention": "se", "attn_position": "unit_bn"},
+              overrides=["model.attn_position=unit_bn"])
+    none = [dict(_r("resnet_fast_none", s, 0.866), **fam) for s in range(4)]
+    tagged = [dict(_r("resnet_fast_se/identity-unit_bn", s, 0.870), **se) for s in range(3)]
+    own = dict(_r("resnet_fast_se", 3, 0.876), **dict(se, overrides=[]))
+    other = [dict(_r("resnet_fast_se/identity-unit_act", s, 0.860), **dict(se, model=dict(se["model"], attn_position="unit_act")))
+             for s in range(3)]
+    ships = {"none": fam["model"], "se": se["model"]}
+    text = table.summary(none + tagged + [own] + other, "bf16 on avx512_bf16", ships, (), speed={})
+    placement, blocks = text.split("\n\n")[1:]
+    se_place = next(line for line in placement.splitlines() if line.startswith("| `se`")).removesuffix(" |").split(" | ")
+    se_block = next(line for line in blocks.splitlines() if line.startswith("| `se`")).split(" | ")
+    assert se_place[1] == se_block[1] == "+0.55 ± 0.48 (4)"  # seeds 0-2 tagged, seed 3 under the config's name
+    assert se_place[2] == "-0.60 ± 0.00 (3)" and se_place[3] == "—"
+
+
+def test_the_summarys_cost_column_is_one_process_step_ratio_not_the_runs_images_per_s():
+    """The training runs' images/s come from different sittings (the machine ran 380-925 images/s for `none`
+    alone), so the cost column is the eager training step's ratio from one ``throughput.py --out`` process."""
+    fam = dict(kernels="avx512_bf16", config="configs/attention/resnet_fast_none.yaml", model={"attention": "none"})
+    se = dict(fam, config="configs/attention/resnet_fast_se.yaml", model={"attention": "se"})
+    runs = ([dict(_r("resnet_fast_none", s, 0.866, seconds=100), **fam) for s in range(3)]
+            + [dict(_r("resnet_fast_se", s, 0.87, seconds=400), **se) for s in range(3)])  # a slow sitting
+    ships = {"none": fam["model"], "se": se["model"]}
+    row = {"path": "-", "precision": "bf16"}
+    speed = {"cpu": "Some CPU", "kernels": "avx512_bf16", "threads": 2, "date": "2026-11-28",
+             "rows": [dict(row, config="configs/attention/resnet_fast_none.yaml", step="eager", images_per_s=1000.0),
+                      dict(row, config="configs/attention/resnet_fast_none.yaml", step="compiled", images_per_s=5.0),
+                      dict(row, config="configs/attention/resnet_fast_se.yaml", step="eager", images_per_s=900.0),
+                      dict(row, config="configs/attention/resnet_fast_cbam.yaml", step="eager", images_per_s=600.0)]}
+    assert table.speed_ratios(speed) == {"none": 1.0, "se": 0.9, "cbam": 0.6}
+    text = table.summary(runs, "bf16 on avx512_bf16", ships, (), speed=speed)
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| `")}
+    assert rows["| `se`"].endswith(" | 0.90 |") and rows["| `none` (accuracy ± std)"].endswith(" | 1.00 |")
+    assert rows["| `cbam`"].endswith(" | 0.60 |") and rows["| `gc`"].endswith(" | — |")
+    assert "measured in one process on Some CPU (bf16 on avx512_bf16, 2 threads, 2026-11-28" in text
+    bare = table.summary(runs, "bf16 on avx512_bf16", ships, (), speed={})
+    assert "Cost:" not in bare and all(line.endswith(" | — |") for line in bare.splitlines() if line.startswith("| `"))
+    assert table.speed_ratios({"rows": speed["rows"][2:]}) == {}  # no `none` row, no ratios
+
+
+def test_throughput_out_writes_every_row_of_one_process(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "speed.json"
+    code, stdout, err = _script_main("throughput.py", monkeypatch, capsys, "--config", "configs/smoke.yaml",
+                                     "configs/smoke.yaml", "--set", "model.attention=none", "--no-compile",
+                                     "--steps", "1", "--repeats", "1", "--matmul", "64", "--batch-size", "4",
+                                     "--out", str(out))
+    assert code == 0, err
+    data = json.loads(out.read_text())
+    assert [(r["config"], r["path"], r["step"]) for r in data["rows"]] == [("configs/smoke.yaml", "-", "eager")] * 2
+    assert all(r["images_per_s"] > 0 and r["batch_size"] == 4 for r in data["rows"])
+    assert data["threads"] >= 1 and data["kernels"] and "--out" in data["command"]
+    assert "images/s vs first config" in stdout and f"wrote {out}" in stdout
+    first = next(line for line in stdout.splitlines() if line.startswith("| smoke |"))
+    assert first.endswith(" | 1.00 |")  # the first config against itself
 
 
 def test_shipped_runs_match_the_configs_model_and_only_model_overrides():
