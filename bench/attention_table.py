@@ -454,23 +454,23 @@ def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[
     out = [README_BEGIN, f"Runs in {num}{also}; difference to `none` in points, 95% interval, (pairs).{cost}", "",
            "| placement (4 epochs, `init: identity`) | " + " | ".join(f"`{p}`" for p in POSITIONS) + " |",
            "|---|" + "---:|" * len(POSITIONS)]
-    for b in PLACED:  # each position's runs as shipped() finds them: the shipped position's cell is the block row's
-        cfg = f"configs/attention/resnet_fast_{b}.yaml"
-        at = {p: (dict(options[b], attn_position=p) if options and b in options
-                  else planned_options(cfg, [f"model.attn_position={p}"])) for p in POSITIONS}
-        base = shipped(rs, "configs/attention/resnet_fast_none.yaml", (options or {}).get("none"))
-        out.append(f"| `{b}` | " + " | ".join(cell(paired(base + shipped(rs, cfg, at[p]), f"resnet_fast_{b}", BUDGETS[0]))
-                                           for p in POSITIONS) + " |")
-    head = " | ".join(f"{label} | verdict" for _, _, label in columns)
-    out += ["", f"| block (`configs/attention`, as shipped) | {head} | cost: images/s vs `none` |",
-            "|---|" + "---:|---|" * len(columns) + "---:|"]
-
     fams = {n: [r for r in results if numerics(r) == n] for _, n, _ in columns}
     as_shipped = {(a, n): shipped(fam, f"configs/attention/resnet_fast_{a}.yaml", (options or {}).get(a))
                   for n, fam in fams.items() for a in ATTENTION}  # each config read once per family
 
     def runs_of(a: str, e: int, n: str) -> List[dict]:
         return at_budget(as_shipped[a, n], e)
+
+    base = runs_of("none", BUDGETS[0], num)
+    for b in PLACED:  # each position's runs as shipped() finds them: the shipped position's cell is the block row's
+        cfg = f"configs/attention/resnet_fast_{b}.yaml"
+        at = {p: (dict(options[b], attn_position=p) if options and b in options
+                  else planned_options(cfg, [f"model.attn_position={p}"])) for p in POSITIONS}
+        out.append(f"| `{b}` | " + " | ".join(cell(paired(base + shipped(rs, cfg, at[p]), f"resnet_fast_{b}", BUDGETS[0]))
+                                           for p in POSITIONS) + " |")
+    head = " | ".join(f"{label} | verdict" for _, _, label in columns)
+    out += ["", f"| block (`configs/attention`, as shipped) | {head} | cost: images/s vs `none` |",
+            "|---|" + "---:|---|" * len(columns) + "---:|"]
 
     for a in ATTENTION:
         if a == "none":

@@ -276,14 +276,15 @@ def main() -> None:
     first, first_config, rows = {}, {}, []
     for (i, path, kind, _), ts in zip(runs, times):
         s, t = setups[i], statistics.median(ts)
+        bs = s.batches[0][0].shape[0]
         first.setdefault(i, t)
-        ips, tf = s.batches[0][0].shape[0] * args.steps / t, flops[i] * args.steps / t / 1e12
+        ips, tf = bs * args.steps / t, flops[i] * args.steps / t / 1e12
         first_config.setdefault((path, kind), ips)
         print(f"| {Path(s.config).stem} | {path} | {kind} | {ips:.0f} | {tf:.3f} | {tf / ceilings[s.dtype]:.0%} | "
               f"{first[i] / t:.2f} | {ips / first_config[path, kind]:.2f} |")
         rows.append({"config": _relative(s.config), "path": path, "step": kind, "images_per_s": ips, "tflops": tf,
-                     "of_ceiling": tf / ceilings[s.dtype], "gflop_per_image": flops[i] / s.batches[0][0].shape[0] / 1e9,
-                     "precision": s.precision, "batch_size": s.batches[0][0].shape[0]})
+                     "of_ceiling": tf / ceilings[s.dtype], "gflop_per_image": flops[i] / bs / 1e9,
+                     "precision": s.precision, "batch_size": bs})
     if args.out:
         write_results(args.out, rows, args)
     if args.layers:
