@@ -249,8 +249,12 @@ def baseline_of(results: List[dict], name: str) -> str:
     """The run name ``name`` pairs with: ``resnet_fast_none/TAG`` for a variant ``CONFIG/TAG`` whose tag also
     ran the baseline (a backbone variant, ``--backbone``: wider groups, say), else ``resnet_fast_none``, as
     for a block's own variant (a placement) that leaves the backbone as it is. ``resnet_fast_none/TAG`` itself
-    pairs with ``resnet_fast_none``: what the backbone change alone does."""
+    pairs with ``resnet_fast_none``: what the backbone change alone does. A variant of a config outside the
+    ``resnet_fast`` family (``vit_cpu/distill-hard``) pairs with that config itself: what the change does to it
+    (the config's own runs are paired with ``resnet_fast_none``)."""
     stem, _, tag = name.partition("/")
+    if tag and not stem.startswith("resnet_fast"):
+        return stem
     if tag and stem != BASELINE and any(r["name"] == f"{BASELINE}/{tag}" for r in results):
         return f"{BASELINE}/{tag}"
     return BASELINE

@@ -157,6 +157,18 @@ def test_a_backbone_variant_pairs_with_the_baseline_of_its_own_backbone():
     assert "+4.00 ±" in row
 
 
+def test_a_transformers_variant_pairs_with_the_transformer():
+    """``vit_cpu/TAG`` (a lever tried on the transformer) is measured against ``vit_cpu``, which itself is
+    measured against the CNN baseline."""
+    none = [_r("resnet_fast_none", s, a) for s, a in enumerate([0.860, 0.870, 0.865])]
+    vit = [_r("vit_cpu", s, a) for s, a in enumerate([0.800, 0.805, 0.800])]
+    distilled = [_r("vit_cpu/distill", s, a) for s, a in enumerate([0.810, 0.810, 0.815])]
+    rs = none + vit + distilled
+    assert table.baseline_of(rs, "vit_cpu/distill") == "vit_cpu"
+    assert table.differences(rs, "vit_cpu/distill") == pytest.approx([1.0, 0.5, 1.5])
+    assert table.differences(rs, "vit_cpu") == pytest.approx([-6.0, -6.5, -6.5])
+
+
 def test_a_backbone_sweep_runs_the_baseline_under_the_variants_tag():
     configs = [f"configs/attention/resnet_fast_{a}.yaml" for a in ("none", "se")]
     narrow = [_r("resnet_fast_none", 0, 0.86), _r("resnet_fast_se", 0, 0.86)]

@@ -162,6 +162,22 @@ class SchedConfig(_Section):
     start_lr_ratio: float = Field(0.04, gt=0, le=1)  # onecycle starts at lr times this (airbench: 0.2)
 
 
+class DistillConfig(_Section):
+    """Knowledge distillation from a trained visattn checkpoint (Hinton et al. 2015; DeiT, Touvron et al. 2021).
+
+    The training loss becomes ``(1 - weight) * CE(labels) + weight * KD``, the KD term the teacher's logits on
+    the same augmented batch: ``soft``, the KL divergence of the temperature-``temperature`` softmaxes times
+    ``temperature**2``; ``hard`` (DeiT's), cross-entropy against the teacher's top class. The teacher must
+    have been trained on this run's training split (same ``data.split_seed``, ``val_size`` and test-split
+    use), or it would have seen the images this run is scored on.
+    """
+
+    teacher: Optional[str] = None  # path to a visattn checkpoint (a run's last.pt); None: no distillation
+    weight: float = Field(0.5, ge=0, le=1)
+    temperature: float = Field(1.0, gt=0, le=100)
+    kind: Literal["soft", "hard"] = "soft"
+
+
 class TrainConfig(_Section):
     epochs: int = Field(10, ge=1, le=10000)
     batch_size: int = Field(256, ge=1, le=65536)
@@ -180,6 +196,7 @@ class TrainConfig(_Section):
     lookahead_every: int = Field(0, ge=0, le=1000)
     lookahead_decay: float = Field(0.95, gt=0, le=1)
     lookahead_power: float = Field(3.0, ge=0, le=10)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
 
 
 class EvalConfig(_Section):

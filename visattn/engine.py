@@ -309,6 +309,31 @@ class Optimization:
 
 
 @dataclass
+class Distill:
+    """A frozen teacher whose logits on each training batch join the loss (:func:`distill_loss`)."""
+
+    teacher: nn.Module
+    weight: float = 0.5
+    temperature: float = 1.0
+    kind: str = "soft"
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, kind: str = "soft",
+                 temperature: float = 1.0) -> torch.Tensor:
+    """The distillation term: ``soft``, KL(teacher || student) of the softmaxes at ``temperature``, times
+    ``temperature**2`` so its gradients keep their size as the temperature changes (Hinton et al. 2015);
+    ``hard``, cross-entropy against the teacher's top class (DeiT). Both in fp32, mean over the batch."""
+    student, teacher = student.float(), teacher.float()
+    if kind == "hard":
+        return F.cross_entropy(student, teacher.argmax(1))
+    if kind != "soft":
+        raise ConfigError(f"train.distill.kind: unknown kind {kind!r}; valid: soft, hard")
+    t = temperature
+    return F.kl_div(F.log_softmax(student / t, 1), F.log_softmax(teacher / t, 1), reduction="batchmean",
+                    log_target=True) * t * t
+
+
+@dataclass
 class StepPolicy:
     """How steps run and are checked: device, precision, loss smoothing, the non-finite policy."""
 
@@ -318,6 +343,18 @@ class StepPolicy:
     max_nonfinite_steps: int = 10  # consecutive non-finite losses before TrainingError
     check_every: int = 20  # steps between host reads of the statistics (GPUs; a CPU reads every step)
     reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # all-reduce under data parallelism
+    distill: Optional[Distill] = None  # a teacher's logits in the loss
+
+
+def training_loss(logits: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, policy: StepPolicy) -> torch.Tensor:
+    """Label-smoothed cross-entropy, mixed with the teacher's distillation term when ``policy.distill``."""
+    loss = F.cross_entropy(logits.float(), yb, label_smoothing=policy.label_smoothing)
+    d = policy.distill
+    if d is None or d.weight == 0:
+        return loss
+    with torch.no_grad(), autocast(policy.device, policy.precision):
+        target = d.teacher(xb)
+    return (1 - d.weight) * loss + d.weight * distill_loss(logits, target, d.kind, d.temperature)
 
 
 def _apply_step(model: nn.Module, loss: torch.Tensor, finite: torch.Tensor, opt: Optimization,
@@ -367,7 +404,7 @@ def train_one_epoch(model: nn.Module, loader: Iterable, opt: Optimization, polic
     for xb, yb in loader:
         with autocast(device, policy.precision):
             logits = model(xb)
-        loss = F.cross_entropy(logits.float(), yb, label_smoothing=policy.label_smoothing)
+        loss = training_loss(logits, xb, yb, policy)
         opt.optimizer.zero_grad(set_to_none=True)
         finite = torch.isfinite(loss.detach())
         step_ok, skipped = _apply_step(model, loss, finite, opt, policy, check_every)

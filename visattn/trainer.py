@@ -150,7 +150,8 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
     if len(train_loader) == 0:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} exceeds the {len(splits.train)} training images")
     policy = engine.StepPolicy(device, precision, cfg.train.label_smoothing, cfg.train.max_nonfinite_steps,
-                               cfg.train.check_every, di.reduce if di.enabled else None)
+                               cfg.train.check_every, di.reduce if di.enabled else None,
+                               _build_teacher(cfg, splits, device, say))
     return Run(cfg=cfg, dist=di, run_dir=run_dir, splits=splits, model=model,
                opt=_build_optimization(cfg, model, len(train_loader), device, precision), policy=policy,
                train_loader=train_loader, eval_loader=eval_loader, say=say, resume_from=resume_from)
@@ -212,6 +213,54 @@ def _build_model(cfg: Config, splits: Splits, device: torch.device, di: DistInfo
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     return model
+
+
+# data settings a teacher must share with the student: the held-out split (or the teacher saw the images the
+# student is scored on) and the input the teacher is fed (the student's normalised batches)
+TEACHER_MUST_MATCH = ("source", "split_seed", "val_size", "use_test_split", "image_size", "mean", "std")
+
+
+def _data_key(k: str) -> str:
+    return k if k == "seed" else f"data.{k}"
+
+
+def _build_teacher(cfg: Config, splits: Splits, device: torch.device,
+                   say: Callable[..., None]) -> Optional[engine.Distill]:
+    """``train.distill``'s teacher: the checkpoint's model (its EMA weights where it kept them), frozen, in eval
+    mode, refused where its data settings would leak this run's evaluation images or feed it other inputs."""
+    d = cfg.train.distill
+    if d.teacher is None:
+        return None
+    from .evaluate import load_model_from_checkpoint
+
+    path = Path(d.teacher)
+    if not path.is_file():
+        raise ConfigError(f"train.distill.teacher: {d.teacher} is not a checkpoint file (give a run's last.pt)")
+    teacher, tcfg, state = load_model_from_checkpoint(str(path), device)
+    ours, theirs = cfg.data.model_dump(mode="json"), tcfg.data.model_dump(mode="json")
+    differ = [k for k in TEACHER_MUST_MATCH if ours[k] != theirs[k]]
+    if ours["source"] == "synthetic":  # synthetic images are drawn from the run's seed and size: other ones
+        differ += [k for k in ("synthetic_size",) if ours[k] != theirs[k]]
+        if tcfg.seed != cfg.seed:
+            ours, theirs = {**ours, "seed": cfg.seed}, {**theirs, "seed": tcfg.seed}
+            differ.append("seed")
+    elif Path(ours["root"]).name != Path(theirs["root"]).name:
+        differ.append("root")
+    if differ:
+        raise ConfigError(f"train.distill.teacher: {d.teacher} was trained with other data settings "
+                          f"({', '.join(f'{_data_key(k)}: {theirs[k]!r}, here {ours[k]!r}' for k in differ)}); a teacher "
+                          "must hold out the same validation images and see the same inputs")
+    classes = list(state.get("classes") or [])
+    if classes and classes != list(splits.train.classes):
+        raise ConfigError(f"train.distill.teacher: {d.teacher} predicts other classes ({classes[:3]}...) than this "
+                          f"run's ({list(splits.train.classes)[:3]}...)")
+    teacher.requires_grad_(False)
+    if cfg.channels_last:
+        teacher.to(memory_format=torch.channels_last)
+    n = sum(p.numel() for p in teacher.parameters())
+    say(f"distilling from {d.teacher} ({tcfg.model.name}, {n / 1e6:.2f}M parameters, trained {state.get('epoch', '?')} "
+        f"epochs): {d.kind}, weight {d.weight:g}" + (f", temperature {d.temperature:g}" if d.kind == "soft" else ""))
+    return engine.Distill(teacher.eval(), d.weight, d.temperature, d.kind)
 
 
 def _build_optimization(cfg: Config, model: nn.Module, steps_per_epoch: int, device: torch.device,
@@ -277,6 +326,8 @@ def _check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None
     now = cfg.to_dict()
     stored = _with_defaults(Config().to_dict(), state["config"])  # keys newer than the checkpoint: their defaults
     diff = [k for sec in RESUME_MUST_MATCH for k in config_diff({sec: stored.get(sec, {})}, {sec: now[sec]})]
+    diff += config_diff({"train": {"distill": stored.get("train", {}).get("distill", {})}},
+                        {"train": {"distill": now["train"]["distill"]}})  # a teacher shapes every step's loss
     if diff and not cfg.resume_allow_changes:
         raise CheckpointError(
             f"resume: {path} was trained with different settings for {', '.join(diff)} "
