@@ -21,6 +21,8 @@ fast path's CPU attention kernel (``visattn.attention.token.sdpa_cpu_mode``; sev
 copies of the model); ``--threads``, ``--batch-size``, ``--precision`` and ``--set`` override the defaults and
 the configs. The FLOP counter has no formula for the CPU flash-attention kernel, so a transformer's count leaves out the attention products themselves (q k^T and
 weights x V, under 10% of ``vit_tiny``'s FLOP): the same count for every path and ``--sdpa`` mode.
+A config with ``train.distill.teacher`` steps with its teacher's forward pass (and loss), which its FLOP count
+leaves out: its images/s is the cost of distilling, its TFLOP/s the student's alone.
 ``--layers`` adds, per convolution of the model, the forward, input-gradient and weight-gradient kernel times
 (``aten.convolution`` / ``aten.convolution_backward``, in the step's precision and memory format) next to
 the time their FLOP would take at the matmul ceiling: where the step's time goes.
@@ -75,11 +77,15 @@ def step_flops(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precisi
     return fc.get_total_flops()
 
 
-def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, precision: str):
+def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, precision: str,
+              distill: Optional[engine.Distill] = None):
+    """One training step; with ``distill`` (a config's ``train.distill``) the teacher's forward pass too."""
+    policy = engine.StepPolicy(torch.device("cpu"), precision, 0.2, distill=distill)
+
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         with engine.autocast(x.device, precision):
             out = model(x)
-        loss = F.cross_entropy(out.float(), y, label_smoothing=0.2)
+        loss = engine.training_loss(out, x, y, policy)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -154,6 +160,7 @@ class Setup:
     batches: List[Tuple[torch.Tensor, torch.Tensor]]
     precision: str
     dtype: torch.dtype
+    distill: Optional[engine.Distill] = None  # the config's teacher: its forward pass is part of the step
 
 
 def build(config: str, batch: int = 0, steps: int = 8, precision: str = "", overrides: Sequence[str] = ()) -> Setup:
@@ -170,7 +177,16 @@ def build(config: str, batch: int = 0, steps: int = 8, precision: str = "", over
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
     batches = [(torch.randn(bs, 3, 32, 32).contiguous(memory_format=fmt), torch.randint(0, 10, (bs,)))
                for _ in range(steps)]
-    return Setup(config, cfg.model.name, model, batches, precision, engine.AMP_DTYPES[precision] or torch.float32)
+    distill = None
+    if cfg.train.distill.teacher:
+        from visattn.evaluate import load_model_from_checkpoint
+
+        teacher = load_model_from_checkpoint(cfg.train.distill.teacher, torch.device("cpu"))[0].requires_grad_(False)
+        teacher = teacher.to(memory_format=torch.channels_last) if cfg.channels_last else teacher
+        d = cfg.train.distill
+        distill = engine.Distill(teacher, d.weight, d.temperature, d.kind)
+    return Setup(config, cfg.model.name, model, batches, precision, engine.AMP_DTYPES[precision] or torch.float32,
+                 distill)
 
 
 SDPA_MODES = SDPA_CPU_MODES
@@ -214,9 +230,9 @@ def variants(setup: Setup, compile_: bool, baseline: bool, sdpa: Sequence[str] =
     for path, model in models:
         label = path if len(models) > 1 else "-"
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, nesterov=True)
-        out.append((label, "eager", make_step(model, opt, setup.precision)))
+        out.append((label, "eager", make_step(model, opt, setup.precision, setup.distill)))
         if compile_:
-            out.append((label, "compiled", make_step(torch.compile(model), opt, setup.precision)))
+            out.append((label, "compiled", make_step(torch.compile(model), opt, setup.precision, setup.distill)))
     return out
 
 

@@ -141,3 +141,23 @@ def test_resume_with_another_teacher_setting_is_refused(teacher, tmp_path):
     # the same settings resume
     run(_cfg(rd, "train.epochs=1", "resume=auto", f"train.distill.teacher={teacher}"), log=lambda *a: None)
     assert json.loads((rd / "metrics.jsonl").read_text().splitlines()[-1])["epoch"] == 1
+
+
+def test_throughputs_step_runs_the_teacher_of_a_distilling_config(teacher):
+    """``bench/throughput.py`` times what a distilling run pays: the teacher's forward pass in every step."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("visattn_bench_throughput", ROOT / "bench" / "throughput.py")
+    throughput = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = throughput  # its dataclasses look their module up
+    spec.loader.exec_module(throughput)
+    plain = throughput.build(str(ROOT / "configs" / "smoke.yaml"), batch=4, steps=1, overrides=QUIET)
+    setup = throughput.build(str(ROOT / "configs" / "smoke.yaml"), batch=4, steps=1,
+                             overrides=[*QUIET, f"train.distill.teacher={teacher}"])
+    assert plain.distill is None and setup.distill is not None and not setup.distill.teacher.training
+    calls = []
+    setup.distill.teacher.register_forward_hook(lambda *a: calls.append(1))
+    (label, kind, step), = throughput.variants(setup, compile_=False, baseline=False)
+    step(*setup.batches[0])
+    assert calls == [1]
