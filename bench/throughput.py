@@ -179,12 +179,9 @@ def build(config: str, batch: int = 0, steps: int = 8, precision: str = "", over
                for _ in range(steps)]
     distill = None
     if cfg.train.distill.teacher:
-        from visattn.evaluate import load_model_from_checkpoint
+        from visattn.trainer import load_teacher
 
-        teacher = load_model_from_checkpoint(cfg.train.distill.teacher, torch.device("cpu"))[0].requires_grad_(False)
-        teacher = teacher.to(memory_format=torch.channels_last) if cfg.channels_last else teacher
-        d = cfg.train.distill
-        distill = engine.Distill(teacher, d.weight, d.temperature, d.kind)
+        distill = load_teacher(cfg.train.distill, torch.device("cpu"), cfg.channels_last)[0]
     return Setup(config, cfg.model.name, model, batches, precision, engine.AMP_DTYPES[precision] or torch.float32,
                  distill)
 

@@ -161,3 +161,18 @@ def test_throughputs_step_runs_the_teacher_of_a_distilling_config(teacher):
     (label, kind, step), = throughput.variants(setup, compile_=False, baseline=False)
     step(*setup.batches[0])
     assert calls == [1]
+
+
+def test_load_teacher_gives_a_frozen_eval_model_in_the_asked_layout(teacher):
+    """One loader for the trainer and the throughput bench: frozen, eval mode, the run's memory format."""
+    from visattn.trainer import load_teacher
+
+    d = _cfg(Path("unused"), f"train.distill.teacher={teacher}", "train.distill.temperature=2").train.distill
+    distill, tcfg, state = load_teacher(d, torch.device("cpu"), channels_last=True)
+    assert (distill.weight, distill.temperature, distill.kind) == (d.weight, 2.0, d.kind)
+    assert not distill.teacher.training and not any(p.requires_grad for p in distill.teacher.parameters())
+    conv = next(m for m in distill.teacher.modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last) and conv.weight.shape[-1] > 1
+    assert tcfg.model.name == _cfg(Path("unused")).model.name and state["epoch"] == 3
+    with pytest.raises(ConfigError, match="not a checkpoint file"):
+        load_teacher(d.model_copy(update={"teacher": str(teacher) + ".missing"}), torch.device("cpu"))

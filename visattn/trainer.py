@@ -21,7 +21,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ from torch import nn
 
 from . import engine
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config
+from .config import Config, DistillConfig
 from .data import Placement, Splits, build_loader, check_augment, load_splits, normalize, spread_indices
 from .data.loaders import EpochLoader
 from .errors import CheckpointError, ConfigError, TrainingError
@@ -224,19 +224,32 @@ def _data_key(k: str) -> str:
     return k if k == "seed" else f"data.{k}"
 
 
+def load_teacher(distill: DistillConfig, device: torch.device, channels_last: bool = False
+                 ) -> Tuple[engine.Distill, Config, dict]:
+    """``distill``'s teacher (a :class:`DistillConfig` whose ``teacher`` names a checkpoint) as an
+    :class:`engine.Distill`: the checkpoint's model (its EMA weights where it kept them), frozen, in eval mode, in
+    ``channels_last`` where asked; with the teacher's config and the checkpoint's state, to check them against a
+    run's. Checks nothing itself: :func:`_build_teacher` does, for a training run."""
+    from .evaluate import load_model_from_checkpoint
+
+    path = Path(distill.teacher)
+    if not path.is_file():
+        raise ConfigError(f"train.distill.teacher: {distill.teacher} is not a checkpoint file (give a run's last.pt)")
+    teacher, tcfg, state = load_model_from_checkpoint(str(path), device)
+    teacher.requires_grad_(False)
+    if channels_last:
+        teacher.to(memory_format=torch.channels_last)
+    return engine.Distill(teacher.eval(), distill.weight, distill.temperature, distill.kind), tcfg, state
+
+
 def _build_teacher(cfg: Config, splits: Splits, device: torch.device,
                    say: Callable[..., None]) -> Optional[engine.Distill]:
-    """``train.distill``'s teacher: the checkpoint's model (its EMA weights where it kept them), frozen, in eval
-    mode, refused where its data settings would leak this run's evaluation images or feed it other inputs."""
+    """``train.distill``'s teacher (:func:`load_teacher`), refused where its data settings would leak this run's
+    evaluation images or feed it other inputs."""
     d = cfg.train.distill
     if d.teacher is None:
         return None
-    from .evaluate import load_model_from_checkpoint
-
-    path = Path(d.teacher)
-    if not path.is_file():
-        raise ConfigError(f"train.distill.teacher: {d.teacher} is not a checkpoint file (give a run's last.pt)")
-    teacher, tcfg, state = load_model_from_checkpoint(str(path), device)
+    distill, tcfg, state = load_teacher(d, device, cfg.channels_last)
     ours, theirs = cfg.data.model_dump(mode="json"), tcfg.data.model_dump(mode="json")
     differ = [k for k in TEACHER_MUST_MATCH if ours[k] != theirs[k]]
     if ours["source"] == "synthetic":  # synthetic images are drawn from the run's seed and size: other ones
@@ -254,13 +267,10 @@ def _build_teacher(cfg: Config, splits: Splits, device: torch.device,
     if classes and classes != list(splits.train.classes):
         raise ConfigError(f"train.distill.teacher: {d.teacher} predicts other classes ({classes[:3]}...) than this "
                           f"run's ({list(splits.train.classes)[:3]}...)")
-    teacher.requires_grad_(False)
-    if cfg.channels_last:
-        teacher.to(memory_format=torch.channels_last)
-    n = sum(p.numel() for p in teacher.parameters())
+    n = sum(p.numel() for p in distill.teacher.parameters())
     say(f"distilling from {d.teacher} ({tcfg.model.name}, {n / 1e6:.2f}M parameters, trained {state.get('epoch', '?')} "
         f"epochs): {d.kind}, weight {d.weight:g}" + (f", temperature {d.temperature:g}" if d.kind == "soft" else ""))
-    return engine.Distill(teacher.eval(), d.weight, d.temperature, d.kind)
+    return distill
 
 
 def _build_optimization(cfg: Config, model: nn.Module, steps_per_epoch: int, device: torch.device,
