@@ -146,13 +146,7 @@ def test_resume_with_another_teacher_setting_is_refused(teacher, tmp_path):
 
 def test_throughputs_step_runs_the_teacher_of_a_distilling_config(teacher):
     """``bench/throughput.py`` times what a distilling run pays: the teacher's forward pass in every step."""
-    import importlib.util
-    import sys
-
-    spec = importlib.util.spec_from_file_location("visattn_bench_throughput", ROOT / "bench" / "throughput.py")
-    throughput = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = throughput  # its dataclasses look their module up
-    spec.loader.exec_module(throughput)
+    throughput = _bench("throughput")
     plain = throughput.build(str(ROOT / "configs" / "smoke.yaml"), batch=4, steps=1, overrides=QUIET)
     setup = throughput.build(str(ROOT / "configs" / "smoke.yaml"), batch=4, steps=1,
                              overrides=[*QUIET, f"train.distill.teacher={teacher}"])
@@ -185,7 +179,7 @@ def _bench(name: str):
 
     spec = importlib.util.spec_from_file_location(f"visattn_bench_{name}", ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
+    sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
