@@ -5,11 +5,11 @@ softmax (nats; ln 10 = 2.30 for ten classes) at each temperature.
     python bench/teacher_targets.py runs/teachers/resnet_fast_none-e4-s3.pt runs/teachers/resnet_fast_none-e16-s3.pt
     python bench/teacher_targets.py RUN/last.pt --images 2000 --temperatures 1 4 --out targets.json
 
-A teacher that has fitted its training images gives them near one-hot softmaxes: soft distillation at
-temperature 1 then teaches little more than the labels do. The images are the checkpoint's own data settings
+How far a teacher's softmax is from one-hot, and how often it disagrees with the labels of the images a student
+trains on, is what soft distillation can add to those labels. The images are the checkpoint's own data settings
 (its ``data.root``, split seed and validation size), ``--images`` of each split taken class by class (the first
-image of each class, then the second, ...), without augmentation, in the checkpoint's precision; the training
-images are those the teacher (and a student with the same data settings) trained on.
+image of each class, then the second, ...), through the evaluation loader (no augmentation), in the checkpoint's
+precision; the training images are those the teacher (and a student with the same data settings) trained on.
 """
 from __future__ import annotations
 
@@ -26,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from visattn import engine  # noqa: E402
-from visattn.data import load_splits, spread_indices  # noqa: E402
-from visattn.data.augment import normalize  # noqa: E402
+from visattn.data import ImageSet, Placement, build_loader, load_splits, spread_indices  # noqa: E402
 from visattn.errors import VisattnError  # noqa: E402
 from visattn.evaluate import load_model_from_checkpoint  # noqa: E402
 
@@ -41,15 +40,12 @@ def target_stats(logits: torch.Tensor, labels: torch.Tensor, temperature: float)
 
 
 @torch.no_grad()
-def logits_of(model: torch.nn.Module, images, idx, mean, std, precision: str, channels_last: bool,
-              batch: int = 500) -> torch.Tensor:
+def logits_of(model: torch.nn.Module, images: ImageSet, cfg, precision: str, batch: int = 500) -> torch.Tensor:
+    """The model's logits on ``images``, batched and normalised by the evaluation loader of ``cfg``'s data."""
+    loader = build_loader(images, cfg.data, batch, False, cfg.seed, Placement(torch.device("cpu"), cfg.channels_last))
     out: List[torch.Tensor] = []
-    for i in range(0, len(idx), batch):
-        x = torch.from_numpy(images.x[idx[i:i + batch]]).permute(0, 3, 1, 2)
-        x = normalize(x, mean, std)
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        with engine.autocast(torch.device("cpu"), precision):
+    for x, _ in loader:
+        with engine.autocast(x.device, precision):
             out.append(model(x).float())
     return torch.cat(out)
 
@@ -63,7 +59,7 @@ def measure(checkpoint: str, n: int, temperatures: Sequence[float]) -> List[dict
     rows = []
     for split, images in (("train", splits.train), ("validation", splits.eval)):
         idx = spread_indices(images.y, n)
-        logits = logits_of(model, images, idx, cfg.data.mean, cfg.data.std, precision, cfg.channels_last)
+        logits = logits_of(model, ImageSet(images.x[idx], images.y[idx], images.classes), cfg, precision)
         labels = torch.from_numpy(images.y[idx]).long()
         for t in temperatures:
             rows.append({"checkpoint": checkpoint, "epochs": state.get("epoch"), "split": split, "images": len(idx),
@@ -82,7 +78,6 @@ def main(argv=None) -> int:
         print("teacher_targets: --images must be >= 1 and every --temperatures value positive and finite",
               file=sys.stderr)
         return 2
-    torch.manual_seed(0)
     try:
         rows = [r for c in a.checkpoints for r in measure(c, a.images, a.temperatures)]
     except (VisattnError, FileNotFoundError) as e:
