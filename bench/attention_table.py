@@ -41,7 +41,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from visattn.errors import CheckpointError, VisattnError, run_main  # noqa: E402
+from visattn.errors import CheckpointError, ConfigError, VisattnError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
 from visattn.runtime import Interrupted, write_atomic  # noqa: E402
 
@@ -147,33 +147,52 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
 
 def run_resuming(config: Path, overrides: Sequence[str], run_dir: Path, log=print) -> Tuple[dict, bool]:
     """Train ``config`` with ``overrides`` into ``run_dir``; a run killed part-way there goes on from its last
-    checkpoint (the trainer resumes exactly) when the folder was trained with exactly these settings, and
-    otherwise (no checkpoint, other settings, a corrupt one) starts again from scratch: never a run of two
-    settings. Returns the run's summary and whether it was resumed (its time then spans two sittings)."""
-    import yaml
-
-    from visattn.config import load_config
-    from visattn.runtime import yaml_dump
+    checkpoint (the trainer resumes exactly) when the folder was trained with these settings (keys added to
+    visattn's config since then count at their defaults), and otherwise (other settings, no checkpoint, a corrupt
+    one) starts again from scratch: never a run of two settings. A folder that held training is moved aside,
+    never deleted (it may hold hours), with a line on stderr. Returns the run's summary and whether it was
+    resumed (its time then spans two sittings)."""
+    from visattn.config import load_config, safe_yaml, with_defaults
+    from visattn.runtime import config_diff, yaml_dump
     from visattn.trainer import run
 
-    def settings(text: str) -> dict:
-        return {k: v for k, v in yaml.safe_load(text).items() if k not in ("resume", "resume_allow_changes")}
+    def settings(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in ("resume", "resume_allow_changes")}
 
-    try:
-        same = settings((run_dir / "config.yaml").read_text()) == settings(
-            yaml_dump(load_config(config, list(overrides)).to_dict()))
-    except (OSError, yaml.YAMLError, AttributeError):  # no folder or config yet, or an unreadable one
-        same = False
-    resumed = same and (run_dir / "last.pt").is_file()
+    now = settings(safe_yaml(yaml_dump(load_config(config, list(overrides)).to_dict()), "the run's config"))  # as saved
+    why = ""
+    if (run_dir / "config.yaml").is_file():
+        try:
+            changed = config_diff(settings(with_defaults(safe_yaml((run_dir / "config.yaml").read_text(),
+                                                                   str(run_dir / "config.yaml")))), now)
+        except (OSError, ConfigError, AttributeError, TypeError):  # an unreadable or foreign config.yaml
+            changed = ["config.yaml (unreadable)"]
+        why = f"trained with other settings for {', '.join(changed)}" if changed else ""
+    resumed = run_dir.is_dir() and not why and (run_dir / "last.pt").is_file()
     if run_dir.exists() and not resumed:
-        shutil.rmtree(run_dir)
+        set_aside(run_dir, why or "no checkpoint to resume")
     try:
         return run(load_config(config, [*overrides, "resume=auto"] if resumed else list(overrides)), log=log), resumed
-    except CheckpointError:
+    except CheckpointError as e:
         if not resumed:
             raise
-    shutil.rmtree(run_dir)
+        set_aside(run_dir, str(e))
     return run(load_config(config, list(overrides)), log=log), False
+
+
+def set_aside(run_dir: Path, why: str) -> Optional[Path]:
+    """Make room for a fresh run at ``run_dir``: a folder that holds training (a checkpoint or metrics) is renamed
+    to ``NAME.set-aside-N`` and said so on stderr; one that holds none (a run killed while starting) is removed.
+    Returns where the old folder went, or None."""
+    if not ((run_dir / "last.pt").exists() or (run_dir / "metrics.jsonl").exists()):
+        shutil.rmtree(run_dir)
+        return None
+    n = 1
+    while (aside := run_dir.with_name(f"{run_dir.name}.set-aside-{n}")).exists():
+        n += 1
+    run_dir.rename(aside)
+    print(f"{run_dir}: {why}; its training moved to {aside.name}, starting again", file=sys.stderr, flush=True)
+    return aside
 
 
 def cpu_name() -> str:

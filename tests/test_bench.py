@@ -205,10 +205,11 @@ def test_a_sweep_runs_records_and_resumes_without_repeating(tmp_path, monkeypatc
     assert not list(tmp_path.glob(".*.tmp"))
 
 
-def test_a_killed_sweep_run_goes_on_from_its_checkpoint_or_starts_again(tmp_path):
+def test_a_killed_sweep_run_goes_on_from_its_checkpoint_or_starts_again(tmp_path, capsys):
     """A sweep stopped at a session's end keeps its part-trained run: the next sweep resumes it (exactly, as the
     trainer does); a checkpoint it cannot resume (made under other settings, or corrupt) means a fresh start,
-    never a mixed run, and a resumed run's time (two sittings) is not quoted."""
+    never a mixed run and never a deleted one (the old folder is set aside, said so), and a resumed run's time
+    (two sittings) is not quoted."""
     runs = tmp_path / "runs"
     first = table.run_one("configs/smoke.yaml", 0, 1, runs, None)
     (run_dir,) = runs.iterdir()
@@ -222,12 +223,39 @@ def test_a_killed_sweep_run_goes_on_from_its_checkpoint_or_starts_again(tmp_path
     longer_dir = runs / run_dir.name.replace("-e1-", "-e2-")
     run_dir.rename(longer_dir)
     (other / "last.pt").rename(longer_dir / "last.pt")
+    old_state = (longer_dir / "last.pt").read_bytes()
+    capsys.readouterr()
     longer = table.run_one("configs/smoke.yaml", 0, 2, runs, None)
     assert "resumed" not in longer and longer["epochs"] == 2
     assert [json.loads(r)["epoch"] for r in (longer_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    aside = longer_dir.with_name(longer_dir.name + ".set-aside-1")  # the 1-epoch training is kept, not deleted
+    assert (aside / "last.pt").read_bytes() == old_state and (aside / "metrics.jsonl").is_file()
+    err = capsys.readouterr().err
+    assert "trained with other settings for" in err and "train.epochs" in err and aside.name in err
     (longer_dir / "last.pt").write_bytes(b"not a checkpoint")  # a corrupt one: started again, same result
     fresh = table.run_one("configs/smoke.yaml", 0, 2, runs, None)
     assert "resumed" not in fresh and fresh["val_acc"] == longer["val_acc"]
+    assert (longer_dir.with_name(longer_dir.name + ".set-aside-2") / "last.pt").read_bytes() == b"not a checkpoint"
+
+
+def test_a_sweep_resumes_a_run_saved_before_a_config_key_was_added(tmp_path):
+    """A key added to the config schema since a run was saved (at its default) is no change of settings: the
+    part-trained run resumes instead of starting again (a 16-epoch run was once lost that way)."""
+    import yaml
+
+    runs = tmp_path / "runs"
+    first = table.run_one("configs/smoke.yaml", 0, 1, runs, None)
+    (run_dir,) = runs.iterdir()
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del saved["train"]["distill"]  # as written before train.distill existed
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    again = table.run_one("configs/smoke.yaml", 0, 1, runs, None)
+    assert again["resumed"] and again["val_acc"] == first["val_acc"]
+    assert [p.name for p in runs.iterdir()] == [run_dir.name]
+    saved["train"]["label_smoothing"] = 0.3  # a real change still starts again
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert "resumed" not in table.run_one("configs/smoke.yaml", 0, 1, runs, None)
+    assert sorted(p.name for p in runs.iterdir()) == [run_dir.name, run_dir.name + ".set-aside-1"]
 
 
 def test_time_to_accuracy_reads_the_first_epoch_at_each_target(tmp_path, capsys):

@@ -474,3 +474,14 @@ def load_config(path: Optional[Union[str, os.PathLike]] = None, overrides: Seque
         keys, value = parse_override(text)
         _set_dotted(tree, keys, value)
     return build_config(tree)
+
+
+def with_defaults(stored: Dict[str, Any]) -> Dict[str, Any]:
+    """A config saved by an earlier visattn (a checkpoint's, a run folder's ``config.yaml``) with the keys added
+    since filled in by today's defaults, so that comparing it with a config of today finds only real changes."""
+    def fill(defaults: Any, saved: Any) -> Any:
+        if not (isinstance(defaults, dict) and isinstance(saved, dict)):
+            return saved
+        return {**defaults, **{k: fill(defaults.get(k), v) for k, v in saved.items()}}
+
+    return fill(Config().to_dict(), stored)

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import engine
 from .checkpoint import load_checkpoint, save_checkpoint
-from .config import Config, DistillConfig
+from .config import Config, DistillConfig, with_defaults
 from .data import Placement, Splits, build_loader, check_augment, load_splits, normalize, spread_indices
 from .data.loaders import EpochLoader
 from .errors import CheckpointError, ConfigError, TrainingError
@@ -334,7 +334,7 @@ def resume(run: Run, path: Path) -> None:
 
 def _check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None:
     now = cfg.to_dict()
-    stored = _with_defaults(Config().to_dict(), state["config"])  # keys newer than the checkpoint: their defaults
+    stored = with_defaults(state["config"])  # keys newer than the checkpoint: their defaults
     diff = [k for sec in RESUME_MUST_MATCH for k in config_diff({sec: stored.get(sec, {})}, {sec: now[sec]})]
     diff += config_diff({"train": {"distill": stored.get("train", {}).get("distill", {})}},
                         {"train": {"distill": now["train"]["distill"]}})  # a teacher shapes every step's loss
@@ -348,12 +348,6 @@ def _check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None
     if fixed:
         raise CheckpointError(f"resume: {path} holds optimizer/schedule state made with other settings for "
                               f"{', '.join(fixed)}, which cannot change on resume")
-
-
-def _with_defaults(defaults: Dict[str, Any], stored: Any) -> Any:
-    if not (isinstance(defaults, dict) and isinstance(stored, dict)):
-        return stored
-    return {**defaults, **{k: _with_defaults(defaults.get(k), v) for k, v in stored.items()}}
 
 
 # ---------------------------------------------------------------------------------------------------- fit
