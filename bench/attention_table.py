@@ -168,7 +168,7 @@ def run_resuming(config: Path, overrides: Sequence[str], run_dir: Path, log=prin
         except (OSError, ConfigError, AttributeError, TypeError):  # an unreadable or foreign config.yaml
             changed = ["config.yaml (unreadable)"]
         why = f"trained with other settings for {', '.join(changed)}" if changed else ""
-    resumed = run_dir.is_dir() and not why and (run_dir / "last.pt").is_file()
+    resumed = not why and (run_dir / "last.pt").is_file()
     if run_dir.exists() and not resumed:
         set_aside(run_dir, why or "no checkpoint to resume")
     try:
