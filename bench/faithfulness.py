@@ -16,7 +16,8 @@ Scoring (:func:`visattn.visualize.faithfulness_table`, as ``python -m visattn.vi
 first ``--images`` images of the run's held-out split picked one class at a time (``--vit-images`` for models
 whose name starts with ``vit``), with their true labels, under the run's precision; every map ``read_maps``
 gives (each gate or attention layer, the rollout), their gradient-weighted versions (``<layer>/grad``,
-``rollout_grad``), and the gradient baselines ``input_x_gradient`` and ``gradcam``; ``--steps`` deletion steps
+``rollout_grad``, and for a CNN the stages' ``/grad`` maps joined on the pixels, ``layers_grad``), and the gradient
+baselines ``input_x_gradient`` and ``gradcam``; ``--steps`` deletion steps
 of ``--regions`` x ``--regions`` squares, ``--draws`` random orders per image, 95% bootstrap intervals, the
 model-randomisation sanity check.
 
@@ -41,10 +42,12 @@ from visattn.options import describe  # noqa: E402
 from visattn.runtime import write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "faithfulness.json"
-KINDS = ("attention", "attention_gradient", "rollout", "gradient_rollout", "input_x_gradient", "gradcam")
+KINDS = ("attention", "attention_gradient", "layers_gradient", "rollout", "gradient_rollout", "input_x_gradient",
+         "gradcam")
 # LayerMap kinds -> the table's kinds (the baselines are named by their own kind)
 KIND_OF = {"spatial": "attention", "token": "attention", "pool": "attention", "head": "attention",
-           "rollout": "rollout", "attention_gradient": "attention_gradient", "gradient_rollout": "gradient_rollout"}
+           "rollout": "rollout", "attention_gradient": "attention_gradient", "layers_gradient": "layers_gradient",
+           "gradient_rollout": "gradient_rollout"}
 CHECKPOINT = "last.pt"
 
 
@@ -172,7 +175,7 @@ def report(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(out + ["", "Most faithful map per model (highest mean of the deletion and insertion scores):", *verdicts])
 
 
-ATTENTION_KINDS = ("attention", "attention_gradient", "rollout", "gradient_rollout")
+ATTENTION_KINDS = ("attention", "attention_gradient", "layers_gradient", "rollout", "gradient_rollout")
 README_BEGIN = "<!-- faithfulness table: python bench/faithfulness.py --summary -->"
 README_END = "<!-- end of faithfulness table -->"
 
@@ -200,7 +203,8 @@ def summary(rows: List[Dict[str, Any]]) -> str:
         both = bool(_as_faithful_on_both(group)[2])
         best = max(group, key=merit)
         out.append(f"| {group[0]['model']} ({c['config']}, {c['seed']}) | {acc} | {group[0]['images']} "
-                   f"| {_means(_best(group, ['attention']))} | {_means(_best(group, ['attention_gradient']))} "
+                   f"| {_means(_best(group, ['attention']))} "
+                   f"| {_means(_best(group, ['attention_gradient', 'layers_gradient']))} "
                    f"| {_means(_best(group, ['rollout', 'gradient_rollout']))} | {_means(g)} "
                    f"| {_means(_best(group, ['gradcam']))} | `{best['map']}` ({best['kind']}) "
                    f"| {'yes' if both else 'no'} |")

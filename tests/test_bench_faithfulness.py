@@ -49,7 +49,7 @@ def test_scores_every_kind_writes_rows_and_reports(tmp_path, capsys):
             "--device", "cpu"]
     assert bench.main([str(tmp_path / "runs")] + opts) == 0  # a folder: the run below it is found
     rows = json.loads(out.read_text())["rows"]
-    assert {r["kind"] for r in rows} == set(bench.KINDS)
+    assert {r["kind"] for r in rows} == set(bench.KINDS) - {"layers_gradient"}  # a ViT's layers share one grid
     names = [r["map"] for r in rows]
     assert names == ["blocks.0.attn", "blocks.0.attn/grad", "blocks.1.attn", "blocks.1.attn/grad", "rollout",
                      "rollout_grad", "input_x_gradient", "gradcam"]
@@ -71,7 +71,9 @@ def test_scores_every_kind_writes_rows_and_reports(tmp_path, capsys):
     assert len([r for r in rows if r["model"] == "vit_tiny"]) == len(names)
     coord = [r for r in rows if r["model"] == "resnet_fast"]
     assert coord[0]["images"] == 8 and coord[0]["map"] == "layers.0.units.0.attn"
-    assert {r["kind"] for r in coord} >= {"attention", "attention_gradient", "input_x_gradient", "gradcam"}
+    assert {r["kind"] for r in coord} == {"attention", "attention_gradient", "layers_gradient", "input_x_gradient",
+                                          "gradcam"}  # a block in each stage: their gradient maps joined too
+    assert [r["map"] for r in coord if r["kind"] == "layers_gradient"] == ["layers_grad"]
     capsys.readouterr()
 
     assert bench.main(["--report", "--out", str(out)]) == 0

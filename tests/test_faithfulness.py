@@ -79,8 +79,10 @@ def test_randomisation_check_and_gradcam_on_a_real_model():
     report = visattn.faithfulness(model, x, steps=4, regions=4, draws=1, bootstrap_draws=100, fill="blur")
     names = [r.name for r in report.rows]
     layers = [f"layers.{i}.units.0.attn" for i in range(3)]
-    # each gate, then its gradient-weighted map (gradient_maps=True by default), then the baselines
-    assert names == [n for layer in layers for n in (layer, f"{layer}/grad")] + ["input_x_gradient", "gradcam"]
+    # each gate, then its gradient-weighted map (gradient_maps=True by default), the three stages' gradient maps
+    # joined on the pixels, then the baselines
+    assert names == ([n for layer in layers for n in (layer, f"{layer}/grad")]
+                     + ["layers_grad", "input_x_gradient", "gradcam"])
     for r in report.rows:
         assert r.sanity_rho is not None and (math.isnan(r.sanity_rho) or -1.0 <= r.sanity_rho <= 1.0)
         assert all(0.0 <= p <= 1.0 for p in r.deletion_curve + r.insertion_curve)

@@ -102,8 +102,9 @@ def test_trainer_logs_every_layer_each_epoch(cnn_run):
     kinds = tap_kinds(CNN)
     assert sorted(set(kinds.values())) == ["channel", "spatial", "token"]
 
-    # the non-local layer is a run of token layers on one grid; gradient maps are on by default
-    expected_images = {"maps/rollout", "maps/rollout_grad"}
+    # the non-local layer is a run of token layers on one grid; gradient maps are on by default, and the
+    # layers' gradient maps lie on more than one grid, so they are also joined on the pixels
+    expected_images = {"maps/rollout", "maps/rollout_grad", "maps/layers_grad"}
     expected_hists = set()
     for name, kind in kinds.items():
         if kind == "channel":
@@ -214,7 +215,8 @@ def test_visualize_cli_writes_maps_and_predictions(cnn_run, user_images, tmp_pat
     assert proc.returncode == 0, proc.stderr
 
     kinds = tap_kinds(CNN)
-    layers = [m for n, k in kinds.items() if k != "channel" for m in (n, f"{n}/grad")] + ["rollout", "rollout_grad"]
+    layers = [m for n, k in kinds.items() if k != "channel" for m in (n, f"{n}/grad")]
+    layers += ["rollout", "rollout_grad", "layers_grad"]
     result = json.loads((out / "predictions.json").read_text())
     classes = list(load_checkpoint(ckpt)["classes"])
     assert result["classes"] == classes and result["image_size"] == 32
@@ -330,7 +332,7 @@ def test_faithfulness_command_prints_the_table(cnn_run, tmp_path, capsys):
     assert visualize_main(args + ["--out", str(tmp_path / "f")]) == 0
     out = capsys.readouterr().out
     maps = [m for n, k in tap_kinds(CNN).items() if k != "channel" for m in (n, f"{n}/grad")]
-    maps += ["rollout", "rollout_grad", "input_x_gradient", "gradcam"]
+    maps += ["rollout", "rollout_grad", "layers_grad", "input_x_gradient", "gradcam"]
     rows = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in maps]
     assert rows == maps  # one row per map, the baselines last
     doc = json.loads((tmp_path / "f" / "faithfulness.json").read_text())

@@ -448,3 +448,72 @@ def test_no_gradient_maps_when_asked_or_when_nothing_depends_on_the_input():
     assert not math.isnan(float(frozen["tap"].heat.sum()))
     ro = attention_rollout([r for r in rec.records if r.kind == "token"])
     assert ro.shape == (2, 3, 5)
+
+
+# --------------------------------------------------------------------------------- layers_grad: the stages joined
+
+
+def _grad_map(name, heat, geometry):
+    from visattn.maps import LayerMap
+
+    return LayerMap(f"{name}/grad", "attention_gradient", heat, "relative", heat.shape[-1] * heat.shape[-2],
+                    geometry, "test map")
+
+
+def test_layers_grad_averages_each_layers_share_on_the_pixels_with_equal_weight():
+    from visattn.maps import GridGeometry, fuse_layers
+
+    hw = (4, 4)
+    fine = torch.zeros(2, 4, 4)
+    fine[0, 1, 2], fine[1, 3, 0] = 5.0, 0.25  # one hot pixel per image, at any magnitude
+    coarse = torch.full((2, 2, 2), 7.0)  # uniform on a 2x2 grid: 1/16 of the evidence on every pixel once placed
+    stretched = GridGeometry.stretched((2, 2), hw)
+    fused = fuse_layers([_grad_map("a", fine, GridGeometry.image(hw)), _grad_map("b", coarse, stretched)], hw)
+    expected = torch.full((2, 4, 4), 0.5 / 16)
+    expected[0, 1, 2] += 0.5
+    expected[1, 3, 0] += 0.5
+    assert fused.name == "layers_grad" and fused.kind == "layers_gradient" and fused.scale == "relative"
+    assert fused.keys == 16 and fused.geometry == GridGeometry.image(hw)
+    assert torch.allclose(fused.heat, expected, atol=1e-6)
+    assert torch.allclose(fused.heat.flatten(1).sum(1), torch.ones(2))
+    assert "2 layers" in fused.description and "a, b" in fused.description
+    # a layer's own magnitude never changes its say: scaling it gives the same map
+    louder = fuse_layers([_grad_map("a", fine * 1000, GridGeometry.image(hw)), _grad_map("b", coarse, stretched)], hw)
+    assert torch.allclose(louder.heat, fused.heat)
+    # raw (non-gradient) maps are not joined, and maps on one grid are a transformer trunk's: no layers_grad
+    from visattn.maps import LayerMap
+
+    raw = LayerMap("b", "spatial", coarse, "gate", 0, stretched, "gate")
+    assert fuse_layers([_grad_map("a", fine, GridGeometry.image(hw)), raw], hw) is None
+    assert fuse_layers([_grad_map("a", fine, GridGeometry.image(hw)), _grad_map("c", fine, GridGeometry.image(hw))],
+                       hw) is None
+    # a NaN layer makes the joined map NaN (the logger then skips it with a warning), never a silent zero
+    bad = fine.clone()
+    bad[0, 0, 0] = float("nan")
+    assert not fuse_layers([_grad_map("a", bad, GridGeometry.image(hw)), _grad_map("b", coarse, stretched)], hw).finite()
+
+
+@pytest.mark.parametrize("attention", ["cbam", "mhsa2d"])
+def test_a_cnn_with_a_block_in_each_stage_gets_layers_grad_and_a_vit_does_not(attention):
+    torch.manual_seed(0)
+    cnn = visattn.create_model("resnet_fast", num_classes=10, widths=(8, 16, 16), attention=attention).eval()
+    for p in cnn.parameters():  # zeroed classifier and identity blocks: no gradient would reach the blocks
+        if not p.any():
+            nn.init.normal_(p, 0.5, 0.1)
+    x, y = images(3, hw=(32, 32)), torch.tensor([1, 2, 3])
+    rec, _ = probe_pass(cnn, x, y, gradients=True)
+    maps = {m.name: m for m in read_maps(rec.records, cnn, x.shape)}
+    grads = [m for n, m in maps.items() if n.endswith("/grad")]
+    assert len({tuple(m.heat.shape[-2:]) for m in grads}) == 3  # 16x16, 8x8, 4x4
+    fused = maps["layers_grad"]
+    assert fused.heat.shape == (3, 32, 32) and (fused.heat >= 0).all()
+    assert torch.allclose(fused.heat.flatten(1).sum(1), torch.ones(3), atol=1e-5)
+    assert list(maps)[-1] == "layers_grad"  # after every layer's maps and the rollouts
+    # the gradient maps off: neither the /grad maps nor their join
+    plain = {m.name for m in read_maps(rec.records, cnn, x.shape, gradients=False)}
+    assert "layers_grad" not in plain and not any(n.endswith("/grad") for n in plain)
+
+    vit = visattn.create_model("vit_tiny", num_classes=10, img_size=32, depth=2, dim=32, num_heads=2).eval()
+    rec, _ = probe_pass(vit, x, y, gradients=True)
+    names = {m.name for m in read_maps(rec.records, vit, x.shape)}
+    assert "rollout_grad" in names and "layers_grad" not in names

@@ -144,7 +144,8 @@ def test_logs_expected_tags_legibly(tmp_path):
 
     acc = read_events(tmp_path)
     image_tags = set(acc.Tags()["images"])
-    expected = {"maps/spatial", "maps/rollout", "maps/spatial/grad", "maps/rollout_grad"}  # gradient maps: default
+    # gradient maps by default; the spatial gate's grid and the blocks' token grid differ, so also layers_grad
+    expected = {"maps/spatial", "maps/rollout", "maps/spatial/grad", "maps/rollout_grad", "maps/layers_grad"}
     for blk in ("blocks.0", "blocks.1"):
         expected |= {f"maps/{blk}", f"matrix/{blk}", f"maps/{blk}/cls_head0", f"maps/{blk}/cls_head1",
                      f"maps/{blk}/grad"}

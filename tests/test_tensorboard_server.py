@@ -132,7 +132,8 @@ def test_tensorboard_serves_overlay_png(tmp_path):
         # the gradient-weighted maps beside them, and (smoke.yaml: log.faithfulness) every map's line and card
         # saying how faithful it is on the probe
         assert {f"{t}/grad" for t in overlays} <= set(tags)
-        assert text.count("on the probe: deletion") == 2 * len(overlays)  # the text tab is served as an HTML table
+        # the gates, their /grad maps and the stages' /grad maps joined (layers_grad): the text tab is HTML
+        assert text.count("on the probe: deletion") == 2 * len(overlays) + 1
 
 
 def test_the_shipped_cbam_config_shows_every_map_card_with_its_faithfulness(tmp_path):
@@ -150,7 +151,7 @@ def test_the_shipped_cbam_config_shows_every_map_card_with_its_faithfulness(tmp_
     with serving(run_dir, tmp_path) as (proc, port, log_path):
         tags = sorted(t for t in wait_for_tags(proc, port, "tb", log_path) if t.startswith("maps/"))
         gates = [f"maps/layers.{i}.units.0.attn.spatial" for i in range(3)]
-        assert tags == sorted(gates + [f"{g}/grad" for g in gates])
+        assert tags == sorted(gates + [f"{g}/grad" for g in gates] + ["maps/layers_grad"])
         text = text_of(proc, port, "tb", "maps/descriptions", log_path)
         rows = {tag: row for row in text.split("<tr>") for tag in tags if f"<code>{tag}</code>" in row}
         assert sorted(rows) == tags

@@ -216,7 +216,7 @@ class LogConfig(_Section):
     # forward passes. "auto": on, unless the first logging epoch shows they cost more than
     # FAITHFULNESS_BUDGET (5%) of that epoch's training time; then off for the rest of the run, said once
     faithfulness: Union[bool, Literal["auto"]] = "auto"
-    gradient_maps: bool = True  # also the attention x gradient maps (maps/<layer>/grad, maps/rollout_grad)
+    gradient_maps: bool = True  # also the attention x gradient maps (maps/<layer>/grad, rollout_grad, layers_grad)
     # class-token layers that also get one maps/<layer>/cls_head<i> image per head: each is a PNG encode, and
     # "all" on a 9-layer, 12-head ViT adds 108 of them (~40 s) to every logging epoch on a CPU
     head_maps: Literal["all", "last", "none"] = "last"

@@ -6,7 +6,8 @@ Every image (any size; RGB, RGBA, greyscale, palette) is resized to the model's 
 :func:`visattn.maps.record_attention`, and for each image the tool writes one PNG per attention layer that
 has a spatial map (spatial gates, token attention, pooling weights; plus ``rollout`` for the last run of
 token layers on one grid; and, from one backward pass for the predicted class, each layer's gradient-weighted
-map ``<layer>/grad`` and the gradient-weighted rollout ``rollout_grad``, unless ``--no-gradient-maps``): the
+map ``<layer>/grad``, the gradient-weighted rollout ``rollout_grad`` and, for a CNN, the layers' ``/grad`` maps
+joined on the pixels, ``layers_grad``, unless ``--no-gradient-maps``): the
 picture beside its overlay, at its own aspect ratio, upscaled by ``--scale``,
 with the predicted class and its confidence, the layer and the map's range and peakedness written above and
 the colour bar below. ``predictions.json`` lists every image's
@@ -386,7 +387,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--colormap", default="jet", help=f"one of {', '.join(COLORMAPS)}")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--no-gradient-maps", dest="gradient_maps", action="store_false",
-                   help="leave out the gradient-weighted maps (<layer>/grad, rollout_grad) and their backward pass")
+                   help="leave out the gradient-weighted maps (<layer>/grad, rollout_grad, layers_grad) and their "
+                        "backward pass")
     f = p.add_argument_group("--faithfulness")
     f.add_argument("--steps", type=int, default=16, help="deletion/insertion steps")
     f.add_argument("--regions", type=int, default=8, help="the image is cut into regions x regions squares")

@@ -4,7 +4,7 @@ from .adapters import add_taps, remove_taps
 from .faithful import FaithfulnessReport, faithfulness
 from .geometry import ConvGeometry, GridGeometry, trace_geometry
 from .overlay import COLORMAPS, colorize, images_to_float, normalize_maps, overlay
-from .readout import GRADIENT_KINDS, LayerMap, read_maps
+from .readout import GRADIENT_KINDS, LayerMap, fuse_layers, read_maps
 from .record import (
     AttentionRecorder,
     GradientRecord,
@@ -34,6 +34,7 @@ __all__ = [
     "colorize",
     "faithfulness",
     "find_taps",
+    "fuse_layers",
     "gradient_heatmap",
     "gradient_rollout",
     "images_to_float",

@@ -16,8 +16,10 @@ is random area - map area (a faithful map destroys the prediction sooner), the *
 random has scores whose interval contains zero.
 
 Maps from gradients (``gradient_maps=True``, the default): every layer's ``<layer>/grad`` (its gate or
-attention weighted by its gradient for the scored class) and ``rollout_grad`` (Chefer et al.'s
-gradient-weighted rollout), from one backward pass over the images (:func:`~visattn.maps.record.probe_pass`).
+attention weighted by its gradient for the scored class), ``rollout_grad`` (Chefer et al.'s
+gradient-weighted rollout) and, where the layers lie on more than one grid (a CNN), ``layers_grad`` (their
+``/grad`` maps joined on the pixels, :func:`~visattn.maps.readout.fuse_layers`), from one backward pass over
+the images (:func:`~visattn.maps.record.probe_pass`).
 
 Baselines, scored the same way: ``input_x_gradient`` (the input times the gradient of the true class's
 logit, summed over channels) and ``gradcam`` (Selvaraju et al. 2017, arXiv 1610.02391: the last
@@ -350,8 +352,8 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
     check. ``steps`` deletion steps over ``regions x regions`` squares; ``draws`` random orders per image;
     ``fill``: ``"mean"`` (the images' mean colour) or ``"blur"``; ``names``: score only the maps with these
     names (baselines aside); ``gradient_maps``: the default maps include the gradient-weighted ones
-    (``<layer>/grad``, ``rollout_grad``) for ``labels``. The model is run in eval mode (under the caller's
-    autocast, if any); its train/eval flags, weights and gradients are left as they were.
+    (``<layer>/grad``, ``rollout_grad``, ``layers_grad``) for ``labels``. The model is run in eval mode (under
+    the caller's autocast, if any); its train/eval flags, weights and gradients are left as they were.
     """
     if fill not in FILLS:
         raise ValueError(f"unknown fill {fill!r}; valid: {', '.join(FILLS)}")

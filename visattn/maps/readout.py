@@ -19,7 +19,9 @@ gradients=True)``) also give ``<layer>/grad`` (kind ``"attention_gradient"``: th
 its gradient for the target class, :func:`~visattn.maps.record.gradient_heatmap`) and ``rollout_grad`` (kind
 ``"gradient_rollout"``: Chefer et al.'s gradient-weighted rollout, :func:`~visattn.maps.rollout.gradient_rollout`).
 They are shares of the positive evidence (sum 1 over positions), on the ``"relative"`` scale: x the uniform
-share.
+share. A model whose gradient maps lie on more than one grid (a CNN with a block in each stage, where no
+rollout can join them) also gets ``layers_grad`` (kind ``"layers_gradient"``, :func:`fuse_layers`): the mean
+of those maps' shares, each placed on the input's pixels where its cells lie.
 """
 from __future__ import annotations
 
@@ -30,13 +32,13 @@ import torch
 from torch import nn
 
 from ..attention.tap import AttentionRecord
-from .geometry import GeometryTrace, GridGeometry, trace_geometry
+from .geometry import GeometryTrace, GridGeometry, place, trace_geometry
 from .record import gradient_heatmap, spatial_heatmap, unwrap_model
 from .rollout import attention_rollout, gradient_rollout
 from .scale import Stats, map_stats, scale_title, to_unit
 
 HEAD_MAPS = ("all", "last", "none")
-GRADIENT_KINDS = ("attention_gradient", "gradient_rollout")  # LayerMap kinds made from gradients
+GRADIENT_KINDS = ("attention_gradient", "gradient_rollout", "layers_gradient")  # LayerMap kinds made from gradients
 _POOL_CLS = {"cls", "token"}
 _POOL_MEAN = {"mean", "avg", "gap"}
 _POOL_SEQ = {"seq", "sequence", "attn", "attention"}
@@ -108,6 +110,7 @@ def _describe(kind: str, owner: str, scale: str, geometry: GridGeometry, extra: 
     what = {
         "attention_gradient": f"{extra} of {owner} for the target class's logit; {share}",
         "gradient_rollout": f"gradient-weighted attention rollout (Chefer, Gur, Wolf 2021){extra}; {share}",
+        "layers_gradient": f"mean of the layers' gate or attention x gradient shares{extra}; {share}",
         "spatial": f"spatial map of {owner}"
         + {"relative": " (softmax over positions)", "gain": " (gain per position, 2 x sigmoid: 1 = unchanged)"}.get(
             scale, " (sigmoid gate per position)"),
@@ -219,11 +222,41 @@ class _Reader:
                                   f" through {len(layers)} layer(s), read out by {how}; the grid's share of the flow"))
 
 
+def fuse_layers(maps: Sequence[LayerMap], image_hw: Sequence[int]) -> Optional[LayerMap]:
+    """``layers_grad``: the per-layer gradient maps (kind ``"attention_gradient"``) of ``maps`` joined into one
+    map on the input's pixels, or None when they lie on fewer than two grids (one grid: a transformer trunk,
+    which :func:`~visattn.maps.rollout.gradient_rollout` joins instead).
+
+    Each layer's map is placed on an ``image_hw`` picture where its cells lie
+    (:func:`~visattn.maps.geometry.place`; 0 where no cell reaches), re-normalised to sum 1 over the pixels,
+    and the layers are averaged with equal weight, so every stage has the same say whatever its resolution:
+    a share of the positive evidence per pixel (sum 1), on the ``"relative"`` scale (x the uniform share).
+    The multi-layer fusion of class activation maps in the spirit of LayerCAM (Jiang et al. 2021), applied
+    to the blocks' own gates and attention rather than to the convolutions' activations.
+    """
+    grads = [m for m in maps if m.kind == "attention_gradient"]
+    if len({tuple(m.heat.shape[-2:]) for m in grads}) < 2:
+        return None
+    hw = (int(image_hw[0]), int(image_hw[1]))
+    tiny = torch.finfo(torch.float32).tiny
+    shares = []
+    for m in grads:
+        values, covered = place(m.heat.float().clamp_min(0), m.geometry, hw, hw)  # NaN stays NaN: the logger skips it
+        values = values * covered
+        shares.append(values / values.flatten(1).sum(1).clamp_min(tiny)[:, None, None])
+    heat = torch.stack(shares).mean(0)
+    geo = GridGeometry.image(hw)
+    names = ", ".join(m.name.removesuffix("/grad") for m in grads)
+    return LayerMap("layers_grad", "layers_gradient", heat, "relative", hw[0] * hw[1], geo,
+                    _describe("layers_gradient", "", "relative", geo,
+                              f" ({len(grads)} layers, equal weight, on the input's pixels: {names})"))
+
+
 def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = None,
               input_shape: Optional[Sequence[int]] = None, head_maps: str = "none", rollout: bool = True,
               geometry: Optional[GeometryTrace] = None, gradients: bool = True) -> List[LayerMap]:
     """Every drawable map of one recorded pass, in call order (each record's map, its heads, its ``/grad``
-    map), then the rollout and the gradient rollout.
+    map), then the rollout, the gradient rollout and the layers' joined gradient map (:func:`fuse_layers`).
 
     ``records``: one pass's records (``rec.records``, or ``rec.by_pass(i)``). ``model``: the recorded model;
     it names the blocks in the descriptions, says how the model pools (for the rollout) and gives the grid
@@ -254,6 +287,10 @@ def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = N
         for ro in (reader.rollout(records), reader.rollout(records, gradient=True) if gradients else None):
             if ro is not None:
                 out.append(ro)
+    if gradients:
+        fused = fuse_layers(out, image_hw)
+        if fused is not None:
+            out.append(fused)
     return out
 
 
@@ -279,5 +316,5 @@ def channel_records(records: Sequence[AttentionRecord]) -> List[tuple]:
     return named_records(records, "channel")
 
 
-__all__ = ["GRADIENT_KINDS", "HEAD_MAPS", "LayerMap", "channel_records", "named_records", "pool_mode", "read_maps", "record_tag",
-           "rollout_layers"]
+__all__ = ["GRADIENT_KINDS", "HEAD_MAPS", "LayerMap", "channel_records", "fuse_layers", "named_records", "pool_mode",
+           "read_maps", "record_tag", "rollout_layers"]

@@ -9,7 +9,8 @@ Tags (stable across steps, so TensorBoard's step slider walks through training, 
 * ``maps/<layer>/grad`` and ``maps/rollout_grad`` (``gradient_maps=True``, the default): the gate or attention
   weighted by its gradient for the true class (the predicted one without labels), and Chefer et al.'s
   gradient-weighted rollout, from one backward pass over the probe (:func:`~visattn.maps.record.probe_pass`),
-  as shares of the positive evidence on the relative scale;
+  as shares of the positive evidence on the relative scale; ``maps/layers_grad``: for a CNN with blocks at
+  more than one resolution, those ``/grad`` maps joined on the pixels (:func:`~visattn.maps.readout.fuse_layers`);
 * ``matrix/<layer>``: the first probe image's token-by-token attention (mean over heads), with axes;
 * ``channel/<layer>`` (histograms): channel gate values;
 * ``maps/descriptions`` (text tab): one line per tag: what the map is, its scale and its grid;
@@ -173,8 +174,8 @@ def log_attention_maps(
     layers get one ``cls_head<i>`` image per head: ``"all"``, ``"last"`` or ``"none"``. ``norm``:
     ``"fixed"`` (each map kind on its declared scale) or ``"per_image"`` (stretched to each map's range).
     ``faithfulness``: also log the probe's deletion/insertion scores as scalars (extra forward passes) and
-    write them on each map's card. ``gradient_maps``: also the ``/grad`` maps and ``rollout_grad`` for the
-    ``labels`` classes (the predicted ones without labels).
+    write them on each map's card. ``gradient_maps``: also the ``/grad`` maps, ``rollout_grad`` and
+    ``layers_grad`` for the ``labels`` classes (the predicted ones without labels).
     Returns ``{"images", "histograms", "scalars", "texts": tags, "skipped": names, "faithfulness": lines}``,
     and ``"faithfulness_seconds": [seconds]`` when the scores were computed.
     """
