@@ -17,14 +17,15 @@ first ``--images`` images of the run's held-out split picked one class at a time
 whose name starts with ``vit``), with their true labels, under the run's precision; every map ``read_maps``
 gives (each gate or attention layer, the rollout), their gradient-weighted versions (``<layer>/grad``,
 ``rollout_grad``, and for a CNN the stages' ``/grad`` maps joined on the pixels, ``layers_grad``), and the gradient
-baselines ``input_x_gradient`` and ``gradcam``; ``--steps`` deletion steps
+baselines ``input_x_gradient`` and ``gradcam`` and the ``centre`` prior; ``--steps`` deletion steps
 of ``--regions`` x ``--regions`` squares, ``--draws`` random orders per image, 95% bootstrap intervals, the
 model-randomisation sanity check.
 
 Rows (one per checkpoint and map): ``model``, ``checkpoint`` (``path``, ``config``, ``seed``, ``epoch``),
 ``val_acc``, ``images``, ``map``, ``kind`` (:data:`KINDS`), ``deletion_score`` and ``insertion_score`` as
-``[mean, lo, hi]``, ``sanity_rho`` (None where undefined), the areas and the settings. A checkpoint scored
-again replaces its rows; the others stay.
+``[mean, lo, hi]``, ``sanity_rho`` (None where undefined), ``vs_centre`` (each map's deletion and insertion
+scores minus the centre prior's, image by image, ``[mean, lo, hi]``: the paired comparison), the areas and the
+settings. A checkpoint scored again replaces its rows; the others stay.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from visattn.runtime import write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "faithfulness.json"
 KINDS = ("attention", "attention_gradient", "layers_gradient", "rollout", "gradient_rollout", "input_x_gradient",
-         "gradcam")
+         "gradcam", "centre")
 # LayerMap kinds -> the table's kinds (the baselines are named by their own kind)
 KIND_OF = {"spatial": "attention", "token": "attention", "pool": "attention", "head": "attention",
            "rollout": "rollout", "attention_gradient": "attention_gradient", "layers_gradient": "layers_gradient",
@@ -81,7 +82,7 @@ def val_acc(ckpt: Path, state: Dict[str, Any]) -> Optional[float]:
 
 
 def kind_of(row: Any) -> str:
-    return row.name if row.kind == "gradient" else KIND_OF.get(row.kind, row.kind)
+    return row.name if row.kind in ("gradient", "prior") else KIND_OF.get(row.kind, row.kind)
 
 
 def _interval(iv: Any) -> List[float]:
@@ -107,10 +108,15 @@ def score(ckpt: Path, images: int, vit_images: Optional[int], options: Dict[str,
     settings = {"steps": report.steps, "regions": report.regions, "fill": report.fill, "draws": report.draws,
                 "confidence": report.confidence}
     rows = []
+    centre = any(r.name == "centre" for r in report.rows)
     for r in report.rows:
         rho = r.sanity_rho if r.sanity_rho is not None and math.isfinite(r.sanity_rho) else None
+        extra = {}
+        if centre and r.name != "centre":  # paired, image by image: the map's scores minus the centre prior's
+            d, i = report.versus(r.name, "centre")
+            extra = {"vs_centre": {"deletion": _interval(d), "insertion": _interval(i)}}
         rows.append({**head, "map": r.name, "kind": kind_of(r), "deletion_score": _interval(r.deletion_score),
-                     "insertion_score": _interval(r.insertion_score), "sanity_rho": rho,
+                     "insertion_score": _interval(r.insertion_score), "sanity_rho": rho, **extra,
                      "deletion_auc": r.deletion_auc, "insertion_auc": r.insertion_auc,
                      "random_deletion_auc": report.random_deletion_auc,
                      "random_insertion_auc": report.random_insertion_auc, "settings": settings})
@@ -172,6 +178,8 @@ def report(rows: List[Dict[str, Any]]) -> str:
                         + ("better than random on both (intervals above zero)" if sure
                            else "not better than random on both with confidence"))
         verdicts.append(_against_gradient(group))
+        if any(r["kind"] == "centre" for r in group):
+            verdicts.append(_against_gradient(group, "centre"))
     return "\n".join(out + ["", "Most faithful map per model (highest mean of the deletion and insertion scores):", *verdicts])
 
 
@@ -192,50 +200,57 @@ def _best(group: List[Dict[str, Any]], kinds: Iterable[str]) -> Optional[Dict[st
 def summary(rows: List[Dict[str, Any]]) -> str:
     """The README's table: one line per checkpoint with the best map of each family (deletion / insertion
     score, means), the most faithful map, and whether a map derived from attention is at least as faithful as
-    input x gradient on both curves."""
+    input x gradient, and as the centre prior, on both curves ("-": the checkpoint was scored without it)."""
     out = [README_BEGIN,
            "| model (config, seed) | val acc | images | raw attention | attention x gradient | rollout "
-           "| input x gradient | Grad-CAM | most faithful | attention-derived >= input x gradient on both |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| input x gradient | Grad-CAM | centre prior | most faithful | attention-derived >= input x gradient "
+           "on both | >= centre prior on both |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for group in by_checkpoint(rows):
         c, g = group[0]["checkpoint"], _best(group, ["input_x_gradient"])
         acc = "-" if group[0]["val_acc"] is None else f"{100 * group[0]['val_acc']:.2f}%"
-        both = bool(_as_faithful_on_both(group)[2])
         best = max(group, key=merit)
+        verdicts = []
+        for ref in ("input_x_gradient", "centre"):
+            _, r, both = _as_faithful_on_both(group, ref)
+            verdicts.append("-" if r is None else ("yes" if both else "no"))
         out.append(f"| {group[0]['model']} ({c['config']}, {c['seed']}) | {acc} | {group[0]['images']} "
                    f"| {_means(_best(group, ['attention']))} "
                    f"| {_means(_best(group, ['attention_gradient', 'layers_gradient']))} "
                    f"| {_means(_best(group, ['rollout', 'gradient_rollout']))} | {_means(g)} "
-                   f"| {_means(_best(group, ['gradcam']))} | `{best['map']}` ({best['kind']}) "
-                   f"| {'yes' if both else 'no'} |")
+                   f"| {_means(_best(group, ['gradcam']))} | {_means(_best(group, ['centre']))} "
+                   f"| `{best['map']}` ({best['kind']}) | {' | '.join(verdicts)} |")
     return "\n".join(out + [README_END])
 
 
-def _as_faithful_on_both(group: List[Dict[str, Any]]):
-    """(maps derived from attention, the input x gradient row or None, those derived maps whose mean scores are
-    at least input x gradient's on both curves)."""
+def _as_faithful_on_both(group: List[Dict[str, Any]], reference: str = "input_x_gradient"):
+    """(maps derived from attention, the ``reference`` baseline's row or None, those derived maps whose mean
+    scores are at least the reference's on both curves)."""
     derived = [r for r in group if r["kind"] in ATTENTION_KINDS]
-    g = _best(group, ["input_x_gradient"])
+    g = _best(group, [reference])
     both = [] if g is None else [r for r in derived if r["deletion_score"][0] >= g["deletion_score"][0]
                                  and r["insertion_score"][0] >= g["insertion_score"][0]]
     return derived, g, both
 
 
-def _against_gradient(group: List[Dict[str, Any]]) -> str:
-    """The issue's aim, per model: is a map derived from attention at least as faithful as input x gradient on
-    both curves (mean scores)?"""
-    derived, g, both = _as_faithful_on_both(group)
+def _against_gradient(group: List[Dict[str, Any]], reference: str = "input_x_gradient") -> str:
+    """The issue's aim, per model: is a map derived from attention at least as faithful as input x gradient
+    (or another baseline, ``reference``) on both curves (mean scores)?"""
+    derived, g, both = _as_faithful_on_both(group, reference)
+    what = {"input_x_gradient": "input x gradient", "centre": "the centre prior"}.get(reference, reference)
     if not derived or g is None:
-        return "  - no attention-derived map or no input x gradient row to compare"
+        return f"  - no attention-derived map or no {what} row to compare"
+    best = max(both or derived, key=merit)
+    paired = best.get("vs_centre") if reference == "centre" else None
+    paired = ("" if paired is None else f"; paired difference, image by image: deletion {_fmt(paired['deletion'])}, "
+              f"insertion {_fmt(paired['insertion'])}")
     if both:
-        best = max(both, key=merit)
-        return (f"  - at least as faithful as input x gradient on both curves: `{best['map']}` ({best['kind']}; "
+        return (f"  - at least as faithful as {what} on both curves: `{best['map']}` ({best['kind']}; "
                 f"deletion {best['deletion_score'][0]:+.3f} vs {g['deletion_score'][0]:+.3f}, insertion "
-                f"{best['insertion_score'][0]:+.3f} vs {g['insertion_score'][0]:+.3f})")
-    best = max(derived, key=merit)
-    return (f"  - no attention-derived map is as faithful as input x gradient on both curves; the best, `{best['map']}` "
+                f"{best['insertion_score'][0]:+.3f} vs {g['insertion_score'][0]:+.3f}{paired})")
+    return (f"  - no attention-derived map is as faithful as {what} on both curves; the best, `{best['map']}` "
             f"({best['kind']}), has deletion {best['deletion_score'][0]:+.3f} vs {g['deletion_score'][0]:+.3f} and "
-            f"insertion {best['insertion_score'][0]:+.3f} vs {g['insertion_score'][0]:+.3f}")
+            f"insertion {best['insertion_score'][0]:+.3f} vs {g['insertion_score'][0]:+.3f}{paired}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:

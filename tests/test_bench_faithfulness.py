@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
 import torch
 from conftest import ROOT
 
@@ -52,7 +53,7 @@ def test_scores_every_kind_writes_rows_and_reports(tmp_path, capsys):
     assert {r["kind"] for r in rows} == set(bench.KINDS) - {"layers_gradient"}  # a ViT's layers share one grid
     names = [r["map"] for r in rows]
     assert names == ["blocks.0.attn", "blocks.0.attn/grad", "blocks.1.attn", "blocks.1.attn/grad", "rollout",
-                     "rollout_grad", "input_x_gradient", "gradcam"]
+                     "rollout_grad", "input_x_gradient", "gradcam", "centre"]
     r = rows[0]
     assert r["model"] == "vit_tiny" and r["images"] == 6 and r["val_acc"] == 0.375
     assert r["checkpoint"] == {"path": str(vit), "config": "tiny_vit_tiny", "seed": 3, "epoch": 2}
@@ -72,8 +73,14 @@ def test_scores_every_kind_writes_rows_and_reports(tmp_path, capsys):
     coord = [r for r in rows if r["model"] == "resnet_fast"]
     assert coord[0]["images"] == 8 and coord[0]["map"] == "layers.0.units.0.attn"
     assert {r["kind"] for r in coord} == {"attention", "attention_gradient", "layers_gradient", "input_x_gradient",
-                                          "gradcam"}  # a block in each stage: their gradient maps joined too
+                                          "gradcam", "centre"}  # a block in each stage: their gradient maps joined too
     assert [r["map"] for r in coord if r["kind"] == "layers_gradient"] == ["layers_grad"]
+    # every map but the prior carries its paired difference to the centre prior
+    assert all(("vs_centre" in r) == (r["map"] != "centre") for r in coord)
+    for r in coord[:-1]:
+        for key, score in (("deletion", "deletion_score"), ("insertion", "insertion_score")):
+            mean, lo, hi = r["vs_centre"][key]
+            assert lo <= mean <= hi and mean == pytest.approx(r[score][0] - coord[-1][score][0], abs=1e-9)
     capsys.readouterr()
 
     assert bench.main(["--report", "--out", str(out)]) == 0
@@ -108,6 +115,12 @@ def test_report_says_whether_a_map_from_attention_is_as_faithful_as_input_x_grad
     assert "at least as faithful as input x gradient on both curves: `rollout_grad`" in line
     assert "deletion +0.060 vs +0.060, insertion +0.050 vs +0.040" in line
     assert "no input x gradient" in bench._against_gradient([_row("a", "attention", 0.1, 0.1)])
+    # against the centre prior: rollout_grad ahead of it on deletion only, so no map is
+    centre = _row("centre", "centre", 0.05, 0.06)
+    line = bench._against_gradient(both + [centre], "centre")
+    assert line.startswith("  - no attention-derived map is as faithful as the centre prior on both curves")
+    line = bench._against_gradient(both + [_row("centre", "centre", 0.05, 0.05)], "centre")
+    assert "at least as faithful as the centre prior on both curves: `rollout_grad`" in line
 
 
 def test_summary_gives_each_checkpoint_its_best_map_per_family_and_the_verdict():
@@ -118,13 +131,14 @@ def test_summary_gives_each_checkpoint_its_best_map_per_family_and_the_verdict()
                                  _row("input_x_gradient", "input_x_gradient", 0.06, 0.04))]
     b = [{**head, "checkpoint": {"path": "b/last.pt", "config": "cfg_b", "seed": 1}, "val_acc": None, **r}
          for r in (_row("rollout", "rollout", 0.01, 0.02), _row("input_x_gradient", "input_x_gradient", 0.06, 0.04),
-                   _row("gradcam", "gradcam", 0.03, 0.2))]
+                   _row("gradcam", "gradcam", 0.03, 0.2), _row("centre", "centre", 0.05, 0.25))]
     lines = bench.summary(a + b).splitlines()
     assert lines[0] == bench.README_BEGIN and lines[-1] == bench.README_END and len(lines) == 6
+    # cfg_a was scored without the centre prior ("-"); on cfg_b the prior is the most faithful map
     assert lines[3] == ("| m (cfg_a, 0) | 80.00% | 500 | +0.020 / +0.010 | +0.070 / +0.050 | - | +0.060 / +0.040 "
-                        "| - | `x/grad` (attention_gradient) | yes |")
+                        "| - | - | `x/grad` (attention_gradient) | yes | - |")
     assert lines[4] == ("| m (cfg_b, 1) | - | 500 | - | - | +0.010 / +0.020 | +0.060 / +0.040 | +0.030 / +0.200 "
-                        "| `gradcam` (gradcam) | no |")
+                        "| +0.050 / +0.250 | `centre` (centre) | no | no |")
 
 
 def test_the_readmes_faithfulness_table_is_the_one_the_results_give():

@@ -82,7 +82,7 @@ def test_randomisation_check_and_gradcam_on_a_real_model():
     # each gate, then its gradient-weighted map (gradient_maps=True by default), the three stages' gradient maps
     # joined on the pixels, then the baselines
     assert names == ([n for layer in layers for n in (layer, f"{layer}/grad")]
-                     + ["layers_grad", "input_x_gradient", "gradcam"])
+                     + ["layers_grad", "input_x_gradient", "gradcam", "centre"])
     for r in report.rows:
         assert r.sanity_rho is not None and (math.isnan(r.sanity_rho) or -1.0 <= r.sanity_rho <= 1.0)
         assert all(0.0 <= p <= 1.0 for p in r.deletion_curve + r.insertion_curve)
@@ -124,3 +124,57 @@ def test_gradcam_explains_the_backbones_last_convolution_not_a_gates(attention):
     cam = gradient_map(model, x, labels, "gradcam")
     assert expected.flatten(1).std(1).max() > 0  # a map that ranks regions, so the comparison can fail
     torch.testing.assert_close(cam.heat, expected)
+
+
+def test_the_centre_prior_ignores_model_and_image_and_scores_by_where_the_evidence_lies():
+    """The ``centre`` baseline: one centred Gaussian for every image (sigma a quarter of the shorter side), so
+    the sanity check gives rho 1; it beats random orders when the class evidence is in the middle and loses
+    to them when it is in a corner."""
+    from visattn.maps.faithful import centre_prior
+
+    prior = centre_prior((32, 48), 3)
+    assert prior.name == "centre" and prior.heat.shape == (3, 32, 48) and torch.equal(prior.heat[0], prior.heat[2])
+    peak = divmod(int(prior.heat[0].argmax()), 48)
+    assert peak in {(15, 23), (15, 24), (16, 23), (16, 24)}
+    assert torch.allclose(prior.heat[0], prior.heat[0].flip(0)) and torch.allclose(prior.heat[0], prior.heat[0].flip(1))
+    # sigma = 32 / 4 = 8 px, centred at column 23.5: the ratio of two values on a row follows
+    row = prior.heat[0, 15]
+    assert float(row[23] / row[15]) == pytest.approx(math.exp(((15 - 23.5) ** 2 - (23 - 23.5) ** 2) / (2 * 8 ** 2)))
+
+    class Looks(nn.Module):  # the class-0 logit is the mean brightness of one 8x8 square
+        def __init__(self, ys: slice, xs: slice):
+            super().__init__()
+            self.ys, self.xs = ys, xs
+            self.w = nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            s = (x[:, :, self.ys, self.xs].mean((1, 2, 3)) - 1.0) * self.w * 4
+            return torch.stack([s, -s], 1)
+
+    x = torch.rand(24, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    x[:, :, 12:20, 12:20] = x[:, :, :8, :8] = 2.0  # both squares bright in every image; the fill is the mean colour
+    kw = dict(steps=8, regions=4, draws=3, bootstrap_draws=200, baselines=("centre",), maps=[], sanity=True)
+    middle = visattn.faithfulness(Looks(slice(12, 20), slice(12, 20)), x, torch.zeros(24, dtype=torch.long), **kw)
+    corner = visattn.faithfulness(Looks(slice(0, 8), slice(0, 8)), x, torch.zeros(24, dtype=torch.long), **kw)
+    m, c = middle.row("centre"), corner.row("centre")
+    assert m.deletion_score.lo > 0 and m.insertion_score.lo > 0
+    assert c.deletion_score.hi < 0 and c.insertion_score.hi < 0
+    assert m.sanity_rho == pytest.approx(1.0)
+
+
+def test_versus_compares_two_maps_image_by_image():
+    """``report.versus(a, b)``: a's scores minus b's on the same images and random orders, so a map against
+    itself is exactly zero, and the means are the difference of the rows' means."""
+    torch.manual_seed(0)
+    model = visattn.create_model("resnet_fast", num_classes=10, widths=(8, 16, 16), attention="spatial").eval()
+    report = visattn.faithfulness(model, images(8), steps=4, regions=4, draws=1, bootstrap_draws=100, sanity=False)
+    d, i = report.versus("centre", "centre")
+    assert (d.mean, d.lo, d.hi, i.mean, i.lo, i.hi) == (0.0,) * 6
+    d, i = report.versus("input_x_gradient", "centre")
+    ixg, centre = report.row("input_x_gradient"), report.row("centre")
+    assert d.mean == pytest.approx(ixg.deletion_score.mean - centre.deletion_score.mean, abs=1e-9)
+    assert i.mean == pytest.approx(ixg.insertion_score.mean - centre.insertion_score.mean, abs=1e-9)
+    assert d.lo <= d.mean <= d.hi and i.lo <= i.mean <= i.hi
+    with pytest.raises(KeyError, match="no map named nope"):
+        report.versus("nope", "centre")
+    assert "per_image" not in report.as_dict()

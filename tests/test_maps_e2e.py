@@ -332,7 +332,7 @@ def test_faithfulness_command_prints_the_table(cnn_run, tmp_path, capsys):
     assert visualize_main(args + ["--out", str(tmp_path / "f")]) == 0
     out = capsys.readouterr().out
     maps = [m for n, k in tap_kinds(CNN).items() if k != "channel" for m in (n, f"{n}/grad")]
-    maps += ["rollout", "rollout_grad", "layers_grad", "input_x_gradient", "gradcam"]
+    maps += ["rollout", "rollout_grad", "layers_grad", "input_x_gradient", "gradcam", "centre"]
     rows = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in maps]
     assert rows == maps  # one row per map, the baselines last
     doc = json.loads((tmp_path / "f" / "faithfulness.json").read_text())

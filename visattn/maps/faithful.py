@@ -1,5 +1,5 @@
-"""Are the maps faithful? Deletion and insertion curves, random baselines, a gradient baseline and the
-model-randomisation sanity check.
+"""Are the maps faithful? Deletion and insertion curves, random baselines, gradient and centre baselines and
+the model-randomisation sanity check.
 
     report = visattn.faithfulness(model, images, labels)
     print(report.table())
@@ -22,8 +22,11 @@ gradient-weighted rollout) and, where the layers lie on more than one grid (a CN
 the images (:func:`~visattn.maps.record.probe_pass`).
 
 Baselines, scored the same way: ``input_x_gradient`` (the input times the gradient of the true class's
-logit, summed over channels) and ``gradcam`` (Selvaraju et al. 2017, arXiv 1610.02391: the last
-convolution's activations weighted by their mean gradient, rectified). **Sanity check** (Adebayo et al.
+logit, summed over channels), ``gradcam`` (Selvaraju et al. 2017, arXiv 1610.02391: the last
+convolution's activations weighted by their mean gradient, rectified) and ``centre``, a prior that looks at
+neither the model nor the image: a Gaussian centred on the image, sigma a quarter of its shorter side. Where
+objects sit near the middle (CIFAR-10's do), ranking the central squares first beats random orders on both
+curves; a map earns credit for what it adds to that. **Sanity check** (Adebayo et al.
 2018, "Sanity Checks for Saliency Maps", arXiv 1810.03292): the maps of a copy of the model with all its
 weights re-initialised are compared with the trained model's by Spearman rank correlation (mean over
 images); a map that barely changes (rho near 1) does not depend on what the model learned.
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -47,7 +50,7 @@ from .readout import GRADIENT_KINDS, LayerMap, read_maps
 from .record import probe_mode, probe_pass, unwrap_model
 
 FILLS = ("mean", "blur")
-BASELINES = ("input_x_gradient", "gradcam")
+BASELINES = ("input_x_gradient", "gradcam", "centre")
 
 
 @dataclass
@@ -86,9 +89,23 @@ class FaithfulnessReport:
     random_insertion_auc: float
     random_deletion_curve: List[float]
     random_insertion_curve: List[float]
+    # per map: each image's (deletion score, insertion score), for paired comparisons (not in as_dict)
+    per_image: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    bootstrap_draws: int = 1000
+    seed: int = 0
 
     def row(self, name: str) -> FaithfulnessRow:
         return next(r for r in self.rows if r.name == name)
+
+    def versus(self, name: str, reference: str) -> Tuple[Interval, Interval]:
+        """``name``'s deletion and insertion scores minus ``reference``'s, image by image (the same images,
+        the same random orders), with bootstrap intervals: above zero = ``name`` is the more faithful."""
+        missing = [n for n in (name, reference) if n not in self.per_image]
+        if missing:
+            raise KeyError(f"no map named {', '.join(missing)}; maps: {', '.join(self.per_image)}")
+        (d, i), (rd, ri) = self.per_image[name], self.per_image[reference]
+        return (bootstrap(d - rd, self.bootstrap_draws, self.confidence, self.seed),
+                bootstrap(i - ri, self.bootstrap_draws, self.confidence, self.seed))
 
     def as_dict(self) -> Dict[str, Any]:
         """Plain data (JSON-ready: an undefined rho is None, not NaN)."""
@@ -101,7 +118,9 @@ class FaithfulnessReport:
                 return [clean(x) for x in v]
             return v
 
-        return clean(asdict(self))
+        out = asdict(replace(self, per_image={}))
+        del out["per_image"]
+        return clean(out)
 
     def table(self) -> str:
         pct = f"{self.confidence:.0%}"
@@ -252,6 +271,26 @@ def _logit_grad(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, wrt: Li
     return list(torch.autograd.grad(out.float().gather(1, labels[:, None]).sum(), wrt))
 
 
+def centre_prior(image_hw: Sequence[int], batch: int, device: Any = None) -> LayerMap:
+    """The ``centre`` baseline: the same map for every image and model, a Gaussian on the image's centre with
+    sigma a quarter of its shorter side (8 px on 32x32), ``(batch, H, W)``."""
+    h, w = int(image_hw[0]), int(image_hw[1])
+    sigma = min(h, w) / 4
+    ys = torch.arange(h, dtype=torch.float32, device=device) - (h - 1) / 2
+    xs = torch.arange(w, dtype=torch.float32, device=device) - (w - 1) / 2
+    heat = torch.exp(-(ys[:, None] ** 2 + xs[None, :] ** 2) / (2 * sigma ** 2))
+    return LayerMap("centre", "prior", heat.expand(batch, h, w).contiguous(), "gate", 0, GridGeometry.image((h, w)),
+                    f"a centred Gaussian (sigma {sigma:g} px): neither the model nor the image")
+
+
+def baseline_map(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, method: str) -> Optional[LayerMap]:
+    """A baseline of :data:`BASELINES` as a :class:`LayerMap`: the ``centre`` prior, or a gradient map
+    (:func:`gradient_map`); None when the model has no convolution with a spatial output for Grad-CAM."""
+    if method == "centre":
+        return centre_prior(images.shape[-2:], images.shape[0], images.device)
+    return gradient_map(model, images, labels, method)
+
+
 def gradient_map(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, method: str) -> Optional[LayerMap]:
     """A gradient baseline as a :class:`LayerMap` (``"input_x_gradient"`` or ``"gradcam"``); None when the
     model has no convolution with a spatial output for Grad-CAM."""
@@ -348,8 +387,8 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
 
     ``maps``: the maps to score (default: every map :func:`read_maps` gives for one recorded pass);
     ``extra_maps``: more, by name (``(B, h, w)`` tensors stretched over the image, or ``LayerMap``s);
-    ``baselines``: gradient baselines to add (:data:`BASELINES`); ``sanity``: run the model-randomisation
-    check. ``steps`` deletion steps over ``regions x regions`` squares; ``draws`` random orders per image;
+    ``baselines``: baselines to add (:data:`BASELINES`: two gradient maps and the centre prior); ``sanity``:
+    run the model-randomisation check. ``steps`` deletion steps over ``regions x regions`` squares; ``draws`` random orders per image;
     ``fill``: ``"mean"`` (the images' mean colour) or ``"blur"``; ``names``: score only the maps with these
     names (baselines aside); ``gradient_maps``: the default maps include the gradient-weighted ones
     (``<layer>/grad``, ``rollout_grad``, ``layers_grad``) for ``labels``. The model is run in eval mode (under
@@ -375,7 +414,7 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
         if unknown:
             raise ValueError(f"no map named {', '.join(sorted(unknown))}; maps: {', '.join(m.name for m in maps)}")
         maps = [m for m in maps if m.name in set(names)]
-    maps += [g for g in (gradient_map(model, x, labels, b) for b in baselines) if g is not None]
+    maps += [g for g in (baseline_map(model, x, labels, b) for b in baselines) if g is not None]
     scorer = _Scorer(model, x, labels, fill, regions, steps, batch_size)
     gen = torch.Generator().manual_seed(seed)
     rnd = [scorer.curves(torch.rand(x.shape[0], regions * regions, generator=gen).argsort(1).argsort(1).to(x.device))
@@ -383,18 +422,21 @@ def faithfulness(model: nn.Module, images: torch.Tensor, labels: Optional[torch.
     rnd_del = torch.stack([r[0] for r in rnd]).mean(0)  # (B, steps + 1), mean over draws
     rnd_ins = torch.stack([r[1] for r in rnd]).mean(0)
     rhos = _sanity(model, x, labels, maps, seed) if sanity else {}
-    rows = []
+    rows, per_image = [], {}
     for lm in maps:
         if not lm.finite():
             continue
         d, ins = scorer.curves(_ranks(_region_scores(_placed(lm, image_hw), regions), gen))
+        scores = ((auc(rnd_del) - auc(d)).cpu(), (auc(ins) - auc(rnd_ins)).cpu())
+        per_image[lm.name] = scores
         rows.append(FaithfulnessRow(
             lm.name, lm.kind, float(auc(d).mean()), float(auc(ins).mean()),
-            bootstrap(auc(rnd_del) - auc(d), bootstrap_draws, confidence, seed),  # the same resamples for every map
-            bootstrap(auc(ins) - auc(rnd_ins), bootstrap_draws, confidence, seed),
+            bootstrap(scores[0], bootstrap_draws, confidence, seed),  # the same resamples for every map
+            bootstrap(scores[1], bootstrap_draws, confidence, seed),
             rhos.get(lm.name) if sanity else None, d.mean(0).tolist(), ins.mean(0).tolist()))
     return FaithfulnessReport(rows, x.shape[0], steps, regions, fill, draws, confidence, float(auc(rnd_del).mean()),
-                              float(auc(rnd_ins).mean()), rnd_del.mean(0).tolist(), rnd_ins.mean(0).tolist())
+                              float(auc(rnd_ins).mean()), rnd_del.mean(0).tolist(), rnd_ins.mean(0).tolist(),
+                              per_image, bootstrap_draws, seed)
 
 
 def _sanity(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, maps: Sequence[LayerMap],
@@ -404,7 +446,7 @@ def _sanity(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, maps: Seque
     gradients = any(m.kind in GRADIENT_KINDS for m in maps)
     theirs = {m.name: m for m in attention_maps(twin, x, labels=labels, gradients=gradients)}
     for b in {m.name for m in maps} & set(BASELINES):
-        g = gradient_map(twin, x, labels, b)
+        g = baseline_map(twin, x, labels, b)
         if g is not None:
             theirs[b] = g
     out = {}
@@ -416,4 +458,4 @@ def _sanity(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, maps: Seque
 
 
 __all__ = ["BASELINES", "FILLS", "FaithfulnessReport", "FaithfulnessRow", "Interval", "attention_maps", "auc",
-           "bootstrap", "faithfulness", "gradient_map"]
+           "baseline_map", "bootstrap", "centre_prior", "faithfulness", "gradient_map"]
