@@ -178,3 +178,16 @@ def test_versus_compares_two_maps_image_by_image():
     with pytest.raises(KeyError, match="no map named nope"):
         report.versus("nope", "centre")
     assert "per_image" not in report.as_dict()
+
+
+def test_an_unknown_baseline_is_named_and_the_centre_is_not_a_gradient_map():
+    from visattn.maps.faithful import baseline_map, gradient_map
+
+    model = visattn.create_model("resnet_fast", num_classes=10, widths=(8, 16, 16), attention="spatial").eval()
+    x, y = images(2), torch.tensor([0, 1])
+    assert baseline_map(model, x, y, "centre").name == "centre"
+    with pytest.raises(ValueError, match=r"unknown gradient map 'nope'; valid: input_x_gradient, gradcam; baselines: "
+                                         r"input_x_gradient, gradcam, centre"):
+        baseline_map(model, x, y, "nope")
+    with pytest.raises(ValueError, match=r"unknown gradient map 'centre'; valid: input_x_gradient, gradcam$"):
+        gradient_map(model, x, y, "centre")

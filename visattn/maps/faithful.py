@@ -309,7 +309,8 @@ def gradient_map(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, m
     finally:
         for m, training in modes:
             m.training = training
-    raise ValueError(f"unknown baseline {method!r}; valid: {', '.join(BASELINES)}")
+    valid = "input_x_gradient, gradcam" + ("" if method == "centre" else "; baselines: " + ", ".join(BASELINES))
+    raise ValueError(f"unknown gradient map {method!r}; valid: {valid}")
 
 
 def _gradcam(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> Optional[LayerMap]:
