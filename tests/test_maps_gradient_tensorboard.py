@@ -1,6 +1,7 @@
 """TensorBoard: gradient-weighted maps beside the raw ones (``maps/<layer>/grad``, ``maps/rollout_grad``), each
 described in the text tab, and every card carrying how faithful its map is on the probe (deletion and insertion
-scores against random orders, with their intervals) under its pictures, read back with TensorBoard's reader."""
+scores against random orders and paired against the centre prior, with their intervals) under its pictures, read
+back with TensorBoard's reader."""
 import io
 
 import numpy as np
@@ -38,10 +39,18 @@ def descriptions(acc) -> str:
     return acc.Tensors("maps/descriptions/text_summary")[-1].tensor_proto.string_val[0].decode()
 
 
-def notes_band(picture: np.ndarray, lines: int = 3) -> np.ndarray:
+NOTES = 5  # a card's faithfulness lines: the header, deletion vs random, vs the prior, insertion, vs the prior
+
+
+def notes_band(picture: np.ndarray, lines: int = NOTES) -> np.ndarray:
     """The rows between the last cells and the colour bar, where a card's notes are written."""
     bar = colour_bar(picture.shape[1], "gate").shape[0]
     return picture[-(bar + LINE_H * lines + 2) : -bar]
+
+
+def note_line(band: np.ndarray, k: int) -> np.ndarray:
+    """Line ``k`` of a notes band (0: the header)."""
+    return band[LINE_H * k + 1 : LINE_H * (k + 1) + 1]
 
 
 def green(a):
@@ -62,25 +71,56 @@ def test_cards_say_how_faithful_their_map_is(tmp_path):
     writer.close()
     on, off = read_events(tmp_path / "on"), read_events(tmp_path / "off")
     assert set(on.Tags()["images"]) == set(off.Tags()["images"]) == {"maps/tap", "maps/tap/grad"}
-    assert {"faithfulness/tap/deletion", "faithfulness/tap/grad/insertion"} <= set(on.Tags()["scalars"])
+    # the maps' scores and the centre prior's (a scalar only: it has no picture)
+    assert set(on.Tags()["scalars"]) == {f"faithfulness/{m}/{s}" for m in ("tap", "tap/grad", "centre")
+                                         for s in ("deletion", "insertion")}
     for tag in ("maps/tap", "maps/tap/grad"):
         with_notes, plain = decode(on.Images(tag)[0]), decode(off.Images(tag)[0])
-        assert with_notes.shape[0] == plain.shape[0] + 3 * LINE_H + 2  # three lines above the colour bar
+        assert with_notes.shape[0] == plain.shape[0] + NOTES * LINE_H + 2  # five lines above the colour bar
         assert has_colour_bar(with_notes) and on.Images(tag)[0].step == 5
         assert np.array_equal(with_notes[: plain.shape[0] - colour_bar(plain.shape[1], "gate").shape[0]],
                               plain[: plain.shape[0] - colour_bar(plain.shape[1], "gate").shape[0]])  # cells as before
-    # the gradient map ranks the deciding cell first: better than random, written in green; the raw gate
-    # ranks it last: worse than random, in red (no labels given, so the captions above are neither)
+    # the deciding cell (2, 1) of the 4x4 grid is one of the four central cells, all of which the centre prior
+    # removes first. The gradient map ranks it first: better than random (green), but no better than the prior
+    # (grey: the same curves, difference exactly 0). The raw gate ranks it last: worse than random and than
+    # the prior (red). No labels are given, so the captions above are neither colour.
     grad_band, raw_band = notes_band(decode(on.Images("maps/tap/grad")[0])), notes_band(decode(on.Images("maps/tap")[0]))
-    assert green(grad_band).sum() > 20 and not red(grad_band).any()
-    assert red(raw_band).sum() > 20 and not green(raw_band).any()
+    for k in (1, 3):
+        assert green(note_line(grad_band, k)).sum() > 20 and not red(note_line(grad_band, k)).any()
+        assert red(note_line(raw_band, k)).sum() > 20 and not green(note_line(raw_band, k)).any()
+    for k in (2, 4):
+        assert not green(note_line(grad_band, k)).any() and not red(note_line(grad_band, k)).any()
+        assert note_line(grad_band, k).max() > 100  # grey text is there
+        assert red(note_line(raw_band, k)).sum() > 20 and not green(note_line(raw_band, k)).any()
     about = descriptions(on)
     line = next(s for s in about.splitlines() if s.startswith("| `maps/tap/grad` |"))
     assert "on the probe: deletion +" in line and "insertion +" in line and "explained class: the predicted class" in line
+    assert "minus the centre prior's: deletion +0.000 [+0.000, +0.000]" in line
     raw_line = next(s for s in about.splitlines() if s.startswith("| `maps/tap` |"))
-    assert "on the probe: deletion -" in raw_line
-    assert any(s.startswith("maps/tap/grad: deletion +") for s in summary["faithfulness"])
+    assert "on the probe: deletion -" in raw_line and "minus the centre prior's: deletion -" in raw_line
+    assert "| `faithfulness/centre/deletion` |" in about
+    assert any(s.startswith("maps/tap/grad: deletion +") and "vs the centre prior: deletion +0.000" in s
+               for s in summary["faithfulness"])
+    assert any(s.startswith("centre prior: deletion +") for s in summary["faithfulness"])
     assert "on the probe" not in descriptions(off)
+
+
+def test_cards_without_the_prior_keep_three_lines(tmp_path, monkeypatch):
+    """With the prior taken out of the probe's settings, the cards say the scores against random orders only."""
+    import visattn.maps.tensorboard as tb
+
+    monkeypatch.setitem(tb.FAITHFULNESS_PROBE, "baselines", ())
+    model, x = DecidingGate(grid=(4, 4)), images(8, hw=(32, 32))
+    writer = SummaryWriter(str(tmp_path / "on"))
+    summary = log_attention_maps(writer, model, x, None, 5, faithfulness=True)
+    writer.close()
+    writer = SummaryWriter(str(tmp_path / "off"))
+    log_attention_maps(writer, model, x, None, 5)
+    writer.close()
+    on, off = read_events(tmp_path / "on"), read_events(tmp_path / "off")
+    with_notes, plain = decode(on.Images("maps/tap/grad")[0]), decode(off.Images("maps/tap/grad")[0])
+    assert with_notes.shape[0] == plain.shape[0] + 3 * LINE_H + 2
+    assert not any("centre" in t for t in on.Tags()["scalars"]) and "centre" not in " ".join(summary["faithfulness"])
 
 
 def test_gradient_maps_and_rollout_are_logged_and_described(tmp_path):
@@ -111,4 +151,5 @@ def test_real_models_with_faithfulness(tmp_path, name, kwargs, expect):
     writer.close()
     tags = set(read_events(tmp_path).Tags()["images"])
     assert expect <= tags and tags == set(summary["images"]) and model.training
-    assert len(summary["faithfulness"]) == len(tags) - sum(t.startswith("matrix/") for t in tags)
+    # one line per map picture, and one for the centre prior
+    assert len(summary["faithfulness"]) == len(tags) - sum(t.startswith("matrix/") for t in tags) + 1

@@ -15,8 +15,10 @@ Tags (stable across steps, so TensorBoard's step slider walks through training, 
 * ``channel/<layer>`` (histograms): channel gate values;
 * ``maps/descriptions`` (text tab): one line per tag: what the map is, its scale and its grid;
 * ``faithfulness/<map>/deletion`` and ``/insertion`` (scalars, with ``faithfulness=True``): the probe's
-  deletion and insertion scores against random orders (:func:`visattn.faithfulness`); each map's card then
-  also says them, with their intervals, under its pictures (green: better than random, interval included;
+  deletion and insertion scores against random orders (:func:`visattn.faithfulness`), and ``faithfulness/centre/``
+  the same for the centre prior (a Gaussian on the image centre, the same for every image: the score a map must
+  beat to say more than "the object is in the middle"); each map's card then also says its scores with their
+  intervals under its pictures, and its paired difference to the centre prior (green: better, interval included;
   red: worse), and so does its line in the text tab.
 
 Every ``maps/`` picture lays the probe images out in as many columns as fit TensorBoard's default card
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,8 +42,11 @@ from .readout import GRADIENT_KINDS, HEAD_MAPS, LayerMap, channel_records, named
 from .record import probe_pass
 from .scale import check_norm, scale_title, to_unit
 
-# small settings for a probe batch: 4x4 squares removed 4 at a time, 2 random orders per image
-FAITHFULNESS_PROBE = {"steps": 4, "regions": 4, "draws": 2, "bootstrap_draws": 200, "sanity": False, "baselines": ()}
+# small settings for a probe batch: 4x4 squares removed 4 at a time, 2 random orders per image; the centre prior
+# scored beside the maps (no model pass of its own), so each card can say whether its map beats it
+FAITHFULNESS_PROBE = {"steps": 4, "regions": 4, "draws": 2, "bootstrap_draws": 200, "sanity": False,
+                      "baselines": ("centre",)}
+PRIOR = "centre"
 
 
 def _labels(logits: Any, labels: Optional[torch.Tensor], b: int, class_names, width: int) -> List[List[Line]]:
@@ -83,40 +88,66 @@ def _describe(writer: Any, about: Dict[str, str], step: int) -> None:
     writer.add_text("maps/descriptions", "| tag | what it shows |\n|---|---|\n" + rows, step)
 
 
-def faithfulness_notes(row: Any, images: int) -> List[Line]:
+def faithfulness_notes(row: Any, images: int, versus_prior: Optional[Sequence[Any]] = None) -> List[Line]:
     """The lines a map's card carries about its faithfulness on the probe: deletion and insertion scores
-    against random orders with their intervals (green: better than random, red: worse, grey: not told apart)."""
+    against random orders with their intervals and, given ``versus_prior`` (the paired deletion and insertion
+    differences to the centre prior, :meth:`~visattn.maps.faithful.FaithfulnessReport.versus`), those too
+    (green: better, interval included; red: worse; grey: not told apart)."""
     def colour(iv) -> tuple:
         return RIGHT if iv.lo > 0 else (WRONG if iv.hi < 0 else DIM)
 
-    return [(f"faithfulness, {images} probe images, vs random:", DIM),
-            (f"deletion {row.deletion_score}", colour(row.deletion_score)),
-            (f"insertion {row.insertion_score}", colour(row.insertion_score))]
+    if versus_prior is None:
+        return [(f"faithfulness, {images} probe images, vs random:", DIM),
+                (f"deletion {row.deletion_score}", colour(row.deletion_score)),
+                (f"insertion {row.insertion_score}", colour(row.insertion_score))]
+    d, i = versus_prior
+    return [(f"faithfulness, {images} probe images:", DIM),
+            (f"deletion vs random {row.deletion_score}", colour(row.deletion_score)),
+            (f"  vs centre prior {d}", colour(d)),
+            (f"insertion vs random {row.insertion_score}", colour(row.insertion_score)),
+            (f"  vs centre prior {i}", colour(i))]
 
 
 def _faithfulness(writer: Any, model, images, labels, maps: List[LayerMap], step: int,
-                  summary: Dict[str, List[str]], about: Dict[str, str]) -> Dict[str, List[Line]]:
-    """Score the maps on the probe, log the scalars; returns each map's card notes by map name."""
+                  summary: Dict[str, List[str]], about: Dict[str, str]) -> Dict[str, Tuple[List[Line], str]]:
+    """Score the maps and the centre prior on the probe, log the scalars; returns each map's card notes and
+    text-tab words by map name."""
     from .faithful import faithfulness
 
     report = faithfulness(model, images, labels, maps=maps, **FAITHFULNESS_PROBE)
-    notes = {}
+    scored = {r.name for r in report.rows}
+    out = {}
     for row in report.rows:
         for what, score in (("deletion", row.deletion_score), ("insertion", row.insertion_score)):
             tag = f"faithfulness/{row.name}/{what}"
             writer.add_scalar(tag, score.mean, step)
             summary["scalars"].append(tag)
-        notes[row.name] = faithfulness_notes(row, report.images)
-        summary["faithfulness"].append(f"maps/{row.name}: deletion {row.deletion_score}, insertion {row.insertion_score}")
+        if row.kind == "prior":
+            summary["faithfulness"].append(f"{row.name} prior: deletion {row.deletion_score}, "
+                                           f"insertion {row.insertion_score}")
+            continue
+        versus = report.versus(row.name, PRIOR) if PRIOR in scored else None
+        words = f"deletion {row.deletion_score}, insertion {row.insertion_score} (> 0: better than random)"
+        line = f"maps/{row.name}: deletion {row.deletion_score}, insertion {row.insertion_score}"
+        if versus is not None:
+            words += (f"; minus the centre prior's: deletion {versus[0]}, insertion {versus[1]} "
+                      "(> 0: more faithful than the prior)")
+            line += f"; vs the centre prior: deletion {versus[0]}, insertion {versus[1]}"
+        summary["faithfulness"].append(line)
+        out[row.name] = (faithfulness_notes(row, report.images, versus), words)
     about["faithfulness/<map>/deletion"] = ("probe images: random-order deletion area - the map's deletion area (true "
                                             "class probability as squares are removed most attended first); > 0: "
                                             "better than random")
     about["faithfulness/<map>/insertion"] = "probe images: the map's insertion area - random-order insertion area"
-    return notes
+    if PRIOR in scored:
+        about[f"faithfulness/{PRIOR}/deletion"] = ("the same scores of the centre prior, a Gaussian on the image "
+                                                   "centre (sigma a quarter of the shorter side), the same for every "
+                                                   "image: a map below it says no more than where objects usually are")
+    return out
 
 
 def _map_images(writer: Any, maps: List[LayerMap], base: torch.Tensor, image_hw, captions, step: int,
-                style: Dict[str, Any], notes: Dict[str, List[Line]], explained: str,
+                style: Dict[str, Any], notes: Dict[str, Tuple[List[Line], str]], explained: str,
                 summary: Dict[str, List[str]], about: Dict[str, str]) -> None:
     for lm in maps:
         if not lm.finite():
@@ -124,12 +155,13 @@ def _map_images(writer: Any, maps: List[LayerMap], base: torch.Tensor, image_hw,
                           RuntimeWarning)
             summary["skipped"].append(lm.name)
             continue
-        picture = map_picture(base, lm, image_hw, captions, notes=notes.get(lm.name, ()), **style)
+        card, words = notes.get(lm.name, ((), ""))
+        picture = map_picture(base, lm, image_hw, captions, notes=card, **style)
         writer.add_image(lm.tag, picture, step, dataformats="HWC")
         summary["images"].append(lm.tag)
         about[lm.tag] = lm.description + (f"; explained class: {explained}" if lm.kind in GRADIENT_KINDS else "")
-        if lm.name in notes:
-            about[lm.tag] += "; on the probe: " + ", ".join(t for t, _ in notes[lm.name][1:]) + " (> 0: better than random)"
+        if words:
+            about[lm.tag] += "; on the probe: " + words
 
 
 def _channels(writer: Any, records, step: int, summary: Dict[str, List[str]], about: Dict[str, str]) -> None:
@@ -197,9 +229,9 @@ def log_attention_maps(
                                      "faithfulness": []}
     about: Dict[str, str] = {}
     maps = read_maps(rec.records, model, images.shape, head_maps=head_maps)
-    notes: Dict[str, List[Line]] = {}
-    if faithfulness and maps:
-        scored = [m for m in maps if m.finite() and m.kind != "head"]
+    notes: Dict[str, Tuple[List[Line], str]] = {}
+    scored = [m for m in maps if m.finite() and m.kind != "head"] if faithfulness else []
+    if scored:  # nothing to score (no maps, or none finite): no scores, not even the prior's
         start = time.perf_counter()
         notes = _faithfulness(writer, model, images, labels_, scored, step, summary, about)
         summary["faithfulness_seconds"] = [time.perf_counter() - start]
