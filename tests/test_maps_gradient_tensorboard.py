@@ -61,7 +61,9 @@ def red(a):
     return (a[..., 0] > 200) & (a[..., 1] < 160) & (a[..., 2] < 160)
 
 
-def test_cards_say_how_faithful_their_map_is(tmp_path):
+def logged_with_and_without_scores(tmp_path):
+    """The planted gate's maps logged twice at step 5, with the faithfulness scores and without: the first
+    call's summary, and both logs read back."""
     model, x = DecidingGate(grid=(4, 4)), images(8, hw=(32, 32))
     writer = SummaryWriter(str(tmp_path / "on"))
     summary = log_attention_maps(writer, model, x, None, 5, faithfulness=True)
@@ -69,7 +71,11 @@ def test_cards_say_how_faithful_their_map_is(tmp_path):
     writer = SummaryWriter(str(tmp_path / "off"))
     log_attention_maps(writer, model, x, None, 5)
     writer.close()
-    on, off = read_events(tmp_path / "on"), read_events(tmp_path / "off")
+    return summary, read_events(tmp_path / "on"), read_events(tmp_path / "off")
+
+
+def test_cards_say_how_faithful_their_map_is(tmp_path):
+    summary, on, off = logged_with_and_without_scores(tmp_path)
     assert set(on.Tags()["images"]) == set(off.Tags()["images"]) == {"maps/tap", "maps/tap/grad"}
     # the maps' scores and the centre prior's (a scalar only: it has no picture)
     assert set(on.Tags()["scalars"]) == {f"faithfulness/{m}/{s}" for m in ("tap", "tap/grad", "centre")
@@ -110,14 +116,7 @@ def test_cards_without_the_prior_keep_three_lines(tmp_path, monkeypatch):
     import visattn.maps.tensorboard as tb
 
     monkeypatch.setitem(tb.FAITHFULNESS_PROBE, "baselines", ())
-    model, x = DecidingGate(grid=(4, 4)), images(8, hw=(32, 32))
-    writer = SummaryWriter(str(tmp_path / "on"))
-    summary = log_attention_maps(writer, model, x, None, 5, faithfulness=True)
-    writer.close()
-    writer = SummaryWriter(str(tmp_path / "off"))
-    log_attention_maps(writer, model, x, None, 5)
-    writer.close()
-    on, off = read_events(tmp_path / "on"), read_events(tmp_path / "off")
+    summary, on, off = logged_with_and_without_scores(tmp_path)
     with_notes, plain = decode(on.Images("maps/tap/grad")[0]), decode(off.Images("maps/tap/grad")[0])
     assert with_notes.shape[0] == plain.shape[0] + 3 * LINE_H + 2
     assert not any("centre" in t for t in on.Tags()["scalars"]) and "centre" not in " ".join(summary["faithfulness"])
