@@ -161,6 +161,20 @@ def test_the_centre_prior_ignores_model_and_image_and_scores_by_where_the_eviden
     assert c.deletion_score.hi < 0 and c.insertion_score.hi < 0
     assert m.sanity_rho == pytest.approx(1.0)
 
+    # the printed table pairs every map against the prior: a map on the corner square is above the prior for the
+    # model that reads the corner and below it for the one that reads the middle
+    on_corner = torch.zeros(24, 4, 4)
+    on_corner[:, 0, 0] = 1.0
+    kw.update(extra_maps={"corner map": on_corner}, sanity=False)
+    for model, verdict in ((Looks(slice(0, 8), slice(0, 8)), "above on both"),
+                           (Looks(slice(12, 20), slice(12, 20)), "below on both")):
+        report = visattn.faithfulness(model, x, torch.zeros(24, dtype=torch.long), **kw)
+        d, i = report.versus("corner map", "centre")
+        section = report.table().split("paired against the centre prior")[1]
+        row = next(line for line in section.splitlines() if line.startswith("corner map"))
+        assert str(d) in row and str(i) in row and row.endswith(verdict), row
+        assert not any(line.startswith("centre") for line in section.splitlines())  # the prior is not paired with itself
+
 
 def test_versus_compares_two_maps_image_by_image():
     """``report.versus(a, b)``: a's scores minus b's on the same images and random orders, so a map against
@@ -178,6 +192,9 @@ def test_versus_compares_two_maps_image_by_image():
     with pytest.raises(KeyError, match="no map named nope"):
         report.versus("nope", "centre")
     assert "per_image" not in report.as_dict()
+    no_prior = visattn.faithfulness(model, images(8), steps=4, regions=4, draws=1, bootstrap_draws=100, sanity=False,
+                                    baselines=("input_x_gradient",))
+    assert "paired against the centre prior" in report.table() and "paired against" not in no_prior.table()
 
 
 def test_an_unknown_baseline_is_named_and_the_centre_is_not_a_gradient_map():

@@ -51,6 +51,7 @@ from .record import probe_mode, probe_pass, unwrap_model
 
 FILLS = ("mean", "blur")
 BASELINES = ("input_x_gradient", "gradcam", "centre")
+PRIOR = "centre"  # the centre prior's name, as a map and as a baseline
 
 
 @dataclass
@@ -137,6 +138,17 @@ class FaithfulnessReport:
         lines.append("deletion score = random area - map area, insertion score = map area - random area: above zero "
                      "(interval too) = better than random; sanity rho: rank correlation with the map of the model "
                      "with re-initialised weights (near 1 = the map ignores what was learned)")
+        others = [r.name for r in self.rows if r.kind != "prior"]
+        if PRIOR in self.per_image and others:
+            lines += [f"paired against the centre prior (the same images and random orders; {pct} bootstrap "
+                      "intervals): each map's score minus the prior's",
+                      f"{'map':<34}{'deletion':>26}{'insertion':>26}  verdict"]
+            for name in others:
+                d, i = self.versus(name, PRIOR)
+                d_says, i_says = (("above" if v.lo > 0 else "below" if v.hi < 0 else "not told apart") for v in (d, i))
+                verdict = (f"{d_says} on both" if d_says == i_says != "not told apart" else d_says if d_says == i_says
+                           else f"{d_says} on deletion, {i_says} on insertion")
+                lines.append(f"{name[-34:]:<34}{str(d):>26}{str(i):>26}  {verdict}")
         return "\n".join(lines)
 
 

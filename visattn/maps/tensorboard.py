@@ -37,6 +37,7 @@ import torch
 
 from ..attention.tap import AttentionRecord
 from .draw import DIM, GAP, RIGHT, TEXT, WRONG, Line, label_lines, map_picture, matrix_picture
+from .faithful import PRIOR
 from .overlay import images_to_float
 from .readout import GRADIENT_KINDS, HEAD_MAPS, LayerMap, channel_records, named_records, read_maps
 from .record import probe_pass
@@ -45,8 +46,7 @@ from .scale import check_norm, scale_title, to_unit
 # small settings for a probe batch: 4x4 squares removed 4 at a time, 2 random orders per image; the centre prior
 # scored beside the maps (no model pass of its own), so each card can say whether its map beats it
 FAITHFULNESS_PROBE = {"steps": 4, "regions": 4, "draws": 2, "bootstrap_draws": 200, "sanity": False,
-                      "baselines": ("centre",)}
-PRIOR = "centre"
+                      "baselines": (PRIOR,)}
 
 
 def _labels(logits: Any, labels: Optional[torch.Tensor], b: int, class_names, width: int) -> List[List[Line]]:
