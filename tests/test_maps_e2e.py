@@ -333,8 +333,12 @@ def test_faithfulness_command_prints_the_table(cnn_run, tmp_path, capsys):
     out = capsys.readouterr().out
     maps = [m for n, k in tap_kinds(CNN).items() if k != "channel" for m in (n, f"{n}/grad")]
     maps += ["rollout", "rollout_grad", "layers_grad", "input_x_gradient", "gradcam", "centre"]
-    rows = [line.split()[0] for line in out.splitlines() if line.split() and line.split()[0] in maps]
-    assert rows == maps  # one row per map, the baselines last
+    scores, paired = out.split("paired against the centre prior")
+    def names(text):
+        return [line.split()[0] for line in text.splitlines() if line.split() and line.split()[0] in maps]
+
+    assert names(scores) == maps  # one row per map, the baselines last
+    assert names(paired) == maps[:-1]  # then each map (the prior aside) paired against the prior
     doc = json.loads((tmp_path / "f" / "faithfulness.json").read_text())
     assert doc["images"] == 4 and [r["name"] for r in doc["rows"]] == maps
     assert all(len(r["deletion_curve"]) == 3 and "sanity_rho" in r for r in doc["rows"])
