@@ -44,7 +44,8 @@ from .record import probe_pass
 from .scale import check_norm, scale_title, to_unit
 
 # small settings for a probe batch: 4x4 squares removed 4 at a time, 2 random orders per image; the centre prior
-# scored beside the maps (no model pass of its own), so each card can say whether its map beats it
+# scored beside the maps (a fixed map: no backward pass, only its curves), so each card can say whether its map
+# beats it
 FAITHFULNESS_PROBE = {"steps": 4, "regions": 4, "draws": 2, "bootstrap_draws": 200, "sanity": False,
                       "baselines": (PRIOR,)}
 
@@ -112,7 +113,7 @@ def _faithfulness(writer: Any, model, images, labels, maps: List[LayerMap], step
                   summary: Dict[str, List[str]], about: Dict[str, str]) -> Dict[str, Tuple[List[Line], str]]:
     """Score the maps and the centre prior on the probe, log the scalars; returns each map's card notes and
     text-tab words by map name."""
-    from .faithful import faithfulness
+    from .faithful import faithfulness  # the name is also log_attention_maps' flag
 
     report = faithfulness(model, images, labels, maps=maps, **FAITHFULNESS_PROBE)
     scored = {r.name for r in report.rows}
