@@ -111,17 +111,6 @@ def test_cards_say_how_faithful_their_map_is(tmp_path):
     assert "on the probe" not in descriptions(off)
 
 
-def test_cards_without_the_prior_keep_three_lines(tmp_path, monkeypatch):
-    """With the prior taken out of the probe's settings, the cards say the scores against random orders only."""
-    import visattn.maps.tensorboard as tb
-
-    monkeypatch.setitem(tb.FAITHFULNESS_PROBE, "baselines", ())
-    summary, on, off = logged_with_and_without_scores(tmp_path)
-    with_notes, plain = decode(on.Images("maps/tap/grad")[0]), decode(off.Images("maps/tap/grad")[0])
-    assert with_notes.shape[0] == plain.shape[0] + 3 * LINE_H + 2
-    assert not any("centre" in t for t in on.Tags()["scalars"]) and "centre" not in " ".join(summary["faithfulness"])
-
-
 def test_gradient_maps_and_rollout_are_logged_and_described(tmp_path):
     writer = SummaryWriter(str(tmp_path))
     x = images(3)

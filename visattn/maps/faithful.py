@@ -50,8 +50,9 @@ from .readout import GRADIENT_KINDS, LayerMap, read_maps
 from .record import probe_mode, probe_pass, unwrap_model
 
 FILLS = ("mean", "blur")
-BASELINES = ("input_x_gradient", "gradcam", "centre")
+GRADIENT_BASELINES = ("input_x_gradient", "gradcam")
 PRIOR = "centre"  # the centre prior's name, as a map and as a baseline
+BASELINES = GRADIENT_BASELINES + (PRIOR,)
 
 
 @dataclass
@@ -146,8 +147,7 @@ class FaithfulnessReport:
             for name in others:
                 d, i = self.versus(name, PRIOR)
                 d_says, i_says = (("above" if v.lo > 0 else "below" if v.hi < 0 else "not told apart") for v in (d, i))
-                verdict = (f"{d_says} on both" if d_says == i_says != "not told apart" else d_says if d_says == i_says
-                           else f"{d_says} on deletion, {i_says} on insertion")
+                verdict = f"{d_says} on both" if d_says == i_says else f"{d_says} on deletion, {i_says} on insertion"
                 lines.append(f"{name[-34:]:<34}{str(d):>26}{str(i):>26}  {verdict}")
         return "\n".join(lines)
 
@@ -298,7 +298,9 @@ def centre_prior(image_hw: Sequence[int], batch: int, device: Any = None) -> Lay
 def baseline_map(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, method: str) -> Optional[LayerMap]:
     """A baseline of :data:`BASELINES` as a :class:`LayerMap`: the ``centre`` prior, or a gradient map
     (:func:`gradient_map`); None when the model has no convolution with a spatial output for Grad-CAM."""
-    if method == "centre":
+    if method not in BASELINES:
+        raise ValueError(f"unknown baseline {method!r}; valid: {', '.join(BASELINES)}")
+    if method == PRIOR:
         return centre_prior(images.shape[-2:], images.shape[0], images.device)
     return gradient_map(model, images, labels, method)
 
@@ -321,8 +323,7 @@ def gradient_map(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, m
     finally:
         for m, training in modes:
             m.training = training
-    valid = "input_x_gradient, gradcam" + ("" if method == "centre" else "; baselines: " + ", ".join(BASELINES))
-    raise ValueError(f"unknown gradient map {method!r}; valid: {valid}")
+    raise ValueError(f"unknown gradient map {method!r}; valid: {', '.join(GRADIENT_BASELINES)}")
 
 
 def _gradcam(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> Optional[LayerMap]:

@@ -89,18 +89,14 @@ def _describe(writer: Any, about: Dict[str, str], step: int) -> None:
     writer.add_text("maps/descriptions", "| tag | what it shows |\n|---|---|\n" + rows, step)
 
 
-def faithfulness_notes(row: Any, images: int, versus_prior: Optional[Sequence[Any]] = None) -> List[Line]:
+def faithfulness_notes(row: Any, images: int, versus_prior: Sequence[Any]) -> List[Line]:
     """The lines a map's card carries about its faithfulness on the probe: deletion and insertion scores
-    against random orders with their intervals and, given ``versus_prior`` (the paired deletion and insertion
-    differences to the centre prior, :meth:`~visattn.maps.faithful.FaithfulnessReport.versus`), those too
-    (green: better, interval included; red: worse; grey: not told apart)."""
+    against random orders, each followed by its paired difference to the centre prior (``versus_prior``:
+    :meth:`~visattn.maps.faithful.FaithfulnessReport.versus`), with their intervals (green: better, interval
+    included; red: worse; grey: not told apart)."""
     def colour(iv) -> tuple:
         return RIGHT if iv.lo > 0 else (WRONG if iv.hi < 0 else DIM)
 
-    if versus_prior is None:
-        return [(f"faithfulness, {images} probe images, vs random:", DIM),
-                (f"deletion {row.deletion_score}", colour(row.deletion_score)),
-                (f"insertion {row.insertion_score}", colour(row.insertion_score))]
     d, i = versus_prior
     return [(f"faithfulness, {images} probe images:", DIM),
             (f"deletion vs random {row.deletion_score}", colour(row.deletion_score)),
@@ -116,34 +112,28 @@ def _faithfulness(writer: Any, model, images, labels, maps: List[LayerMap], step
     from .faithful import faithfulness  # the name is also log_attention_maps' flag
 
     report = faithfulness(model, images, labels, maps=maps, **FAITHFULNESS_PROBE)
-    scored = {r.name for r in report.rows}
     out = {}
     for row in report.rows:
         for what, score in (("deletion", row.deletion_score), ("insertion", row.insertion_score)):
             tag = f"faithfulness/{row.name}/{what}"
             writer.add_scalar(tag, score.mean, step)
             summary["scalars"].append(tag)
+        scores = f"deletion {row.deletion_score}, insertion {row.insertion_score}"
         if row.kind == "prior":
-            summary["faithfulness"].append(f"{row.name} prior: deletion {row.deletion_score}, "
-                                           f"insertion {row.insertion_score}")
+            summary["faithfulness"].append(f"{row.name} prior: {scores}")
             continue
-        versus = report.versus(row.name, PRIOR) if PRIOR in scored else None
-        words = f"deletion {row.deletion_score}, insertion {row.insertion_score} (> 0: better than random)"
-        line = f"maps/{row.name}: deletion {row.deletion_score}, insertion {row.insertion_score}"
-        if versus is not None:
-            words += (f"; minus the centre prior's: deletion {versus[0]}, insertion {versus[1]} "
-                      "(> 0: more faithful than the prior)")
-            line += f"; vs the centre prior: deletion {versus[0]}, insertion {versus[1]}"
-        summary["faithfulness"].append(line)
+        d, i = versus = report.versus(row.name, PRIOR)
+        summary["faithfulness"].append(f"maps/{row.name}: {scores}; vs the centre prior: deletion {d}, insertion {i}")
+        words = (f"{scores} (> 0: better than random); minus the centre prior's: deletion {d}, insertion {i} "
+                 "(> 0: more faithful than the prior)")
         out[row.name] = (faithfulness_notes(row, report.images, versus), words)
     about["faithfulness/<map>/deletion"] = ("probe images: random-order deletion area - the map's deletion area (true "
                                             "class probability as squares are removed most attended first); > 0: "
                                             "better than random")
     about["faithfulness/<map>/insertion"] = "probe images: the map's insertion area - random-order insertion area"
-    if PRIOR in scored:
-        about[f"faithfulness/{PRIOR}/deletion"] = ("the same scores of the centre prior, a Gaussian on the image "
-                                                   "centre (sigma a quarter of the shorter side), the same for every "
-                                                   "image: a map below it says no more than where objects usually are")
+    about[f"faithfulness/{PRIOR}/deletion"] = ("the same scores of the centre prior, a Gaussian on the image centre "
+                                               "(sigma a quarter of the shorter side), the same for every image: a "
+                                               "map below it says no more than where objects usually are")
     return out
 
 
