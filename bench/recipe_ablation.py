@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from attention_table import kernels, numerics, run_resuming  # noqa: E402
 
+from visattn.errors import CheckpointError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
 from visattn.runtime import Interrupted, write_atomic  # noqa: E402
 
@@ -102,7 +103,13 @@ RECIPES = {
 }
 
 
-def run_one(recipe: str, variant: str, seed: int, run_root: Path, data_root: str | None) -> dict:
+def eval_only(overrides: list[str]) -> bool:
+    """Whether a variant changes only how the trained network is scored (``eval.tta=none``): its training is
+    the recipe's to the step, so its row scores the recipe run's checkpoint instead of training again."""
+    return bool(overrides) and all(o.startswith("eval.") for o in overrides)
+
+
+def _run_dir(recipe: str, variant: str, seed: int, run_root: Path, data_root: str | None) -> tuple[Path, list[str]]:
     from visattn.config import load_config
 
     config, variants, _ = RECIPES[recipe]
@@ -110,7 +117,40 @@ def run_one(recipe: str, variant: str, seed: int, run_root: Path, data_root: str
     if data_root:
         overrides.append(f"data.root={data_root}")
     # one folder per kernel family: a run killed part-way goes on only where it started
-    run_dir = run_root / f"{variant}-s{seed}-{kernels(load_config(config, overrides).device)}"
+    return run_root / f"{variant}-s{seed}-{kernels(load_config(config, overrides).device)}", overrides
+
+
+def score_recipe_run(recipe: str, variant: str, seed: int, run_root: Path, data_root: str | None,
+                     results: list[dict]) -> dict:
+    """An eval-only variant's row: the recipe run of this seed and kernel family (trained first if missing),
+    its final checkpoint scored with the variant's evaluation settings, and rescored with the recipe's own as a
+    check that the scoring path is the trainer's (``recipe_rescored`` beside the recipe's ``val_acc``)."""
+    from visattn.config import load_config
+    from visattn.evaluate import evaluate_checkpoint
+
+    config, variants, _ = RECIPES[recipe]
+    run_dir, _ = _run_dir(recipe, "recipe", seed, run_root, data_root)
+    fam = kernels(load_config(config).device)
+    base = next((r for r in results if r["variant"] == "recipe" and r["seed"] == seed
+                 and r.get("kernels") == fam), None)
+    if base is None:
+        print(f"== recipe seed {seed} (to score {variant})", flush=True)
+        base = run_one(recipe, "recipe", seed, run_root, data_root)
+        results.append(base)
+    if not (run_dir / "last.pt").is_file():
+        raise CheckpointError(f"{variant}: the recipe run it scores, {run_dir}, has no last.pt (moved or deleted?)")
+    cfg = load_config(config, list(variants[variant][1]))
+    scored = evaluate_checkpoint(str(run_dir / "last.pt"), data=data_root, tta=cfg.eval.tta)
+    again = evaluate_checkpoint(str(run_dir / "last.pt"), data=data_root)
+    return dict(base, variant=variant, overrides=variants[variant][1], val_acc=scored["acc"],
+                recipe_rescored=again["acc"], scored_from=run_dir.name)
+
+
+def run_one(recipe: str, variant: str, seed: int, run_root: Path, data_root: str | None) -> dict:
+    from visattn.config import load_config
+
+    config, variants, _ = RECIPES[recipe]
+    run_dir, overrides = _run_dir(recipe, variant, seed, run_root, data_root)
     overrides.append(f"run_dir={run_dir}")
     cfg = load_config(config, overrides)
     summary, resumed = run_resuming(config, overrides, run_dir)  # a run killed part-way goes on from its checkpoint
@@ -125,14 +165,20 @@ def run_one(recipe: str, variant: str, seed: int, run_root: Path, data_root: str
 def table(results: list[dict], variants: dict) -> str:
     """Markdown rows in the variants' order, each with its budget and numerics (rows recorded before these were
     kept: 4 epochs, and the precision's legacy kernel family, as in ``bench/attention_table.py``)."""
-    lines = ["| variant | what it changes | seed | epochs | numerics | val acc % | train time s | images/s |",
-             "|---|---|---:|---:|---|---:|---:|---:|"]
+    lines = ["| variant | what it changes | seed | epochs | numerics | val acc % | vs recipe, points | train time s | images/s |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|"]
     order = list(variants)
+
+    def num(r: dict) -> str:
+        return numerics(dict(r, precision=r.get("precision") or "bf16"))
+
+    recipe = {(r["seed"], num(r)): r["val_acc"] for r in results if r["variant"] == "recipe"}
     for r in sorted(results, key=lambda r: (order.index(r["variant"]) if r["variant"] in order else 99, r["seed"])):
-        what = variants.get(r["variant"], ("?", []))[0]
-        lines.append(f"| `{r['variant']}` | {what} | {r['seed']} | {r.get('epochs', 4)} | "
-                     f"{numerics(dict(r, precision=r.get('precision') or 'bf16'))} "
-                     f"| {100 * r['val_acc']:.2f} | {r['train_seconds']:.0f} | {r['images_per_s']:.0f} |")
+        what = variants.get(r["variant"], ("?", []))[0] + (" (the recipe run, rescored)" if r.get("scored_from") else "")
+        base = recipe.get((r["seed"], num(r)))
+        vs = "—" if r["variant"] == "recipe" or base is None else f"{100 * (r['val_acc'] - base):+.2f}"
+        lines.append(f"| `{r['variant']}` | {what} | {r['seed']} | {r.get('epochs', 4)} | {num(r)} "
+                     f"| {100 * r['val_acc']:.2f} | {vs} | {r['train_seconds']:.0f} | {r['images_per_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -158,14 +204,17 @@ def main() -> None:
                 if any(r["variant"] == variant and r["seed"] == seed for r in results):
                     continue
                 print(f"== {variant} seed {seed}", flush=True)
-                results.append(run_one(args.recipe, variant, seed, run_root, args.data_root))
+                if eval_only(variants[variant][1]):
+                    results.append(score_recipe_run(args.recipe, variant, seed, run_root, args.data_root, results))
+                else:
+                    results.append(run_one(args.recipe, variant, seed, run_root, args.data_root))
                 write_atomic(results_file, json.dumps(results, indent=1))  # a kill mid-write keeps the old file
     print(table(results, variants))
 
 
 if __name__ == "__main__":
-    try:
-        main()
+    try:  # a missing or bad config, data or checkpoint: one line (run_main); the finished runs are kept
+        run_main(main, "recipe_ablation.py")
     except Interrupted as e:  # SIGTERM or SIGINT mid-run: one line; the finished runs are in the results file
         print(str(e), file=sys.stderr)
         sys.exit(e.exit_code)

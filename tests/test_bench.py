@@ -452,6 +452,46 @@ def test_every_ablation_variant_is_a_valid_config_of_its_recipe(recipe):
         assert (cfg == base) == (not overrides), f"{name}: its overrides change nothing"
 
 
+def test_an_eval_only_variant_scores_the_recipe_runs_checkpoint_instead_of_training_again(tmp_path, monkeypatch, capsys):
+    """``no_tta`` changes only the scoring: its row is the recipe run's checkpoint scored with one view (the
+    recipe trained first where it has no row), rescored with the recipe's own views as a check that matches
+    the trainer's figure; nothing trains twice, and a recipe run whose checkpoint is gone is one clear error."""
+    import yaml
+
+    from visattn.errors import CheckpointError
+    from visattn.evaluate import evaluate_checkpoint
+
+    ablation = _load("recipe_ablation")
+    smoke = yaml.safe_load((ROOT / "configs" / "smoke.yaml").read_text())
+    smoke["train"]["epochs"], smoke["log"] = 1, {"maps_every": 0}
+    smoke["data"].update(synthetic_size=400, val_size=100)
+    config, results_file = tmp_path / "tiny.yaml", tmp_path / "results.json"
+    config.write_text(yaml.safe_dump(smoke))
+    variants = {"recipe": ("as written", []), "no_tta": ("one view", ["eval.tta=none"])}
+    assert ablation.eval_only(variants["no_tta"][1]) and not ablation.eval_only([]) and not ablation.eval_only(
+        ["eval.tta=none", "train.epochs=2"])
+    monkeypatch.setitem(ablation.RECIPES, "tiny", (config, variants, results_file))
+    argv = ["recipe_ablation.py", "--recipe", "tiny", "--variants", "no_tta", "--runs", str(tmp_path / "runs")]
+    monkeypatch.setattr(sys, "argv", argv)
+    ablation.main()
+    recipe, no_tta = json.loads(results_file.read_text())
+    assert [recipe["variant"], no_tta["variant"]] == ["recipe", "no_tta"]
+    (run_dir,) = (tmp_path / "runs").iterdir()  # one training, the recipe's
+    assert run_dir.name == no_tta["scored_from"] and run_dir.name.startswith("recipe-s0-")
+    assert no_tta["recipe_rescored"] == recipe["val_acc"]  # the scoring path gives the trainer's figure
+    assert no_tta["val_acc"] == evaluate_checkpoint(str(run_dir / "last.pt"), tta="none")["acc"]
+    assert no_tta["train_seconds"] == recipe["train_seconds"] and no_tta["overrides"] == ["eval.tta=none"]
+    row = ablation.table([recipe, no_tta], variants).splitlines()[3].split(" | ")
+    assert row[1] == "one view (the recipe run, rescored)"
+    assert row[6] == f"{100 * (no_tta['val_acc'] - recipe['val_acc']):+.2f}"
+    capsys.readouterr()
+    ablation.main()  # nothing left to do: no run, no new row
+    assert "== " not in capsys.readouterr().out and len(json.loads(results_file.read_text())) == 2
+    (run_dir / "last.pt").unlink()
+    with pytest.raises(CheckpointError, match=f"no_tta: the recipe run it scores, .*{run_dir.name}, has no last.pt"):
+        ablation.score_recipe_run("tiny", "no_tta", 0, tmp_path / "runs", None, [recipe])
+
+
 def test_the_ablation_table_names_each_rows_budget_and_kernel_family():
     """Rows from different budgets or machines sit in one ablation file: each row says which it is (rows
     recorded before these were kept are 4-epoch bf16 runs on AMX)."""
