@@ -492,6 +492,16 @@ def test_an_eval_only_variant_scores_the_recipe_runs_checkpoint_instead_of_train
         ablation.score_recipe_run("tiny", "no_tta", 0, tmp_path / "runs", None, [recipe])
 
 
+def test_the_manuals_transformer_ablation_table_is_the_one_the_results_give():
+    ablation = _load("recipe_ablation")
+    _, variants, results_file = ablation.RECIPES["vit_cpu"]
+    doc = (ROOT / "docs" / "results.md").read_text()
+    block = doc.split("<!-- vit ablation: python bench/recipe_ablation.py --recipe vit_cpu --table -->\n")[1]
+    block = block.split("<!-- end of vit ablation -->")[0]
+    assert block.strip() == ablation.table(json.loads(results_file.read_text()), variants), (
+        "docs/results.md's transformer ablation is stale: paste `python bench/recipe_ablation.py --recipe vit_cpu --table`")
+
+
 def test_the_ablation_table_names_each_rows_budget_and_kernel_family():
     """Rows from different budgets or machines sit in one ablation file: each row says which it is (rows
     recorded before these were kept are 4-epoch bf16 runs on AMX)."""
