@@ -39,8 +39,9 @@ from typing import Any, Dict, Iterable, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from visattn.errors import DataError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import write_atomic  # noqa: E402
+from visattn.runtime import complete_rows, read_json, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "faithfulness.json"
 KINDS = ("attention", "attention_gradient", "layers_gradient", "rollout", "gradient_rollout", "input_x_gradient",
@@ -72,8 +73,7 @@ def val_acc(ckpt: Path, state: Dict[str, Any]) -> Optional[float]:
     """The run's validation accuracy at the checkpoint's epoch (metrics.jsonl), else its best accuracy."""
     metrics = ckpt.parent / "metrics.jsonl"
     if metrics.is_file():
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        rows = [r for r in rows if r.get("val_acc") is not None]
+        rows = [r for r in complete_rows(metrics) if r.get("val_acc") is not None]
         at = [r for r in rows if r.get("epoch") == state.get("epoch")]
         if at or rows:
             return float((at or rows)[-1]["val_acc"])
@@ -124,7 +124,10 @@ def score(ckpt: Path, images: int, vit_images: Optional[int], options: Dict[str,
 
 
 def load(path: Path) -> List[Dict[str, Any]]:
-    return json.loads(path.read_text())["rows"] if path.is_file() else []
+    rows = read_json(path, dict, missing={"rows": []}).get("rows")
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: holds no list of rows")
+    return rows
 
 
 def save(path: Path, rows: List[Dict[str, Any]]) -> None:
@@ -272,7 +275,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.report or args.summary:
-        print(report(load(out)) if args.report else summary(load(out)))
+        rows = load(out)
+        if not rows:
+            raise DataError(f"{'--report' if args.report else '--summary'}: {out} holds no results")
+        print(report(rows) if args.report else summary(rows))
         return 0
     if not args.runs:
         ap.error("give run directories to score, or --report")
@@ -287,4 +293,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(lambda: sys.exit(main()), "faithfulness.py")

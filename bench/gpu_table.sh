@@ -3,7 +3,7 @@
 # Every job is one bench/attention_table.py run (config, seed) with its own results file; at the end the finished
 # ones are gathered into $OUT/results.json (and the logs into $OUT/logs.tgz: few files, as a device's transfer
 # back limits their count), so what finished before the deadline comes back, and
-# `python bench/attention_table.py --merge results.json` adds it to the committed table (the table keys runs by
+# `python bench/attention_report.py --merge results.json` adds it to the committed table (the table keys runs by
 # precision and kernel family, so GPU runs never pair with CPU runs). A job stopped at the deadline resumes
 # from its checkpoint in $RUNS when the script runs again on the same machine.
 # Usage:  DATA=path/to/cifar10-train-jpeg.tar.gz OUT=results_dir [EPOCHS=32] [SEEDS="0 1 2"] [JOBS=5]

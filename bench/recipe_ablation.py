@@ -28,9 +28,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from attention_table import kernels, numerics, run_resuming  # noqa: E402
 
-from visattn.errors import CheckpointError, run_main  # noqa: E402
+from visattn.errors import CheckpointError, ConfigError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import Interrupted, write_atomic  # noqa: E402
+from visattn.runtime import Interrupted, complete_rows, read_json, write_atomic  # noqa: E402  # noqa: E402
 
 # airbench94's setting of the levers: batch 1024 (lr 1.5 in mean-loss form) with lookahead averaging
 AIRBENCH = ["train.batch_size=1024", "optim.lr=1.5", "train.lookahead_every=5"]
@@ -51,7 +51,7 @@ CPU_VARIANTS = {
     "residual": ("all_levers with visattn's residual units instead of plain ones", [*AIRBENCH, "model.block=residual"]),
     "whiten_bias_always": ("all_levers with the whitening bias trained throughout (not frozen after epoch 1)",
                            [*AIRBENCH, "model.whiten_bias_epochs=0"]),
-    "v1_recipe": ("the first round's recipe: none of the levers, batch 256, lr 0.3, momentum 0.9, wd 5e-4",
+    "v1_recipe": ("visattn's first recipe: none of the levers, batch 256, lr 0.3, momentum 0.9, wd 5e-4",
                   ["train.lookahead_every=0", "data.augment.hflip_mode=random", "model.bn_momentum=0.1",
                    "model.bn_eps=1e-5", "model.bn_scale=learn", "optim.norm_bias_lr_scale=1", "model.conv_init=kaiming",
                    "model.block=residual", "model.whiten_bias_epochs=0", "model.head_scale=1.0", "train.batch_size=256",
@@ -154,8 +154,7 @@ def run_one(recipe: str, variant: str, seed: int, run_root: Path, data_root: str
     overrides.append(f"run_dir={run_dir}")
     cfg = load_config(config, overrides)
     summary, resumed = run_resuming(config, overrides, run_dir)  # a run killed part-way goes on from its checkpoint
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    info = json.loads((run_dir / "run_info.json").read_text())
+    rows, info = complete_rows(run_dir / "metrics.jsonl"), read_json(run_dir / "run_info.json")
     return {"variant": variant, "seed": seed, "overrides": variants[variant][1], "epochs": cfg.train.epochs,
             "precision": info.get("precision"), "kernels": kernels(cfg.device), "val_acc": rows[-1]["val_acc"], "train_seconds": sum(r["epoch_seconds"] for r in rows),
             "images_per_s": sum(r["images_per_s"] for r in rows) / len(rows), "parameters": info["parameters"],
@@ -197,7 +196,9 @@ def main() -> None:
         ap.error(f"unknown variant(s) of {args.recipe}: {', '.join(unknown)}; valid: {', '.join(variants)}")
     name = "recipe_ablation" if args.recipe == "cpu" else f"{args.recipe}_ablation"
     run_root = Path(args.runs or ROOT / "runs" / name)
-    results = json.loads(results_file.read_text()) if results_file.is_file() else []
+    results = read_json(results_file, list, missing=[])
+    if args.table and not results:
+        raise ConfigError(f"--table: {results_file} holds no results")
     if not args.table:
         for variant in args.variants or list(variants):
             for seed in args.seeds:

@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from visattn.errors import DataError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
+from visattn.runtime import read_json  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "reference_airbench.json"
 MEAN = (0.4914, 0.4822, 0.4465)  # CIFAR-10's channel statistics, as airbench normalises
@@ -105,7 +107,7 @@ def translate(x: torch.Tensor, r: int, gen: torch.Generator) -> torch.Tensor:
     """Each image shifted by (dy, dx) in [-r, r]^2 with reflect padding (a random crop of the padded image)."""
     n, c, h, w = x.shape
     padded = F.pad(x, (r,) * 4, mode="reflect")
-    dy, dx = (torch.randint(0, 2 * r + 1, (2, n), generator=gen))
+    dy, dx = torch.randint(0, 2 * r + 1, (2, n), generator=gen).to(x.device)
     out = torch.empty_like(x)
     for sy in range(2 * r + 1):
         for sx in range(2 * r + 1):
@@ -181,17 +183,32 @@ def make_optimizer(net: Net) -> torch.optim.SGD:
                             dict(params=others, lr=lr, weight_decay=wd / lr)], momentum=HYP["momentum"], nesterov=True)
 
 
-def train(seed: int, epochs: float, precision: str, overrides=(), quality: int | None = None, log=print) -> dict:
+@torch.no_grad()
+def evaluate(net: nn.Module, xva: torch.Tensor, yva: torch.Tensor, bf16: bool) -> float:
+    """Validation accuracy with the 6 test-time views (:func:`tta_logits`), in batches of 1000."""
+    net.eval()
+    with torch.autocast(xva.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = torch.cat([tta_logits(net, xb).float() for xb in xva.split(1000)])
+    return (logits.argmax(1) == yva).float().mean().item()
+
+
+def train(seed: int, epochs: float, precision: str, overrides=(), quality: int | None = None, log=print,
+          device: str | torch.device = "cpu", data=None, on_epoch=None) -> dict:
+    """One run. ``data``: :func:`load_data`'s tuple, for a caller that trains several times on it; ``device``:
+    where it trains (``bench/gpu_race.py`` runs it on a GPU); ``on_epoch(epochs_done, net, train_seconds)`` is
+    called after each epoch off the training clock (``train_seconds`` counts training steps only)."""
+    device = torch.device(device)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    xtr, ytr, xva, yva, eval_split = load_data(overrides, quality)
+    xtr, ytr, xva, yva, eval_split = data if data is not None else load_data(overrides, quality)
+    xtr, ytr, xva, yva = (t.to(device) for t in (xtr, ytr, xva, yva))
     bs = HYP["batch_size"]
     steps_per_epoch = len(xtr) // bs  # the last partial batch is dropped, as airbench does
     if steps_per_epoch == 0:
         raise SystemExit(f"error: {len(xtr)} training images are fewer than one batch of {bs}")
     total = math.ceil(steps_per_epoch * epochs)
 
-    net = Net().to(memory_format=torch.channels_last)
+    net = Net().to(device, memory_format=torch.channels_last)
     net.init_whitening(xtr[:5000])
     opt = make_optimizer(net)
     base = [g["lr"] for g in opt.param_groups]
@@ -206,21 +223,22 @@ def train(seed: int, epochs: float, precision: str, overrides=(), quality: int |
 
     bf16 = precision == "bf16"
     loss_fn = nn.CrossEntropyLoss(label_smoothing=HYP["label_smoothing"], reduction="sum")
-    flipped = torch.rand(len(xtr), generator=gen) < 0.5  # epoch 1 mirrors a random half; then all switch each epoch
-    step, t0 = 0, time.perf_counter()
+    flipped = (torch.rand(len(xtr), generator=gen) < 0.5).to(device)  # epoch 1 mirrors a random half; then all switch
+    step, train_s = 0, 0.0
     for epoch in range(math.ceil(epochs)):
+        t0 = time.perf_counter()
         net.whiten.bias.requires_grad_(epoch < HYP["whiten_bias_epochs"])
         net.train()
         mirror = flipped ^ bool(epoch % 2)
         x = torch.where(mirror.view(-1, 1, 1, 1), xtr.flip(-1), xtr)
         x = translate(x, HYP["translate"], gen)
-        order = torch.randperm(len(xtr), generator=gen)
-        correct = torch.zeros((), dtype=torch.long)  # summed on the tensor side: no host sync per step
+        order = torch.randperm(len(xtr), generator=gen).to(device)
+        correct = torch.zeros((), dtype=torch.long, device=device)  # summed on the tensor side: no host sync per step
         for i in range(steps_per_epoch):
             idx = order[i * bs:(i + 1) * bs]
             for g, b in zip(opt.param_groups, base):
                 g["lr"] = b * lr_factor(step, total)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 out = net(x[idx])
                 loss = loss_fn(out.float(), ytr[idx])
             opt.zero_grad(set_to_none=True)
@@ -233,13 +251,12 @@ def train(seed: int, epochs: float, precision: str, overrides=(), quality: int |
             if step >= total:
                 lookahead(1.0)  # end on the averaged weights
                 break
-        log(f"seed {seed} epoch {epoch + 1}: train acc {correct.item() / ((i + 1) * bs):.4f}, "
-            f"{time.perf_counter() - t0:.0f} s")
-    train_s = time.perf_counter() - t0
-    net.eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        logits = torch.cat([tta_logits(net, xb).float() for xb in xva.split(1000)])
-    acc = (logits.argmax(1) == yva).float().mean().item()
+        train_acc = correct.item() / ((i + 1) * bs)  # the host read waits for the epoch's queued GPU work
+        train_s += time.perf_counter() - t0
+        log(f"seed {seed} epoch {epoch + 1}: train acc {train_acc:.4f}, {train_s:.0f} s")
+        if on_epoch is not None:
+            on_epoch(min(epoch + 1, epochs), net, train_s)
+    acc = evaluate(net, xva, yva, bf16)
     return {"seed": seed, "epochs": epochs, "precision": precision, "val_acc": acc, "train_seconds": round(train_s, 1),
             "images_per_s": round(step * bs / train_s, 1), "eval_split": eval_split,
             "reencoded_quality": quality}
@@ -262,8 +279,10 @@ def main() -> None:
                          "does accuracy depend on the images' compression")
     ap.add_argument("--table", action="store_true", help="print the results file as a markdown table and exit")
     a = ap.parse_args()
-    results = json.loads(a.results.read_text()) if a.results.exists() else []
+    results = read_json(a.results, list, missing=[])
     if a.table:
+        if not results:
+            raise DataError(f"--table: {a.results} holds no results")
         print("| images | epochs | seed | numerics | val acc % | train time s | images/s |\n"
               "|---|---:|---:|---|---:|---:|---:|")
         for r in sorted(results, key=lambda r: (-(r.get("reencoded_quality") or 100), r["epochs"], r["seed"])):
@@ -294,4 +313,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, "reference_airbench.py")

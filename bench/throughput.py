@@ -14,7 +14,7 @@ In one process, for every ``--config``:
    under ``torch.compile``; interleaved repeats, medians.
 It prints images/s, achieved TFLOP/s, the fraction of the in-process matmul ceiling, and the speed relative to
 the first row of the config and to the first config's row of the same path and step (``--out`` writes the rows
-as JSON: ``bench/attention_table.py --summary`` reads the blocks' cost from them). ``--baseline`` adds, for a transformer (``TokenClassifier``), the same steps on a
+as JSON: ``bench/attention_report.py --summary`` reads the blocks' cost from them). ``--baseline`` adds, for a transformer (``TokenClassifier``), the same steps on a
 copy of the model (same weights) running the path as it was before the fast path
 (``TokenClassifier.set_fast_path(False)``): before and after, measured in one process. ``--sdpa`` picks the
 fast path's CPU attention kernel (``visattn.attention.token.sdpa_cpu_mode``; several modes: one row each, on

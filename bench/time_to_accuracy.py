@@ -12,15 +12,15 @@ epochs count (``eval.every``), so set ``eval.every=1`` to read the time to a tar
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from visattn.errors import run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import complete_rows  # noqa: E402
+from visattn.runtime import complete_rows, read_json  # noqa: E402
 
 
 def rows(run_dir: Path) -> List[dict]:
@@ -53,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     rs = rows(args.run_dir)
     info_path = args.run_dir / "run_info.json"
-    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    info = read_json(info_path, dict, missing={})
     evaluated = [r for r in rs if isinstance(r.get("val_acc"), (int, float))]
     print(f"{args.run_dir}: {len(rs)} epochs, {len(evaluated)} evaluated on the {info.get('eval_split', '?')}, "
           f"device {info.get('device', '?')}, precision {info.get('precision', '?')}")
@@ -71,4 +71,4 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(lambda: sys.exit(main()), "time_to_accuracy.py")

@@ -22,7 +22,8 @@ def _load(name: str):
     return module
 
 
-table = _load("attention_table")
+table = _load("attention_table")  # the runner (trains)
+report = _load("attention_report")  # the statistics, tables and summary
 
 
 def _r(name: str, seed: int, acc: float, seconds: float = 100.0, load=None) -> dict:
@@ -53,6 +54,10 @@ def _table_main(monkeypatch, capsys, *args) -> tuple:
     return _script_main("attention_table.py", monkeypatch, capsys, *args)
 
 
+def _report_main(monkeypatch, capsys, *args) -> tuple:
+    return _script_main("attention_report.py", monkeypatch, capsys, *args)
+
+
 def _description(help_text: str) -> str:
     """The description paragraph of an argparse ``--help`` (the one after the usage lines), on one line."""
     return " ".join(help_text.split("\n\n")[1].split())
@@ -79,18 +84,18 @@ def test_the_map_and_evaluation_tools_say_what_they_do(module, capsys):
 
 def test_t_quantiles_are_students():
     stats = pytest.importorskip("scipy.stats")
-    for df, q in enumerate(table.T95, start=1):
+    for df, q in enumerate(report.T95, start=1):
         assert q == pytest.approx(stats.t.ppf(0.975, df), abs=1e-3)
 
 
 def test_differences_pair_by_seed_and_skip_unpaired_seeds():
     base = [_r("resnet_fast_none", s, a) for s, a in [(0, 0.860), (1, 0.870), (2, 0.865)]]
     other = [_r("resnet_fast_se", s, a) for s, a in [(0, 0.865), (2, 0.875), (5, 0.99)]]  # seed 5 has no pair
-    m, h, n = table.paired(base + other, "resnet_fast_se")
+    m, h, n = report.paired(base + other, "resnet_fast_se")
     diffs = [0.5, 1.0]
     assert n == 2 and m == pytest.approx(statistics.mean(diffs))
     assert h == pytest.approx(12.706 * statistics.stdev(diffs) / math.sqrt(2))
-    assert table.paired(base, "resnet_fast_eca") is None
+    assert report.paired(base, "resnet_fast_eca") is None
 
 
 @pytest.mark.parametrize("d,word", [(None, "too few seeds"), ((1.0, math.inf, 1), "too few seeds"),
@@ -99,29 +104,29 @@ def test_differences_pair_by_seed_and_skip_unpaired_seeds():
                                     ((0.1, 0.4, 5), "no difference resolved"),
                                     ((0.1, 0.9, 3), "undecided (interval too wide)")])
 def test_verdicts(d, word):
-    assert table.verdict(d) == word
+    assert report.verdict(d) == word
 
 
 def test_pairs_needed_follows_the_t_interval():
     base = [_r("resnet_fast_none", s, 0.86) for s in range(3)]
     tight = [_r("resnet_fast_se", s, 0.86 + d) for s, d in enumerate([0.001, 0.002, 0.0015])]  # sd 0.05 points
     wide = [_r("resnet_fast_eca", s, 0.86 + d) for s, d in enumerate([0.0, 0.01, -0.005])]  # sd 0.76 points
-    n = table.pairs_needed(base + wide, "resnet_fast_eca")
+    n = report.pairs_needed(base + wide, "resnet_fast_eca")
     sd = statistics.stdev([0.0, 1.0, -0.5])
-    assert table.T95[n - 2] * sd / math.sqrt(n) <= 0.5 < table.T95[n - 3] * sd / math.sqrt(n - 1)
-    assert table.pairs_needed(base + tight, "resnet_fast_se") == 2
-    assert table.pairs_needed(base[:1] + tight[:1], "resnet_fast_se") is None
+    assert report.T95[n - 2] * sd / math.sqrt(n) <= 0.5 < report.T95[n - 3] * sd / math.sqrt(n - 1)
+    assert report.pairs_needed(base + tight, "resnet_fast_se") == 2
+    assert report.pairs_needed(base[:1] + tight[:1], "resnet_fast_se") is None
 
 
 def test_times_come_from_runs_on_a_quiet_machine():
     rs = [_r("resnet_fast_none", 0, 0.86, 100, load=2.3), _r("resnet_fast_none", 1, 0.86, 300, load=3.4),
           _r("resnet_fast_none", 2, 0.86, 110, load=None)]
-    assert [table.quiet(r) for r in rs] == [True, False, True]
-    assert not table.quiet(dict(rs[2], contended="6 runs at once on one GPU"))  # unrecorded load, but shared
-    assert table.timing(rs, "train_seconds") == 105
+    assert [report.quiet(r) for r in rs] == [True, False, True]
+    assert not report.quiet(dict(rs[2], contended="6 runs at once on one GPU"))  # unrecorded load, but shared
+    assert report.timing(rs, "train_seconds") == 105
     busy = [_r("resnet_fast_se", 0, 0.86, 300, load=3.5)]
-    assert table.timing(busy, "train_seconds") == 300  # none quiet: all of them, and the table says so
-    assert "300 (busy)" in table.table(rs + busy)
+    assert report.timing(busy, "train_seconds") == 300  # none quiet: all of them, and the table says so
+    assert "300 (busy)" in report.table(rs + busy)
 
 
 def test_an_adaptive_sweep_adds_seeds_only_where_the_interval_is_still_wide():
@@ -129,7 +134,7 @@ def test_an_adaptive_sweep_adds_seeds_only_where_the_interval_is_still_wide():
     configs = [f"configs/{n}.yaml" for n in (none, tight, wide)]
     accs = {none: [0.860, 0.862, 0.858], tight: [0.861, 0.863, 0.859], wide: [0.850, 0.870, 0.852]}
     rs = [_r(n, s, a) for n, a_s in accs.items() for s, a in enumerate(a_s)]
-    assert table.paired(rs, tight)[1] <= 0.5 < table.paired(rs, wide)[1]
+    assert report.paired(rs, tight)[1] <= 0.5 < report.paired(rs, wide)[1]
     assert table.plan(rs[:1], configs, 0, 0.5) == configs[1:]  # what already ran is never repeated
     assert table.plan(rs, configs, 1, 0.5) == []
     assert table.plan(rs, configs, 3, 0.5) == [configs[0], configs[2]]  # the baseline pairs the wide one
@@ -146,14 +151,14 @@ def test_a_backbone_variant_pairs_with_the_baseline_of_its_own_backbone():
     wide_se = [_r("resnet_fast_se/wide", s, a) for s, a in enumerate([0.905, 0.905, 0.905])]
     placed = [_r("resnet_fast_se/group_act", s, a) for s, a in enumerate([0.865, 0.870, 0.860])]
     rs = none + wide_none + wide_se + placed
-    assert table.baseline_of(rs, "resnet_fast_se/wide") == "resnet_fast_none/wide"
-    assert table.differences(rs, "resnet_fast_se/wide") == pytest.approx([0.5, 0.0, -0.5])
-    assert table.differences(rs, "resnet_fast_se/group_act") == pytest.approx([0.5, 0.0, -0.5])
-    assert table.differences(rs, "resnet_fast_none/wide") == pytest.approx([4.0, 3.5, 4.5])
+    assert report.baseline_of(rs, "resnet_fast_se/wide") == "resnet_fast_none/wide"
+    assert report.differences(rs, "resnet_fast_se/wide") == pytest.approx([0.5, 0.0, -0.5])
+    assert report.differences(rs, "resnet_fast_se/group_act") == pytest.approx([0.5, 0.0, -0.5])
+    assert report.differences(rs, "resnet_fast_none/wide") == pytest.approx([4.0, 3.5, 4.5])
     # a tag the baseline never ran under is a block's own variant, paired with the plain baseline
-    assert table.baseline_of(none + wide_se, "resnet_fast_se/wide") == "resnet_fast_none"
+    assert report.baseline_of(none + wide_se, "resnet_fast_se/wide") == "resnet_fast_none"
     # the table's row for the wide baseline shows its gain over the narrow one
-    row = next(line for line in table.table(rs).splitlines() if "`resnet_fast_none/wide`" in line)
+    row = next(line for line in report.table(rs).splitlines() if "`resnet_fast_none/wide`" in line)
     assert "+4.00 ±" in row
 
 
@@ -164,9 +169,9 @@ def test_a_transformers_variant_pairs_with_the_transformer():
     vit = [_r("vit_cpu", s, a) for s, a in enumerate([0.800, 0.805, 0.800])]
     distilled = [_r("vit_cpu/distill", s, a) for s, a in enumerate([0.810, 0.810, 0.815])]
     rs = none + vit + distilled
-    assert table.baseline_of(rs, "vit_cpu/distill") == "vit_cpu"
-    assert table.differences(rs, "vit_cpu/distill") == pytest.approx([1.0, 0.5, 1.5])
-    assert table.differences(rs, "vit_cpu") == pytest.approx([-6.0, -6.5, -6.5])
+    assert report.baseline_of(rs, "vit_cpu/distill") == "vit_cpu"
+    assert report.differences(rs, "vit_cpu/distill") == pytest.approx([1.0, 0.5, 1.5])
+    assert report.differences(rs, "vit_cpu") == pytest.approx([-6.0, -6.5, -6.5])
 
 
 def test_a_backbone_sweep_runs_the_baseline_under_the_variants_tag():
@@ -197,7 +202,7 @@ def test_a_sweep_runs_records_and_resumes_without_repeating(tmp_path, monkeypatc
     assert r["name"] == "smoke" and r["seed"] == 0 and r["epochs"] == 1 and 0 <= r["val_acc"] <= 1
     assert r["train_seconds"] > 0 and r["parameters"] > 0 and r["cpu"]
     assert r["kernels"] == table.kernels()
-    num = table.numerics(r).replace(" on ", "-")  # one run folder per precision and kernel family
+    num = report.numerics(r).replace(" on ", "-")  # one run folder per precision and kernel family
     assert (runs / f"smoke-e1-s0-{num}" / "last.pt").is_file()
     code, stdout, _ = _table_main(monkeypatch, capsys, *argv)  # nothing left to run: the result is kept, not redone
     assert code == 0 and "smoke seed 0" not in stdout
@@ -213,9 +218,9 @@ def test_a_killed_sweep_run_goes_on_from_its_checkpoint_or_starts_again(tmp_path
     runs = tmp_path / "runs"
     first = table.run_one("configs/smoke.yaml", 0, 1, runs, None)
     (run_dir,) = runs.iterdir()
-    assert "resumed" not in first and table.quiet(first) == (first["load_mean"] is None or first["load_mean"] <= 2.8)
+    assert "resumed" not in first and report.quiet(first) == (first["load_mean"] is None or first["load_mean"] <= 2.8)
     again = table.run_one("configs/smoke.yaml", 0, 1, runs, None)  # its last.pt is a finished run's
-    assert again["resumed"] and not table.quiet(again)
+    assert again["resumed"] and not report.quiet(again)
     assert again["val_acc"] == first["val_acc"] and len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
     other = tmp_path / "other"  # a folder trained for 1 epoch where the run now asks for 2: other settings
     other.mkdir()
@@ -285,8 +290,8 @@ def test_runs_pair_only_at_the_same_budget_and_precision():
     longer = [dict(_r("resnet_fast_none", s, 0.92), epochs=12, precision="fp32") for s in range(3)]
     block = [dict(_r("resnet_fast_se/identity-unit_bn", s, 0.870), precision="fp32") for s in range(3)]
     rs = bf16 + fp32 + longer + block
-    assert table.differences(rs, "resnet_fast_se/identity-unit_bn") == pytest.approx([0.6] * 3)
-    assert table.differences(rs, "resnet_fast_se/identity-unit_bn", epochs=12) == []
+    assert report.differences(rs, "resnet_fast_se/identity-unit_bn") == pytest.approx([0.6] * 3)
+    assert report.differences(rs, "resnet_fast_se/identity-unit_bn", epochs=12) == []
     assert table.ran(rs, "configs/resnet_fast_none.yaml", 0, 4, prec="fp32 on avx2")
     assert not table.ran(rs, "configs/resnet_fast_none.yaml", 3, 4, prec="fp32 on avx2")
     assert not table.ran(rs, "configs/resnet_fast_se.yaml", 0, 4, "identity-unit_bn", prec="bf16 on amx")
@@ -300,10 +305,10 @@ def test_runs_pair_only_on_the_same_kernel_family():
     planner runs the baseline again there."""
     amx = [_r("resnet_fast_none", s, 0.868) for s in range(3)]  # recorded before kernels were: AMX
     here = [dict(_r("resnet_fast_se/identity-unit_bn", s, 0.870), kernels="avx512_bf16") for s in range(3)]
-    assert [table.numerics(r) for r in amx[:1] + here[:1]] == ["bf16 on amx", "bf16 on avx512_bf16"]
-    assert table.differences(amx + here, "resnet_fast_se/identity-unit_bn") == []
+    assert [report.numerics(r) for r in amx[:1] + here[:1]] == ["bf16 on amx", "bf16 on avx512_bf16"]
+    assert report.differences(amx + here, "resnet_fast_se/identity-unit_bn") == []
     base = [dict(r, kernels="avx512_bf16", val_acc=0.866) for r in amx]
-    assert table.differences(amx + here + base, "resnet_fast_se/identity-unit_bn") == pytest.approx([0.4] * 3)
+    assert report.differences(amx + here + base, "resnet_fast_se/identity-unit_bn") == pytest.approx([0.4] * 3)
     assert table.plan(amx + here, ["configs/resnet_fast_none.yaml", "configs/resnet_fast_se.yaml"], 0, 0.5, 4,
                       "identity-unit_bn", "bf16 on avx512_bf16") == ["configs/resnet_fast_none.yaml"]
     assert table.kernels() in ("amx", "avx512_bf16", "avx512", "avx2", "cpu")
@@ -317,19 +322,19 @@ def test_merge_adds_another_machines_runs_once_and_never_replaces_one(tmp_path, 
     out.write_text(json.dumps(here))
     other.write_text(json.dumps(gpu + [clash, gpu[0]]))
     argv = ["--results", str(out), "--merge", str(other)]
-    code, stdout, stderr = _table_main(monkeypatch, capsys, *argv)
+    code, stdout, stderr = _report_main(monkeypatch, capsys, *argv)
     assert code == 0, stderr[-2000:]
     assert "added 2 runs" in stdout and "bf16 on NVIDIA H100 80GB HBM3" in stdout
     assert json.loads(out.read_text()) == here + gpu
-    code, stdout, _ = _table_main(monkeypatch, capsys, *argv)
+    code, stdout, _ = _report_main(monkeypatch, capsys, *argv)
     assert code == 0 and "added 0 runs" in stdout and json.loads(out.read_text()) == here + gpu
     other.write_text("{not json")
-    code, _, stderr = _table_main(monkeypatch, capsys, *argv)
+    code, _, stderr = _report_main(monkeypatch, capsys, *argv)
     assert code != 0 and stderr.count("\n") == 1 and "not a results file" in stderr
     assert json.loads(out.read_text()) == here + gpu  # nothing written on bad input
     other_block = dict(here[0], model={"attention": "se", "attn_kwargs": {"init": "default"}})
     # the same name, seed, budget and numerics built with other model options is another run: it is added
-    assert table.merge(here + gpu, [other_block, here[1]]) == [other_block]
+    assert report.merge(here + gpu, [other_block, here[1]]) == [other_block]
 
 
 def test_a_sweep_neither_counts_nor_pairs_a_same_named_run_built_with_other_model_options():
@@ -337,7 +342,7 @@ def test_a_sweep_neither_counts_nor_pairs_a_same_named_run_built_with_other_mode
     ``resnet_fast_se``, on an AMX machine); a sweep run there must train the config as it builds now, not take
     the old run as done or pair with it."""
     se, none = "configs/attention/resnet_fast_se.yaml", "configs/attention/resnet_fast_none.yaml"
-    now = {c: table.planned_options(c) for c in (se, none)}
+    now = {c: report.planned_options(c) for c in (se, none)}
     old = dict(now[se], attn_kwargs={"init": "default"}, attn_position="unit_bn")
     rs = ([dict(_r("resnet_fast_none", s, 0.86), model=now[none]) for s in range(3)]
           + [dict(_r("resnet_fast_se", s, 0.85), model=old) for s in range(3)]  # round 2's, same names
@@ -349,7 +354,7 @@ def test_a_sweep_neither_counts_nor_pairs_a_same_named_run_built_with_other_mode
         ("resnet_fast_se", 0, 0.87), ("vit_tiny", 0, 0.6)]
     assert table.plan(rs, [none, se], 1, 0.5) == []  # by name alone, round 2's runs would count as done
     assert table.plan(live, [none, se], 1, 0.5) == [se]
-    m, _, n = table.paired(live, "resnet_fast_se")
+    m, _, n = report.paired(live, "resnet_fast_se")
     assert (m, n) == (pytest.approx(1.0), 1)  # paired with the one current run only (round 2's: -1.0 each)
     tagged = table.current([dict(_r("resnet_fast_se/w", 0, 0.9), model=now[se])], [se], "w", ["model.widths=[8,8,8]"])
     assert tagged == []  # a variant's runs must carry its overrides
@@ -359,7 +364,7 @@ def test_a_sweep_at_one_budget_neither_counts_nor_pairs_the_runs_of_another_budg
     """After a 16-epoch sweep (or another machine's runs), the 4-epoch sweep still plans its own runs: a run at
     16 epochs is not the 4-epoch run, and pairs at 16 epochs or on other kernels do not close its interval."""
     none, gc = "configs/attention/resnet_fast_none.yaml", "configs/attention/resnet_fast_gc.yaml"
-    now = {c: table.planned_options(c) for c in (none, gc)}
+    now = {c: report.planned_options(c) for c in (none, gc)}
 
     def run(config, s, acc, epochs=4, kernels="avx512_bf16"):
         return dict(_r(Path(config).stem, s, acc), config=config, model=now[config], epochs=epochs,
@@ -382,7 +387,7 @@ def test_a_sweep_of_the_shipped_configs_counts_the_placement_runs_that_built_the
     a sweep of the shipped configs takes those runs as its own (as the README's summary does) instead of
     training them again, and a run under another placement is not taken."""
     none, se = "configs/attention/resnet_fast_none.yaml", "configs/attention/resnet_fast_se.yaml"
-    now = {c: table.planned_options(c) for c in (none, se)}
+    now = {c: report.planned_options(c) for c in (none, se)}
     other = dict(now[se], attn_position="group_act")
 
     def run(name, config, s, acc, model, overrides=()):
@@ -396,10 +401,10 @@ def test_a_sweep_of_the_shipped_configs_counts_the_placement_runs_that_built_the
     live = table.current(rs, [none, se])
     assert sorted((r["name"], r["seed"]) for r in live if r["name"] == "resnet_fast_se") == [
         ("resnet_fast_se", 0), ("resnet_fast_se", 1), ("resnet_fast_se", 2)]
-    assert table.paired(live, "resnet_fast_se") == (pytest.approx(0.5), pytest.approx(0.0), 3)
+    assert report.paired(live, "resnet_fast_se") == (pytest.approx(0.5), pytest.approx(0.0), 3)
     assert table.plan(live, [none, se], 0, 0.5, 4) == []  # nothing to train again
     again = table.current(rs + [run("resnet_fast_se", se, 0, 0.865, now[se])], [none, se])
-    assert table.paired(again, "resnet_fast_se")[2] == 3  # the same seed under two names pairs once
+    assert report.paired(again, "resnet_fast_se")[2] == 3  # the same seed under two names pairs once
     assert table.plan(table.current(rs, [none, se], "x", ["model.attn_position=unit_act"]), [none, se], 0,
                       0.5, 4, "x") == [se]  # a tagged sweep is a new variant: nothing of the ablation counts
 
@@ -409,7 +414,7 @@ def test_the_report_never_averages_or_pairs_same_named_runs_of_different_models(
     ``NAME/earlier-1``, paired with the baseline's earlier runs where it has them; the runs built as the
     config builds now keep the name. Nothing is averaged across the two."""
     se, none = "configs/attention/resnet_fast_se.yaml", "configs/attention/resnet_fast_none.yaml"
-    now = {c: table.planned_options(c) for c in (se, none)}
+    now = {c: report.planned_options(c) for c in (se, none)}
     old_se = dict(now[se], attn_kwargs={"init": "default"})
     old_none = dict(now[none], bn_momentum=0.5)
 
@@ -420,19 +425,19 @@ def test_the_report_never_averages_or_pairs_same_named_runs_of_different_models(
           + [run("resnet_fast_none", none, s, 0.84, old_none) for s in range(3)]
           + [run("resnet_fast_none", none, s, a, now[none]) for s, a in enumerate([0.86, 0.87, 0.88])]
           + [run("resnet_fast_se", se, s, a, now[se]) for s, a in enumerate([0.87, 0.87, 0.89])])
-    split = table.split_by_options(rs)
+    split = report.split_by_options(rs)
     assert [r["name"] for r in split] == (["resnet_fast_se/earlier-1"] * 3 + ["resnet_fast_none/earlier-1"] * 3
                                           + ["resnet_fast_none"] * 3 + ["resnet_fast_se"] * 3)
-    rows = {line.split("|")[1].strip(): line for line in table.table(rs).splitlines()[2:]}
+    rows = {line.split("|")[1].strip(): line for line in report.table(rs).splitlines()[2:]}
     assert set(rows) == {"`resnet_fast_none`", "`resnet_fast_se`", "`resnet_fast_none/earlier-1`",
                          "`resnet_fast_se/earlier-1`"}
     assert "| 87.67 ± 1.15 | +0.67 ± 1.43 (3 pairs) |" in rows["`resnet_fast_se`"]  # 87, 87, 89 against 86, 87, 88
     assert "| 80.00 ± 0.00 | -4.00 ± 0.00 (3 pairs) |" in rows["`resnet_fast_se/earlier-1`"]  # against 84 each
     # a config that no longer loads: the newest runs keep the name
     gone = [dict(r, config="configs/gone.yaml") for r in rs if r["name"] == "resnet_fast_se"]
-    assert [r["name"] for r in table.split_by_options(gone)] == ["resnet_fast_se/earlier-1"] * 3 + ["resnet_fast_se"] * 3
-    assert table.split_by_options(rs[6:]) == rs[6:]  # one set of options per name: unchanged
-    drawn = table.plot(rs, tmp_path / "plot.png", table.numerics(rs[0]))  # the plot: one marker per model too
+    assert [r["name"] for r in report.split_by_options(gone)] == ["resnet_fast_se/earlier-1"] * 3 + ["resnet_fast_se"] * 3
+    assert report.split_by_options(rs[6:]) == rs[6:]  # one set of options per name: unchanged
+    drawn = report.plot(rs, tmp_path / "plot.png", report.numerics(rs[0]))  # the plot: one marker per model too
     assert drawn == {"resnet_fast_none": 3, "resnet_fast_none/earlier-1": 3, "resnet_fast_se": 3,
                      "resnet_fast_se/earlier-1": 3}
 
@@ -502,6 +507,16 @@ def test_the_manuals_transformer_ablation_table_is_the_one_the_results_give():
         "docs/results.md's transformer ablation is stale: paste `python bench/recipe_ablation.py --recipe vit_cpu --table`")
 
 
+def test_the_manuals_cpu_recipe_ablation_table_is_the_one_the_results_give():
+    ablation = _load("recipe_ablation")
+    _, variants, results_file = ablation.RECIPES["cpu"]
+    doc = (ROOT / "docs" / "results.md").read_text()
+    block = doc.split("<!-- cpu ablation: python bench/recipe_ablation.py --table -->\n")[1]
+    block = block.split("<!-- end of cpu ablation -->")[0]
+    assert block.strip() == ablation.table(json.loads(results_file.read_text()), variants), (
+        "docs/results.md's CPU recipe ablation is stale: paste `python bench/recipe_ablation.py --table`")
+
+
 def test_the_ablation_table_names_each_rows_budget_and_kernel_family():
     """Rows from different budgets or machines sit in one ablation file: each row says which it is (rows
     recorded before these were kept are 4-epoch bf16 runs on AMX)."""
@@ -523,7 +538,7 @@ def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family_an
     placed = [dict(_r("resnet_fast_se/identity-unit_act", s, 0.870 + s / 1000), **se) for s in range(3)]
     other = [dict(_r("resnet_fast_se/identity-group_act", s, 0.80), **dict(se, kernels="amx")) for s in range(3)]
     eca = dict(fam, config="configs/attention/resnet_fast_eca.yaml", model={"attention": "eca"})
-    long = table.BUDGETS[1]
+    long = report.BUDGETS[1]
     longer = [dict(_r(n, 0, acc), epochs=long, **kw)
               for n, acc, kw in (("resnet_fast_none", 0.93, fam), ("resnet_fast_eca", 0.935, eca))]
     stale = [dict(_r("resnet_fast_eca", 0, 0.99), epochs=long,
@@ -535,7 +550,7 @@ def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family_an
             + [dict(_r("resnet_fast_eca", s, 0.92 + s / 1000), epochs=32, **dict(eca, **gpu)) for s in range(3)]
             + [dict(_r("resnet_fast_eca", 3, 0.50), epochs=32, **eca)])
     cols = ((32, "bf16 on NVIDIA H100 80GB HBM3", "32 epochs, H100"),)
-    text = table.summary(none + placed + other + longer + stale + at32, "bf16 on avx512_bf16", ships, cols, speed={})
+    text = report.summary(none + placed + other + longer + stale + at32, "bf16 on avx512_bf16", ships, cols, speed={})
     assert 'Runs in bf16 on avx512_bf16, the "32 epochs, H100" column in bf16 on NVIDIA H100 80GB HBM3;' in text
     placement, blocks = text.split("\n\n")[1:]
     assert "| 4 epochs | verdict | 16 epochs | verdict | 32 epochs, H100 | verdict | cost: images/s" in blocks
@@ -547,10 +562,10 @@ def test_summary_tables_the_placement_and_both_budgets_from_one_kernel_family_an
     # not the stale model's run at 16 epochs; at 32 the H100's three pairs (+1.0, +1.1, +1.2), not the CPU's run
     assert "— | — | +0.50 (1, no interval) | too few seeds | +1.10 ± 0.25 (3) | better" in rows["| `eca`"]
     assert rows["| `gc`"].count("—") == 7
-    assert table.summary(none, "bf16 on avx512_bf16", ships, (), speed={}).count("verdict") == 2  # no other column
-    two = table.summary(none, "bf16 on avx512_bf16", ships, ((16, cols[0][1], "16 epochs, H100"),) + cols, speed={})
+    assert report.summary(none, "bf16 on avx512_bf16", ships, (), speed={}).count("verdict") == 2  # no other column
+    two = report.summary(none, "bf16 on avx512_bf16", ships, ((16, cols[0][1], "16 epochs, H100"),) + cols, speed={})
     assert '"16 epochs, H100" and "32 epochs, H100" columns in bf16 on NVIDIA H100 80GB HBM3;' in two  # one family
-    assert text.startswith(table.README_BEGIN) and text.endswith(table.README_END)
+    assert text.startswith(report.README_BEGIN) and text.endswith(report.README_END)
 
 
 def test_the_shipped_positions_placement_cell_counts_the_same_runs_as_the_blocks_row():
@@ -565,7 +580,7 @@ def test_the_shipped_positions_placement_cell_counts_the_same_runs_as_the_blocks
     other = [dict(_r("resnet_fast_se/identity-unit_act", s, 0.860), **dict(se, model=dict(se["model"], attn_position="unit_act")))
              for s in range(3)]
     ships = {"none": fam["model"], "se": se["model"]}
-    text = table.summary(none + tagged + [own] + other, "bf16 on avx512_bf16", ships, (), speed={})
+    text = report.summary(none + tagged + [own] + other, "bf16 on avx512_bf16", ships, (), speed={})
     placement, blocks = text.split("\n\n")[1:]
     se_place = next(line for line in placement.splitlines() if line.startswith("| `se`")).removesuffix(" |").split(" | ")
     se_block = next(line for line in blocks.splitlines() if line.startswith("| `se`")).split(" | ")
@@ -587,15 +602,15 @@ def test_the_summarys_cost_column_is_one_process_step_ratio_not_the_runs_images_
                       dict(row, config="configs/attention/resnet_fast_none.yaml", step="compiled", images_per_s=5.0),
                       dict(row, config="configs/attention/resnet_fast_se.yaml", step="eager", images_per_s=900.0),
                       dict(row, config="configs/attention/resnet_fast_cbam.yaml", step="eager", images_per_s=600.0)]}
-    assert table.speed_ratios(speed) == {"none": 1.0, "se": 0.9, "cbam": 0.6}
-    text = table.summary(runs, "bf16 on avx512_bf16", ships, (), speed=speed)
+    assert report.speed_ratios(speed) == {"none": 1.0, "se": 0.9, "cbam": 0.6}
+    text = report.summary(runs, "bf16 on avx512_bf16", ships, (), speed=speed)
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| `")}
     assert rows["| `se`"].endswith(" | 0.90 |") and rows["| `none` (accuracy ± std)"].endswith(" | 1.00 |")
     assert rows["| `cbam`"].endswith(" | 0.60 |") and rows["| `gc`"].endswith(" | — |")
     assert "measured in one process on Some CPU (bf16 on avx512_bf16, 2 threads, 2026-11-28" in text
-    bare = table.summary(runs, "bf16 on avx512_bf16", ships, (), speed={})
+    bare = report.summary(runs, "bf16 on avx512_bf16", ships, (), speed={})
     assert "Cost:" not in bare and all(line.endswith(" | — |") for line in bare.splitlines() if line.startswith("| `"))
-    assert table.speed_ratios({"rows": speed["rows"][2:]}) == {}  # no `none` row, no ratios
+    assert report.speed_ratios({"rows": speed["rows"][2:]}) == {}  # no `none` row, no ratios
 
 
 def test_throughput_out_writes_every_row_of_one_process(tmp_path, monkeypatch, capsys):
@@ -620,18 +635,18 @@ def test_shipped_runs_match_the_configs_model_and_only_model_overrides():
     cfg = "configs/attention/resnet_fast_se.yaml"
     model = load_config(table.ROOT / cfg).model.options()
     run = dict(_r("resnet_fast_se/identity-x", 0, 0.87), config=cfg, model=model, overrides=["model.attn_position=unit_bn"])
-    assert [r["name"] for r in table.shipped([run], cfg)] == ["resnet_fast_se"]
-    assert table.shipped([dict(run, overrides=["optim.lr=0.1"])], cfg) == []  # another recipe
-    assert table.shipped([dict(run, model=dict(model, attention="eca"))], cfg) == []
+    assert [r["name"] for r in report.shipped([run], cfg)] == ["resnet_fast_se"]
+    assert report.shipped([dict(run, overrides=["optim.lr=0.1"])], cfg) == []  # another recipe
+    assert report.shipped([dict(run, model=dict(model, attention="eca"))], cfg) == []
     own = dict(run, name="resnet_fast_se", overrides=[], val_acc=0.86)  # the same seed under the config's name
-    assert [r["val_acc"] for r in table.shipped([run, own], cfg)] == [0.86]  # counted once, as its own
+    assert [r["val_acc"] for r in report.shipped([run, own], cfg)] == [0.86]  # counted once, as its own
 
 
-def test_the_readmes_attention_summary_is_the_one_the_results_give():
-    readme = (ROOT / "README.md").read_text()
-    start, end = readme.index(table.README_BEGIN), readme.index(table.README_END) + len(table.README_END)
-    assert readme[start:end] == table.summary(json.loads(table.RESULTS.read_text())), \
-        "README's attention summary is stale: paste `python bench/attention_table.py --summary`"
+def test_the_results_pages_attention_summary_is_the_one_the_results_give():
+    doc = (ROOT / "docs" / "results.md").read_text()
+    start, end = doc.index(report.README_BEGIN), doc.index(report.README_END) + len(report.README_END)
+    assert doc[start:end] == report.summary(json.loads(report.RESULTS.read_text())), \
+        "docs/results.md's attention summary is stale: run `python bench/attention_report.py --summary --write`"
 
 
 def test_the_plot_draws_one_budget_on_one_kernel_family(tmp_path):
@@ -639,10 +654,10 @@ def test_the_plot_draws_one_budget_on_one_kernel_family(tmp_path):
     amx = [_r("resnet_fast_none", s, 0.868) for s in range(3)] + [_r("resnet_fast_se", s, 0.86) for s in range(3)]
     here = [dict(_r("resnet_fast_none", s, 0.866), kernels="avx512_bf16") for s in range(2)]
     longer = [dict(_r("resnet_fast_none", 0, 0.93), epochs=10)]
-    drawn = table.plot(amx + here + longer, tmp_path / "p.png")  # the family with the most 4-epoch runs
+    drawn = report.plot(amx + here + longer, tmp_path / "p.png")  # the family with the most 4-epoch runs
     assert drawn == {"resnet_fast_none": 3, "resnet_fast_se": 3} and (tmp_path / "p.png").stat().st_size > 0
-    assert table.plot(amx + here + longer, tmp_path / "q.png", "bf16 on avx512_bf16") == {"resnet_fast_none": 2}
-    assert table.plot(amx + here + longer, tmp_path / "r.png", epochs=10) == {"resnet_fast_none": 1}
+    assert report.plot(amx + here + longer, tmp_path / "q.png", "bf16 on avx512_bf16") == {"resnet_fast_none": 2}
+    assert report.plot(amx + here + longer, tmp_path / "r.png", epochs=10) == {"resnet_fast_none": 1}
 
 
 def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tmp_path, monkeypatch, capsys):
@@ -670,14 +685,14 @@ def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tm
     assert sorted((r["name"], r["seed"], r["epochs"]) for r in rs) == [
         ("resnet_fast_none/dry", 0, 1), ("resnet_fast_se/dry", 0, 1)]
     assert all(r["model"]["widths"] == [16, 32, 32] for r in rs)
-    assert len(table.differences(rs, "resnet_fast_se/dry")) == 1  # paired with the variant's own none
+    assert len(report.differences(rs, "resnet_fast_se/dry")) == 1  # paired with the variant's own none
     with tarfile.open(out / "logs.tgz") as tar:
         assert {"./se-s0.log", "./none-s0.log"} <= set(tar.getnames())
     assert "=== 2 finished runs" in done.stdout
-    assert all("2 runs at once" in r["contended"] and not table.quiet(r) for r in rs)  # times never quoted
+    assert all("2 runs at once" in r["contended"] and not report.quiet(r) for r in rs)  # times never quoted
     merged = tmp_path / "table.json"
     merged.write_text("[]")
-    code, _, _ = _table_main(monkeypatch, capsys, "--results", str(merged), "--merge", str(out / "results.json"))
+    code, _, _ = _report_main(monkeypatch, capsys, "--results", str(merged), "--merge", str(out / "results.json"))
     assert code == 0 and json.loads(merged.read_text()) == rs
 
 
@@ -689,7 +704,7 @@ def test_gpu_table_skips_the_runs_the_table_already_holds_on_this_kernel_family(
     num = table.planned_numerics("configs/attention/resnet_fast_se.yaml")
     prec, kern = num.split(" on ")
     mine = dict(precision=prec, kernels=kern, epochs=3)
-    model = {c: table.planned_options(f"configs/attention/resnet_fast_{c}.yaml", ["model.widths=[8,8,8]"])
+    model = {c: report.planned_options(f"configs/attention/resnet_fast_{c}.yaml", ["model.widths=[8,8,8]"])
              for c in ("se", "none")}
     have = [dict(_r("resnet_fast_none/w", 0, 0.9), model=model["none"], **mine),
             dict(_r("resnet_fast_se/w", 0, 0.9), model=model["se"], **mine),
@@ -735,3 +750,20 @@ def test_a_bench_scripts_missing_config_is_one_line_naming_it(script, monkeypatc
     code, _, err = _script_main(script, monkeypatch, capsys, "--config", "configs/nope.yaml")
     assert code not in (0, None)
     assert err == f"{script}: config file 'configs/nope.yaml' not found\n"
+
+
+def test_the_report_writes_the_summary_between_the_markers_and_leaves_the_rest(tmp_path, monkeypatch, capsys):
+    """``attention_report.py --summary --write`` regenerates the README's and docs' summary blocks in place:
+    the text around the markers is kept, a page without markers or already current is not touched."""
+    text = f"{report.README_BEGIN}\nnew table\n{report.README_END}"
+    page, other, plain = tmp_path / "a.md", tmp_path / "b.md", tmp_path / "c.md"
+    page.write_text(f"intro\n{report.README_BEGIN}\nold\n{report.README_END}\noutro\n")
+    other.write_text(f"{text}\n")
+    plain.write_text("no markers\n")
+    assert report.write_summary(text, [page, other, plain]) == [page]
+    assert page.read_text() == f"intro\n{text}\noutro\n" and plain.read_text() == "no markers\n"
+    assert report.write_summary(text, [page]) == []  # already current
+    code, _, err = _report_main(monkeypatch, capsys, "--write")
+    assert code == 2 and "--write writes the summary: give --summary too" in err and "Traceback" not in err
+    code, out, _ = _report_main(monkeypatch, capsys)  # no flags: every run's table, per budget and kernel family
+    assert code == 0 and "| config | params | epochs |" in out and "epochs, bf16 on" in out

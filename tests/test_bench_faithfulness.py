@@ -141,8 +141,8 @@ def test_summary_gives_each_checkpoint_its_best_map_per_family_and_the_verdict()
                         "| +0.050 / +0.250 | `centre` (centre) | no | no |")
 
 
-def test_the_readmes_faithfulness_table_is_the_one_the_results_give():
-    readme = (ROOT / "README.md").read_text()
-    start, end = readme.index(bench.README_BEGIN), readme.index(bench.README_END) + len(bench.README_END)
-    assert readme[start:end] == bench.summary(bench.load(bench.RESULTS)), \
-        "README's faithfulness table is stale: paste `python bench/faithfulness.py --summary`"
+def test_the_results_pages_faithfulness_table_is_the_one_the_results_give():
+    doc = (ROOT / "docs" / "results.md").read_text()
+    start, end = doc.index(bench.README_BEGIN), doc.index(bench.README_END) + len(bench.README_END)
+    assert doc[start:end] == bench.summary(bench.load(bench.RESULTS)), \
+        "docs/results.md's faithfulness table is stale: paste `python bench/faithfulness.py --summary`"

@@ -124,3 +124,69 @@ def test_cli_process_prints_no_traceback(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().startswith("error: train.batch_size")
     assert "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------------ inheritance (base:)
+
+
+def _files(tmp_path: Path, **texts: str) -> Path:
+    """Write ``name=text`` files (``_`` in a name stands for ``/``); returns ``tmp_path``."""
+    for name, text in texts.items():
+        f = tmp_path / f"{name.replace('_', '/')}.yaml"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    return tmp_path
+
+
+def test_a_config_inherits_its_base_through_a_chain_and_overrides_keys(tmp_path):
+    """``base:`` is relative to the file that names it; mappings merge key by key, lists are replaced, and the
+    nearest file wins, then the command line."""
+    _files(tmp_path, root="optim:\n  lr: 0.3\n  momentum: 0.8\nmodel:\n  widths: [8, 16, 32]\n  attention: se\n"
+                          "train:\n  epochs: 4\n",
+           sub_mid="base: ../root.yaml\noptim:\n  lr: 0.2\nmodel:\n  widths: [4, 4]\n",
+           sub_leaf="base: mid.yaml\nname: leaf\noptim:\n  lr: 0.1\n")
+    cfg = load_config(tmp_path / "sub" / "leaf.yaml", ["train.epochs=7"])
+    assert cfg.name == "leaf" and cfg.optim.lr == 0.1 and cfg.optim.momentum == 0.8  # leaf over mid over root
+    assert cfg.model.options() == {"widths": [4, 4], "attention": "se"}  # the list replaced, the mapping merged
+    assert cfg.train.epochs == 7  # the command line over every file
+    assert load_config(tmp_path / "sub" / "mid.yaml").optim.lr == 0.2
+
+
+def test_the_printed_and_saved_config_is_whole_and_has_no_base_key(tmp_path, capsys):
+    import yaml
+
+    from visattn.config import read_yaml
+
+    _files(tmp_path, root="optim:\n  lr: 0.3\n", leaf="base: root.yaml\nname: leaf\n")
+    assert read_yaml(tmp_path / "leaf.yaml") == {"optim": {"lr": 0.3}, "name": "leaf"}
+    assert main(["--config", str(tmp_path / "leaf.yaml"), "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert "base" not in printed and printed["optim"]["lr"] == 0.3 and printed["name"] == "leaf"
+    assert printed == load_config(None, ["optim.lr=0.3", "name=leaf"]).to_dict()
+
+
+@pytest.mark.parametrize("texts, fragment", [
+    ({"a": "base: b.yaml\n", "b": "base: a.yaml\n"}, "base 'a.yaml' makes a cycle (a.yaml -> b.yaml -> a.yaml)"),
+    ({"a": "base: a.yaml\n"}, "base 'a.yaml' makes a cycle (a.yaml -> a.yaml)"),
+    ({"a": "base: nowhere.yaml\n"}, "base 'nowhere.yaml' not found"),
+    ({"a": "base: b.yaml\n", "b": "base: gone.yaml\n"}, "b.yaml': base 'gone.yaml' not found"),
+    ({"a": "base: [b.yaml]\n"}, "base must be the path of a config file"),
+    ({"a": "base: b.yaml\n", "b": "optim: [1, 2\n"}, "b.yaml' is not valid YAML"),
+    ({"a": "base: b.yaml\n", "b": "optim:\n  lrr: 1\n"}, "unknown key 'optim.lrr'"),
+], ids=["cycle", "self", "missing", "missing-in-chain", "not-a-path", "bad-yaml-in-base", "bad-key-in-base"])
+def test_a_bad_base_is_one_line_exit_2(tmp_path, texts, fragment):
+    _files(tmp_path, **texts)
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(tmp_path / "a.yaml"), "--print-config"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.startswith("error: ") and fragment in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_a_chain_longer_than_the_limit_is_refused(tmp_path):
+    from visattn.config import MAX_BASE_CHAIN
+
+    n = MAX_BASE_CHAIN + 1
+    _files(tmp_path, **{f"c{i}": f"base: c{i + 1}.yaml\n" for i in range(n)}, **{f"c{n}": "name: end\n"})
+    with pytest.raises(ConfigError, match=f"more than {MAX_BASE_CHAIN} bases in a chain"):
+        load_config(tmp_path / "c0.yaml")
+    assert load_config(tmp_path / f"c{n - MAX_BASE_CHAIN}.yaml").name == "end"  # exactly at the limit: read

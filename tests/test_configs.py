@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from visattn.config import load_config
+from visattn.config import load_config, safe_yaml
 from visattn.trainer import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,8 +14,9 @@ CONFIGS = sorted(ROOT.glob("configs/**/*.yaml"))
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT / "configs")) for p in CONFIGS])
 def test_config_trains_a_few_steps(path, tmp_path):
+    synthetic = "data.placed.source=synthetic" if "placed" in path.parts else "data.source=synthetic"  # keep the canvas
     cfg = load_config(path, [
-        f"run_dir={tmp_path / 'run'}", "data.source=synthetic", "data.synthetic_size=120", "data.val_size=40",
+        f"run_dir={tmp_path / 'run'}", synthetic, "data.synthetic_size=120", "data.val_size=40",
         "train.batch_size=40", "train.epochs=1", "eval.batch_size=40", "log.progress=false", "log.probe_size=2",
         "compile=false",  # torch.compile itself is covered by tests/test_train.py::test_compile_on_cpu
     ])
@@ -61,3 +62,32 @@ def test_the_wide_transformer_config_is_the_transformer_recipe_wider():
     assert differ == {"name", "run_dir", "model.dim", "model.mlp_ratio"}
     assert (base["model.dim"], base["model.mlp_ratio"]) == (192, 2.0)
     assert (wide["model.dim"], wide["model.mlp_ratio"]) == (256, 4.0)
+
+
+@pytest.mark.parametrize("path", ATTENTION_CONFIGS, ids=[p.stem for p in ATTENTION_CONFIGS])
+def test_attention_configs_are_a_few_lines_over_a_base(path):
+    """Each block's config says only what differs (``base:`` gives the rest): at most 15 lines, a comment
+    first; ``resnet_fast_none`` inherits the CPU recipe and repeats none of its keys."""
+    text = path.read_text()
+    own = safe_yaml(text, path.name)
+    assert len(text.splitlines()) <= 15 and text.startswith("# ") and "base" in own
+    if path.stem == "resnet_fast_none":
+        assert own["base"] == "../cifar10_cpu.yaml" and set(own) == {"base", "name", "run_dir", "log"}
+    else:
+        assert own["base"] == "resnet_fast_none.yaml" and set(own) == {"base", "name", "run_dir", "model"}
+
+
+def test_the_gpu_recipe_is_the_cpu_recipe_at_airbench94s_setting_for_10_epochs():
+    """``configs/cifar10_gpu.yaml`` trains as the recipe ablation's ``epochs_10_airbench`` variant (the CPU recipe
+    with batch 1024, lookahead, 23% warmup, whitening bias 3 epochs, 10 epochs), so that variant's recorded run is
+    a run of this recipe (``bench/gpu_recipe_cpu.py``); it differs in what does not change training (name, run
+    folder, compiling, evaluation cadence and batch), and has no attention block and no EMA."""
+    from test_bench import _load
+
+    over = _load("recipe_ablation").CPU_VARIANTS["epochs_10_airbench"][1]
+    cpu = _flat(load_config(ROOT / "configs" / "cifar10_cpu.yaml", over).to_dict())
+    gpu = _flat(load_config(ROOT / "configs" / "cifar10_gpu.yaml").to_dict())
+    differ = {k for k in cpu.keys() | gpu.keys() if cpu.get(k) != gpu.get(k)}
+    assert differ == {"name", "run_dir", "compile", "eval.every", "eval.batch_size"}
+    assert gpu["compile"] and gpu["train.epochs"] == 10 and gpu["train.batch_size"] == 1024
+    assert gpu["model.attention"] == "none" and gpu["train.ema_decay"] is None

@@ -37,6 +37,18 @@ def test_readme_fits_a_page():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
 
 
+def test_the_results_are_a_page_and_the_readmes_results_a_table():
+    """docs/results.md shows the current results only (earlier rounds: docs/changelog.md) in at most 350 lines;
+    the README's results section is at most 50, one table of headline numbers linking to it."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("\n## Results\n"):]
+    section = section[:section.index("\n## ", 5)]
+    assert len(section.strip().splitlines()) <= 50 and section.count("](docs/results.md#") >= 5
+    results = (ROOT / "docs" / "results.md").read_text()
+    assert len(results.splitlines()) <= 350, len(results.splitlines())
+    assert not re.search(r"\b(this|first|last) round\b", results, re.I)  # no lab notebook
+
+
 @pytest.mark.parametrize("md", PAGES, ids=[p.name for p in PAGES])
 def test_every_relative_link_resolves(md):
     bad = []

@@ -167,21 +167,25 @@ def test_attn_layer_takes_timm_device_dtype_and_checks_early():
 
 # ---- RegNet, ConvNeXt, EfficientNet, MobileNetV3 ---------------------------------------------------------
 
-# (library, architecture, extra build options, blocks inserted, whether the model's own SE is replaced)
+# (library, architecture, extra build options, blocks inserted, whether the model has SE modules of its own)
 FAMILIES = [
     ("torchvision", "regnet_x_400mf", {}, 22, False),
     ("torchvision", "regnet_y_400mf", {}, 16, True),
     ("torchvision", "convnext_tiny", {}, 18, False),
-    ("torchvision", "mobilenet_v3_small", {}, 9, True),
+    ("torchvision", "mobilenet_v3_small", {}, 11, True),  # every inverted residual block, with an SE or not
     ("torchvision", "efficientnet_b0", {}, 16, True),
     ("timm", "regnetx_002", {}, 13, False),
     ("timm", "regnety_002", {}, 13, True),
     ("timm", "convnext_atto", {}, 12, False),  # conv MLP: (B, C, H, W) throughout
     ("timm", "convnext_atto", {"conv_mlp": False}, 12, False),  # linear MLP on (B, H, W, C)
-    ("timm", "mobilenetv3_small_050", {}, 9, True),
+    ("timm", "mobilenetv3_small_050", {}, 11, True),
     ("timm", "efficientnet_b0", {}, 16, True),
 ]
 FAMILY_IDS = [f"{lib}-{arch}{'-' + '-'.join(kw) if kw else ''}" for lib, arch, kw, _, _ in FAMILIES]
+# where the block sits: the end of its path (torchvision EfficientNet / MobileNetV3: block.N.2, N varies)
+SLOT = {"regnet_x_400mf": ".f.c.2", "regnet_y_400mf": ".f.c.2", "convnext_tiny": ".block.7",
+        "regnetx_002": ".conv3.aa", "regnety_002": ".conv3.aa", "convnext_atto": ".mlp.drop2.attn",
+        "mobilenet_v3_small": ".2", "efficientnet_b0": ".2", "mobilenetv3_small_050": ".act.attn"}
 
 
 def build_family(lib: str, arch: str, kw: dict) -> nn.Module:
@@ -201,64 +205,97 @@ def foreign_se(model: nn.Module) -> list:
     return [p for p, m in model.named_modules() if isinstance(m, (SqueezeExcitation, SEModule, TimmEffSE))]
 
 
-@pytest.mark.parametrize("lib,arch,kw,expected,replaces_se", FAMILIES, ids=FAMILY_IDS)
-def test_insert_into_new_families(lib, arch, kw, expected, replaces_se):
+@pytest.mark.parametrize("lib,arch,kw,expected,has_se", FAMILIES, ids=FAMILY_IDS)
+def test_insert_into_new_families(lib, arch, kw, expected, has_se):
     model = build_family(lib, arch, kw)
     before = {k: v.shape for k, v in model.state_dict().items()}
     se_paths = foreign_se(model)
-    assert bool(se_paths) == replaces_se
+    assert bool(se_paths) == has_se
     assert insert_attention(model, "cbam") == expected
-    assert foreign_se(model) == []  # every SE of the model's own is gone
+    assert foreign_se(model) == se_paths  # the model's own SEs are kept
     blocks = [p for p, m in model.named_modules() if isinstance(m, CBAM)]
     assert len(blocks) == expected
-    if replaces_se:  # in the SEs' places
-        assert sorted(blocks) == sorted(se_paths)
-    else:  # at the residual branch's end, in a slot that keeps the model's own names
-        slot = {"regnet_x_400mf": ".f.c.2", "convnext_tiny": ".block.7", "regnetx_002": ".conv3.aa",
-                "convnext_atto": ".mlp.drop2.attn"}[arch]
-        assert all(p.endswith(slot) for p in blocks), blocks[:2]
+    slot = ".act.attn" if lib == "timm" and arch == "efficientnet_b0" else SLOT[arch]
+    assert all(p.endswith(slot) for p in blocks), blocks[:2]  # at the branch's end, in a slot that keeps names
     after = model.state_dict()
-    for key, shape in before.items():  # the model's own parameter names are kept
-        if not any(key.startswith(p + ".") for p in se_paths):
-            assert key in after and after[key].shape == shape, key
+    for key, shape in before.items():  # every parameter of the model's own is kept, under its name
+        assert key in after and after[key].shape == shape, key
     forward_backward(model, CBAM)
 
 
-@pytest.mark.parametrize("lib,arch,kw,expected,replaces_se", FAMILIES, ids=FAMILY_IDS)
-def test_inserted_block_takes_the_se_place_or_ends_the_branch(lib, arch, kw, expected, replaces_se):
-    """Where the model has SEs, inserting the identity block ("none") equals deleting the SEs. Where it has
-    none, a closed SE gate (bias -1e4) cuts the residual branch exactly: the model then equals one whose
-    branch output is zeroed (last norm or layer scale set to zero)."""
+def _branch_end_norms(model: nn.Module) -> list:
+    """The norm (or layer scale) whose output ends each residual branch, where insert_attention's rule puts
+    the block."""
+    import timm.models._efficientnet_blocks as tm_eff
+    import timm.models.regnet as tm_regnet
+    import torchvision.models.efficientnet as tv_eff
+    import torchvision.models.mobilenetv3 as tv_mnv3
+    import torchvision.models.regnet as tv_regnet
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, tv_regnet.ResBottleneckBlock):
+            out.append(m.f.c[1])
+        elif isinstance(m, (tv_eff.MBConv, tv_mnv3.InvertedResidual)):
+            out.append(m.block[-1][1])
+        elif isinstance(m, tm_regnet.Bottleneck):
+            out.append(m.conv3.bn)
+        elif type(m) in (tm_eff.InvertedResidual, tm_eff.DepthwiseSeparableConv):
+            out.append(m.bn3 if hasattr(m, "bn3") else m.bn2)
+        elif type(m).__name__ in ("CNBlock", "ConvNeXtBlock"):
+            out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("lib,arch,kw,expected,has_se", FAMILIES, ids=FAMILY_IDS)
+def test_inserted_block_ends_the_branch(lib, arch, kw, expected, has_se):
+    """A closed SE gate (bias -1e4) cuts each residual branch exactly: the model then equals one whose branch
+    output is zeroed (last norm, or ConvNeXt's layer scale, set to zero), the model's own SEs kept in both."""
     model = build_family(lib, arch, kw).eval()
     reference = copy.deepcopy(model)
     x = torch.randn(2, 3, 32, 32)
-    if replaces_se:
-        insert_attention(model, "none")
-        for path in foreign_se(reference):
-            parent, _, attr = path.rpartition(".")
-            setattr(reference.get_submodule(parent), attr, nn.Identity())
-    else:
-        insert_attention(model, "se")
-        with torch.no_grad():
-            for m in model.modules():
-                if isinstance(m, SqueezeExcite):
-                    m.fc2.bias.fill_(-1e4)  # gate = sigmoid(-1e4) = 0
-            for m in reference.modules():
-                name = type(m).__name__
-                if name == "ResBottleneckBlock":  # torchvision RegNet: f.c = conv, BN
-                    m.f.c[1].weight.zero_(), m.f.c[1].bias.zero_()
-                elif name == "Bottleneck":  # timm RegNet
-                    m.conv3.bn.weight.zero_(), m.conv3.bn.bias.zero_()
-                elif name == "CNBlock":
-                    m.layer_scale.zero_()
-                elif name == "ConvNeXtBlock":
-                    m.gamma.zero_()
+    insert_attention(model, "se")
     with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, SqueezeExcite):
+                m.fc2.bias.fill_(-1e4)  # gate = sigmoid(-1e4) = 0
+        ends = _branch_end_norms(reference)
+        assert len(ends) == expected
+        for m in ends:
+            if hasattr(m, "layer_scale"):
+                m.layer_scale.zero_()
+            elif hasattr(m, "gamma"):
+                m.gamma.zero_()
+            else:
+                m.weight.zero_(), m.bias.zero_()
         torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lib,arch,kw,expected,has_se", [f for f in FAMILIES if f[4]],
+                         ids=[i for i, f in zip(FAMILY_IDS, FAMILIES) if f[4]])
+def test_replace_se_is_an_explicit_option_that_drops_the_trained_se(lib, arch, kw, expected, has_se):
+    """``replace_se=True`` puts the block in each SE's place: the identity block ("none") then equals deleting
+    the SEs, so a trained model's output changes (its SE weights are gone)."""
+    model = build_family(lib, arch, kw).eval()
+    reference = copy.deepcopy(model)
+    se_paths = foreign_se(model)
+    assert insert_attention(model, "none", replace_se=True) == len(se_paths)
+    assert foreign_se(model) == []
+    for path in se_paths:
+        parent, _, attr = path.rpartition(".")
+        setattr(reference.get_submodule(parent), attr, nn.Identity())
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no squeeze-and-excitation modules"):
+        insert_attention(tv_resnet18(weights=None), "se", replace_se=True)
+    with pytest.raises(ValueError, match="cannot go with at="):
+        insert_attention(build_family(lib, arch, kw), "se", replace_se=True, at="conv1")
+
+
 @pytest.mark.parametrize("lib,arch,kw", [("torchvision", "convnext_tiny", {}), ("timm", "regnety_002", {}),
-                                         ("timm", "convnext_atto", {"conv_mlp": False})])
+                                         ("timm", "convnext_atto", {"conv_mlp": False}),
+                                         ("timm", "efficientnet_b0", {}), ("torchvision", "mobilenet_v3_small", {})])
 def test_new_families_refuse_a_second_insertion_and_keep_dtype(lib, arch, kw):
     model = build_family(lib, arch, kw).double()
     n = insert_attention(model, "eca")
@@ -271,11 +308,74 @@ def test_new_families_refuse_a_second_insertion_and_keep_dtype(lib, arch, kw):
     model(torch.randn(2, 3, 32, 32, dtype=torch.float64)).sum().backward()
 
 
-def test_timm_resnet_with_its_own_se_gets_it_replaced():
+def test_timm_resnet_with_its_own_se_keeps_it_and_gets_the_block_after_it():
     model = timm.create_model("seresnet18", pretrained=False, num_classes=10)
+    se = model.layer1[0].se
     assert insert_attention(model, "eca") == 8
-    assert isinstance(model.layer1[0].se, EfficientChannelAttention)
+    assert model.layer1[0].se is se  # kept, trained weights and all
+    assert isinstance(model.layer1[0].drop_path.attn, EfficientChannelAttention)
     forward_backward(model, EfficientChannelAttention)
+    replaced = timm.create_model("seresnet18", pretrained=False, num_classes=10)
+    assert insert_attention(replaced, "eca", replace_se=True) == 8
+    assert isinstance(replaced.layer1[0].se, EfficientChannelAttention)
+
+
+# ---- a trained model computes what it computed before: every family x every feature block --------------
+
+def _small_torchvision(arch: str) -> nn.Module:
+    import torchvision
+    from torchvision.models.convnext import CNBlockConfig, ConvNeXt
+
+    if arch == "convnext":  # convnext_tiny's blocks at a fraction of its 28M parameters
+        return ConvNeXt([CNBlockConfig(32, 64, 2), CNBlockConfig(64, None, 2)], num_classes=10)
+    return getattr(torchvision.models, arch)(weights=None, num_classes=10)
+
+
+TRAINED = [("torchvision", "resnet18"), ("torchvision", "regnet_x_400mf"), ("torchvision", "regnet_y_400mf"),
+           ("torchvision", "convnext"), ("torchvision", "efficientnet_b0"), ("torchvision", "mobilenet_v3_small"),
+           ("timm", "resnet18"), ("timm", "seresnet18"), ("timm", "regnetx_002"), ("timm", "regnety_002"),
+           ("timm", "convnext_atto"), ("timm", "efficientnet_b0"), ("timm", "mobilenetv3_small_100")]
+_TRAINED_CACHE: dict = {}
+
+
+def trained(lib: str, arch: str):
+    """A model of the family with every weight and BN running statistic moved off its default (as training
+    leaves them), in eval mode, with an input and its output (computed with autograd on, as the test does)."""
+    if (lib, arch) not in _TRAINED_CACHE:
+        torch.manual_seed(0)
+        model = _small_torchvision(arch) if lib == "torchvision" else timm.create_model(arch, pretrained=False,
+                                                                                         num_classes=10)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._NormBase) and m.running_mean is not None:
+                    m.running_mean.normal_(0, 0.1, generator=g)
+                    m.running_var.uniform_(0.5, 1.5, generator=g)
+        model.eval()
+        x = torch.randn(1, 3, 32, 32, generator=g)
+        _TRAINED_CACHE.clear()  # one family at a time in memory (the parametrization goes family-major)
+        _TRAINED_CACHE[(lib, arch)] = (model, x, model(x).detach())
+    return _TRAINED_CACHE[(lib, arch)]
+
+
+@pytest.mark.parametrize("name", FEATURE)
+@pytest.mark.parametrize("lib,arch", TRAINED, ids=[f"{lib}-{arch}" for lib, arch in TRAINED])
+def test_inserting_into_a_trained_model_leaves_its_output_bit_identical_and_the_blocks_learn(lib, arch, name):
+    host, x, before = trained(lib, arch)
+    model = copy.deepcopy(host)
+    n = insert_attention(model, name)
+    out = model(x)
+    assert torch.equal(out.detach(), before)  # eval mode: the same bits, trained SEs included
+    blocks = [m for m in model.modules() if getattr(m, "_visattn_attention", None) == name]
+    assert len(blocks) == n > 0
+    out.logsumexp(1).sum().backward()
+    for block in blocks:  # on the backward path: every new parameter gets a finite gradient
+        grads = [p.grad for p in block.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    if name != "none":
+        assert any(p.grad.abs().sum() > 0 for b in blocks for p in b.parameters())  # and they can learn
 
 
 class _OwnNet(nn.Module):

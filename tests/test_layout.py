@@ -83,3 +83,19 @@ def test_package_exports_are_explicit():
     for path in SOURCES:
         stars = [n for n in ast.walk(_tree(path)) if isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names)]
         assert not stars, f"{path.relative_to(PKG)} uses a star import"
+
+
+def test_the_public_api_is_the_users_verbs_in_at_most_15_names():
+    """``visattn`` exports what a user calls (blocks, models, maps, config, training, a trained model) and
+    nothing else; the rest is reached through its submodule (``visattn.maps.trace_geometry``)."""
+    import visattn
+
+    assert len(visattn.__all__) <= 15 and len(set(visattn.__all__)) == len(visattn.__all__)
+    assert all(callable(getattr(visattn, name)) for name in visattn.__all__)
+    imported = {a.asname or a.name for n in _tree(PKG / "__init__.py").body if isinstance(n, ast.ImportFrom)
+                for a in n.names}
+    assert imported == set(visattn.__all__)  # every name imported at the top is exported, and only those
+    from visattn.maps import trace_geometry
+    from visattn.trainer import run
+
+    assert visattn.train is run and callable(trace_geometry) and not hasattr(visattn, "trace_geometry")

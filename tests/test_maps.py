@@ -467,7 +467,7 @@ def test_rollout_overlay_end_to_end_planted():
 @pytest.mark.parametrize("name", [n for n in visattn.list_attention() if n != "none"])
 def test_real_blocks_record_and_draw_on_their_grid(name):
     """Every registered block's taps record; each non-channel record gives a map on a non-square grid."""
-    info = visattn.attention_info(name)
+    info = visattn.attention.attention_info(name)
     torch.manual_seed(0)
     if info["layout"] == "feature":
         block, x, grid = visattn.create_attention(name, 16), torch.randn(2, 16, 6, 9), (6, 9)

@@ -1,48 +1,30 @@
 """visattn: vision attention blocks, CIFAR-10 training and attention-map overlays."""
 __version__ = "0.1.0"
 
-from .attention import (
-    AttentionRecord,
-    AttentionTap,
-    AttnLayer,
-    attention_info,
-    attention_options,
-    attn_layer,
-    create_attention,
-    insert_attention,
-    list_attention,
-    register_attention,
-)
-from .maps import (
-    COLORMAPS,
-    AttentionRecorder,
-    ConvGeometry,
-    FaithfulnessReport,
-    GridGeometry,
-    LayerMap,
-    add_taps,
-    attention_rollout,
-    colorize,
-    faithfulness,
-    find_taps,
-    images_to_float,
-    infer_grid,
-    log_attention_maps,
-    normalize_maps,
-    overlay,
-    read_maps,
-    record_attention,
-    remove_taps,
-    spatial_heatmap,
-    trace_geometry,
-)
-from .models import create_model, list_models, model_options, register_model
+# The user's verbs and the one type they pass between them; everything else is importable from its submodule
+# (visattn.attention, visattn.models, visattn.maps, visattn.config, visattn.trainer, visattn.engine, ...).
+from .attention import attn_layer, create_attention, insert_attention, list_attention
+from .config import load_config
+from .maps import LayerMap, faithfulness, overlay, read_maps, record_attention
+from .models import create_model, list_models, model_options
 
 __all__ = [
-    "COLORMAPS", "AttentionRecord", "AttentionRecorder", "AttentionTap", "AttnLayer", "ConvGeometry",
-    "FaithfulnessReport", "GridGeometry", "LayerMap", "add_taps", "attention_info", "attention_options",
-    "attention_rollout", "attn_layer", "colorize", "create_attention", "create_model", "faithfulness", "find_taps",
-    "images_to_float", "infer_grid", "insert_attention", "list_attention", "list_models", "log_attention_maps",
-    "model_options", "normalize_maps", "overlay", "read_maps", "record_attention", "register_attention",
-    "register_model", "remove_taps", "spatial_heatmap", "trace_geometry",
+    "create_attention", "list_attention", "attn_layer", "insert_attention",  # blocks
+    "create_model", "list_models", "model_options",  # models
+    "record_attention", "read_maps", "LayerMap", "overlay", "faithfulness",  # attention maps
+    "load_config", "train", "load_model_from_checkpoint",  # training and trained models
 ]
+
+
+def __getattr__(name: str):  # noqa: ANN202 (PEP 562)
+    """``train`` and ``load_model_from_checkpoint`` load on first use: ``visattn.evaluate`` and ``visattn.trainer``
+    are also run as ``python -m`` commands, and importing them here first would make runpy warn."""
+    if name == "train":
+        from .trainer import run
+
+        return run
+    if name == "load_model_from_checkpoint":
+        from .evaluate import load_model_from_checkpoint
+
+        return load_model_from_checkpoint
+    raise AttributeError(f"module 'visattn' has no attribute {name!r}")

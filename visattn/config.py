@@ -28,7 +28,7 @@ from .registry import MODELS
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no NaN/inf anywhere
 
 
 class AugmentConfig(_Section):
@@ -51,8 +51,23 @@ MAX_SYNTHETIC_BYTES = 8 * 2**30  # synthetic images are made in memory
 MIN_STD = 1e-3
 
 
+class PlacedConfig(_Section):
+    """``data.source=placed``: each image of ``source`` on a ``canvas``-px square at a seeded place (docs/maps.md)."""
+
+    source: Literal["auto", "folder", "cifar_python", "synthetic"] = "auto"  # where the images come from
+    canvas: int = Field(80, ge=16, le=512)
+    background: Literal["mosaic", "noise"] = "mosaic"  # squares of other images of the same split, or noise
+    patch: int = Field(4, ge=1, le=64, description="side of the mosaic's squares in pixels")
+    tolerance: int = Field(4, ge=0, le=64, description="the pointing game's tolerance in px; positions are balanced for it")
+    seed: int = Field(0, ge=0, lt=2**32)
+    object: bool = True  # false: the object's box is background too (the background-only check)
+
+
 class DataConfig(_Section):
-    source: Literal["auto", "folder", "cifar_python", "torchvision", "synthetic"] = "auto"
+    # its only floats, mean and std, have a finite check of their own that names the whole value
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=True)
+    source: Literal["auto", "folder", "cifar_python", "torchvision", "synthetic", "placed"] = "auto"
+    placed: PlacedConfig = Field(default_factory=PlacedConfig)
     root: str = "data"
     download: bool = False  # torchvision source only: fetch CIFAR-10 into root when absent
     val_size: int = Field(5000, ge=0, description="held-out validation images (stratified) when there is no test split")
@@ -93,7 +108,8 @@ class DataConfig(_Section):
             raise ValueError("augment.hflip_mode=alternate needs loader=tensor")
         if self.augment.extra and self.loader != "albumentations":
             raise ValueError("augment.extra needs loader=albumentations (the tensor loader runs only crop, flip and cutout)")
-        if self.source == "synthetic" and self.synthetic_size * self.image_size**2 * 3 > MAX_SYNTHETIC_BYTES:
+        synthetic = self.source == "synthetic" or (self.source == "placed" and self.placed.source == "synthetic")
+        if synthetic and self.synthetic_size * self.image_size**2 * 3 > MAX_SYNTHETIC_BYTES:
             raise ValueError(f"synthetic_size={self.synthetic_size} images of {self.image_size}x{self.image_size} need "
                              f"{self.synthetic_size * self.image_size**2 * 3 / 2**30:.0f} GiB; the limit is "
                              f"{MAX_SYNTHETIC_BYTES // 2**30} GiB")
@@ -114,11 +130,39 @@ def _typed_option(model: str, key: str, value: Any, default: Any) -> Any:
     return value
 
 
+# model and block options with a range of their own, wherever they appear (``attn_kwargs`` included):
+# key -> (low, high, low allowed, high allowed); every other number must only be finite
+OPTION_RANGES = {
+    **{k: (0.0, 1.0, True, False) for k in ("drop_rate", "attn_drop_rate", "drop_path_rate", "attn_drop", "proj_drop")},
+    **{k: (0.0, 64.0, False, True) for k in ("rd_ratio", "mlp_ratio")},
+    "bn_momentum": (0.0, 1.0, True, True), "bn_eps": (0.0, 1.0, False, True),
+}
+
+
+def _check_numbers(where: str, value: Any) -> None:
+    """Every number under ``value`` is finite and within :data:`OPTION_RANGES`; raises ValueError naming the key."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
+    for k, v in items:
+        key = (f"{where}.{k}" if where else str(k)) if isinstance(value, dict) else f"{where}[{k}]"
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"option {key} must be a finite number, got {v}")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k in OPTION_RANGES:
+            lo, hi, lo_in, hi_in = OPTION_RANGES[k]
+            if not ((lo <= v if lo_in else lo < v) and (v <= hi if hi_in else v < hi)):
+                raise ValueError(f"option {key} must be in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}, "
+                                 f"got {v}")
+        _check_numbers(key, v)
+
+
 class ModelConfig(BaseModel):
-    """``name`` picks a registered model; every other key is passed to its builder as a keyword option."""
+    """``name`` picks a registered model; ``init_from`` (a visattn checkpoint) starts it from trained weights
+    (docs/training.md); every other key is passed to its builder as a keyword option."""
 
     model_config = ConfigDict(extra="allow")
     name: str = "resnet_fast"
+    # a checkpoint whose weights the model starts from, with a fresh optimizer and schedule; blocks the
+    # checkpoint does not hold (e.g. an attention block added at init: identity) start fresh
+    init_from: Optional[str] = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -127,8 +171,10 @@ class ModelConfig(BaseModel):
         defaults = MODELS.defaults(self.name)
         for key, value in self.options().items():
             if key not in valid:
-                raise ValueError(f"unknown option {key!r} for model {self.name!r}; valid: {', '.join(sorted(valid))}")
+                raise ValueError(f"unknown option {key!r} for model {self.name!r}; valid: "
+                                 f"{', '.join(sorted(valid | {'init_from'}))}")
             setattr(self, key, _typed_option(self.name, key, value, defaults.get(key)))
+        _check_numbers("", self.options())
         return self
 
     def options(self) -> Dict[str, Any]:
@@ -156,7 +202,7 @@ class OptimConfig(_Section):
 
 class SchedConfig(_Section):
     name: Literal["onecycle", "cosine", "constant"] = "onecycle"
-    warmup_epochs: float = Field(1.0, ge=0)  # cosine: linear warmup; onecycle: rise length
+    warmup_epochs: float = Field(1.0, ge=0, le=10000)  # cosine: linear warmup; onecycle: rise length
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     anneal: Literal["linear", "cos"] = "linear"  # onecycle's decay shape
     start_lr_ratio: float = Field(0.04, gt=0, le=1)  # onecycle starts at lr times this (airbench: 0.2)
@@ -200,7 +246,7 @@ class TrainConfig(_Section):
 
 
 class EvalConfig(_Section):
-    batch_size: int = Field(1000, ge=1)
+    batch_size: int = Field(1000, ge=1, le=65536)
     tta: Literal["none", "flip", "flip_translate"] = "flip"
     every: int = Field(1, ge=1)  # evaluate every N epochs (the last epoch always)
 
@@ -450,14 +496,41 @@ def _read_text(p: Path) -> str:
         raise ConfigError(f"config file {str(p)!r} cannot be read ({e.strerror or e.__class__.__name__})") from None
 
 
-def read_yaml(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+MAX_BASE_CHAIN = 16  # configs a file may inherit through (``base:`` of a ``base:`` ...)
+
+
+def _deep_merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
+    """``over`` on top of ``base``: mappings merge key by key, anything else (a list included) is replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _deep_merge(out[key], value) if both else value
+    return out
+
+
+def read_yaml(path: Union[str, os.PathLike], _chain: Tuple[Path, ...] = ()) -> Dict[str, Any]:
+    """The mapping a config file holds; a top-level ``base: FILE`` (relative to this file) is read first, and
+    this file's keys are merged on top of it (:func:`_deep_merge`), so the result never holds ``base``."""
     p = Path(path)
     data = safe_yaml(_read_text(p), f"config file {str(p)!r}")
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, not a {type(data).__name__}")
-    return data
+    if "base" not in data:
+        return data
+    base, chain = data.pop("base"), (*_chain, p.resolve())
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"config file {str(p)!r}: base must be the path of a config file, not {_SHORT.repr(base)}")
+    b = p.parent / base
+    if b.resolve() in chain:
+        names = " -> ".join(f.name for f in (*chain, b.resolve()))
+        raise ConfigError(f"config file {str(p)!r}: base {base!r} makes a cycle ({names})")
+    if len(chain) > MAX_BASE_CHAIN:
+        raise ConfigError(f"config file {str(p)!r}: more than {MAX_BASE_CHAIN} bases in a chain")
+    if not b.exists():
+        raise ConfigError(f"config file {str(p)!r}: base {base!r} not found (looked for {str(b)!r})")
+    return _deep_merge(read_yaml(b, chain), data)
 
 
 def build_config(tree: Dict[str, Any]) -> Config:

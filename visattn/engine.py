@@ -346,6 +346,12 @@ class StepPolicy:
     distill: Optional[Distill] = None  # a teacher's logits in the loss
 
 
+def host_check_every(policy: StepPolicy) -> int:
+    """Steps between the loop's host reads: ``policy.check_every`` on a GPU (a read waits for the queued steps),
+    every step on a CPU (reading a finished scalar is free there)."""
+    return 1 if policy.device.type == "cpu" else policy.check_every
+
+
 def training_loss(logits: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, policy: StepPolicy) -> torch.Tensor:
     """Label-smoothed cross-entropy, mixed with the teacher's distillation term when ``policy.distill``."""
     loss = F.cross_entropy(logits.float(), yb, label_smoothing=policy.label_smoothing)
@@ -399,7 +405,7 @@ def train_one_epoch(model: nn.Module, loader: Iterable, opt: Optimization, polic
     stats = epoch_stats_tensor(None, 0, device) if carry is None else carry
     start = stats.clone()  # this call's own part is ``stats - start``
     consecutive = torch.zeros((), dtype=torch.int64, device=device)  # current run of non-finite losses
-    check_every = 1 if device.type == "cpu" else policy.check_every  # CPU: reading a finished scalar is free
+    check_every = host_check_every(policy)
     t0 = time.perf_counter()
     for xb, yb in loader:
         with autocast(device, policy.precision):
@@ -426,9 +432,9 @@ def train_one_epoch(model: nn.Module, loader: Iterable, opt: Optimization, polic
             _check(int(consecutive), global_step, stats, opt, policy, hooks, check_every)
         if hooks.after_step is not None and hooks.after_step(global_step):
             break
-    seconds = time.perf_counter() - t0
     both = torch.cat([stats, stats - start])
     total = (policy.reduce(both) if policy.reduce is not None else both).tolist()
+    seconds = time.perf_counter() - t0  # after the host read: on a GPU it waits for the epoch's queued steps
     loss_sum, correct, images, nonfinite, skipped_steps, steps, good = total[: len(STATS)]
     new = dict(zip(STATS, total[len(STATS) :]))
     return (

@@ -40,10 +40,12 @@ def load_model_from_checkpoint(path: str, device: torch.device) -> tuple[torch.n
     weights = state["model"]
     if state.get("ema"):  # the run evaluated its EMA weights: report those
         ema = state["ema"]
+        if not isinstance(ema, dict):
+            raise CheckpointError(f"checkpoint {str(path)!r}: its ema entry is a {type(ema).__name__}, not a state dict")
         weights = {k[len("module."):]: v for k, v in ema.items() if k.startswith("module.")} or weights
     try:
         model.load_state_dict(weights)
-    except RuntimeError as e:
+    except (RuntimeError, TypeError) as e:  # TypeError: a "model" entry that is not a state dict
         raise CheckpointError(f"checkpoint {path!r}: weights do not fit model {cfg.model.name!r} ({str(e).splitlines()[0]})") from None
     return model.to(device).eval(), cfg, state
 

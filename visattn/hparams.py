@@ -77,7 +77,8 @@ def scalar(key: str, value: Any) -> Scalar:
 def model_hparams(cfg: Config) -> Dict[str, Scalar]:
     """The model's name, attention (``model.attention``, or ``model.attn`` for the transformers), attention init
     (``model.attn_kwargs.init``, else ``default``), placement (``model.attn_position``; ``n/a`` for a model
-    without it), and its other options as one line (``model.options``: the same key for every model)."""
+    without it), its other options as one line (``model.options``: the same key for every model), and the
+    checkpoint it started from (``init_from``, ``none`` for a run from scratch)."""
     opts = cfg.model.options()
     defaults = model_defaults(cfg.model.name)
     attn_key = next((k for k in ATTENTION_KEYS if k in defaults or k in opts), None)
@@ -91,6 +92,7 @@ def model_hparams(cfg: Config) -> Dict[str, Scalar]:
         "attn_init": text(init),
         "attn_position": text(opts.get("attn_position", defaults.get("attn_position", "n/a"))),
         "model.options": ", ".join(f"{k}={text(v)}" for k, v in sorted(rest.items())),
+        "init_from": text(cfg.model.init_from),  # the checkpoint the weights started from (model.init_from)
     }
 
 

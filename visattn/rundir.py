@@ -15,11 +15,12 @@ branches a checkpoint of another run into a new folder (:func:`check_branch`): t
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Collection, Dict, List, Optional
 
 from .errors import ConfigError
 from .runtime import complete_rows
@@ -33,6 +34,10 @@ LOCK_NAME = ".visattn-run.lock"
 # what a run writes into its folder; a new run refuses a folder that holds any of them
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "config.yaml", "run_info.json", "tb")
 PROJECT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")  # a source tree, not a run folder
+# folders no run may write into (as root it could): the file-system root and its system folders
+SYSTEM_DIRS = frozenset({"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt",
+                         "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/usr/bin",
+                         "/usr/lib", "/usr/local", "/usr/share", "/var", "/var/lib", "/var/log", "/var/tmp"})
 
 _HELD: Dict[Path, "RunLock"] = {}  # folders this process holds the lock of (resolved path -> lock)
 
@@ -163,9 +168,45 @@ def remove_stale_temps(run_dir: Path) -> List[Path]:
     return removed
 
 
+def remove_new_run_files(run_dir: Path, before: Collection[str]) -> List[str]:
+    """Delete the run files (:data:`RUN_FILES`) that were not among ``before`` (the folder's entries when the run
+    began): a run that fails before its first checkpoint leaves its folder as it found it."""
+    removed = []
+    for name in RUN_FILES:
+        p = run_dir / name
+        if name in before or not (p.exists() or p.is_symlink()):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(name)
+    return removed
+
+
 def run_files(run_dir: Path) -> List[str]:
     """The run files ``run_dir`` holds (``tb`` as ``tb/``)."""
     return [n + ("/" if n == "tb" else "") for n in RUN_FILES if (run_dir / n).exists()]
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Before anything is created: refuse a system folder, the home folder, a source tree, and an existing folder
+    that holds other files but no run (a run would mix its files into someone's folder)."""
+    real = Path(os.path.realpath(run_dir))
+    home = Path(os.path.realpath(Path.home()))
+    if str(real) in SYSTEM_DIRS or real == home or real.parts[1:2] in (("proc",), ("sys",), ("dev",)):
+        what = "the home folder" if real == home else "a system folder"
+        raise ConfigError(f"run_dir {str(run_dir)!r} is {what} ({real}), not a run folder; give the run a folder of "
+                          "its own, e.g. run_dir=runs/NAME")
+    if not real.is_dir():
+        return
+    check_not_project(run_dir)
+    other = sorted(n for n in os.listdir(real)
+                   if n not in RUN_FILES and n != LOCK_NAME and not (n.startswith(".") and n.endswith(".tmp")))
+    if other and not run_files(real):
+        more = f" and {len(other) - 3} more" if len(other) > 3 else ""
+        raise ConfigError(f"run_dir {str(run_dir)!r} holds other files ({', '.join(other[:3])}{more}) and no run; "
+                          "give the run a new or empty folder, e.g. run_dir=runs/NAME")
 
 
 def check_new_run_dir(run_dir: Path) -> None:

@@ -12,12 +12,14 @@ import subprocess
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .errors import ConfigError, DataError
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -174,30 +176,58 @@ def trim_metrics(path: Path, epochs_done: int) -> None:
     """Keep the complete rows of epochs the checkpoint has finished; drop later ones and a torn last line."""
     if not path.is_file():
         return
-    lines = path.read_text().splitlines(keepends=True)
-    keep = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if line.endswith("\n") and isinstance(row, dict) and int(row.get("epoch", 0)) <= epochs_done:
-            keep.append(line)
-    if keep != lines:
+    rows = metrics_rows(path)
+    keep = [line for line, row in rows if row["epoch"] <= epochs_done]
+    if len(keep) != len(rows) or not path.read_bytes().endswith(b"\n") and path.stat().st_size:
         write_atomic(path, "".join(keep))
 
 
-def complete_rows(path: Path) -> List[Dict[str, Any]]:
-    """The complete rows of a ``metrics.jsonl`` (a torn last line of a running or killed run is skipped)."""
-    rows = []
-    for line in Path(path).read_text(errors="replace").splitlines(keepends=True):
-        try:
-            row = json.loads(line)
-        except ValueError:
+def metrics_rows(path: Path) -> List[Tuple[str, Dict[str, Any]]]:
+    """(line, row) of each complete line of a ``metrics.jsonl``. A torn last line (no newline: a run killed while
+    writing it) is left out; a damaged complete line (not UTF-8, not a JSON object, an ``epoch`` that is not an
+    integer) is a :class:`ConfigError` naming the file and line: the rows are the run's record, never guessed."""
+    out = []
+    for i, raw in enumerate(Path(path).read_bytes().splitlines(keepends=True), 1):
+        if not raw.endswith(b"\n") or not raw.strip():
             continue
-        if line.endswith("\n") and isinstance(row, dict):
-            rows.append(row)
-    return rows
+        try:
+            line = raw.decode("utf-8")
+            row = json.loads(line)
+        except (UnicodeDecodeError, ValueError) as e:
+            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "not valid JSON"
+        else:
+            epoch = row.get("epoch") if isinstance(row, dict) else None
+            if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
+                out.append((line, row))
+                continue
+            why = f"its epoch is {epoch!r}, not an integer" if isinstance(row, dict) else "not a JSON object"
+        raise ConfigError(f"{path} line {i} is damaged ({why}); repair or delete that line and run again")
+    return out
+
+
+_REQUIRED = object()
+
+
+def read_json(path: Path, kind: type = dict, missing: Any = _REQUIRED) -> Any:
+    """The ``kind`` (dict or list) a JSON file holds (a results file, a run's ``run_info.json``); ``missing`` where
+    there is no file and it is given. A missing, unreadable, empty or malformed file is one :class:`DataError`
+    line naming it: a script that merges results never reads a damaged file as no results."""
+    path = Path(path)
+    if missing is not _REQUIRED and not path.exists():
+        return missing
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:120] if str(e) else ""
+        raise DataError(f"{path}: not a readable JSON file ({why or e.__class__.__name__})") from None
+    if not isinstance(data, kind):
+        raise DataError(f"{path}: holds a JSON {type(data).__name__}, not a {kind.__name__}")
+    return data
+
+
+def complete_rows(path: Path) -> List[Dict[str, Any]]:
+    """The complete rows of a ``metrics.jsonl`` (:func:`metrics_rows`)."""
+    return [row for _, row in metrics_rows(path)]
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -28,13 +29,14 @@ import torch.distributed as dist
 from torch import nn
 
 from . import engine
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import file_digest, load_checkpoint, save_checkpoint
 from .config import Config, DistillConfig, with_defaults
 from .data import Placement, Splits, build_loader, check_augment, load_splits, normalize, spread_indices
 from .data.loaders import EpochLoader
 from .errors import CheckpointError, ConfigError, TrainingError
 from .hparams import finish_hparams, log_hparam_metrics, run_hparams, start_hparams
 from .models import create_model
+from .registry import is_attention_block
 from .rundir import (
     RunLock,
     check_auto_start,
@@ -42,6 +44,8 @@ from .rundir import (
     check_new_run_dir,
     check_not_project,
     check_rewind,
+    check_run_dir,
+    remove_new_run_files,
     remove_stale_temps,
 )
 from .runtime import (
@@ -53,6 +57,7 @@ from .runtime import (
     git_revision,
     graceful_signals,
     metrics_line,
+    metrics_rows,
     rng_state,
     seed_everything,
     set_rng_state,
@@ -62,8 +67,13 @@ from .runtime import (
 )
 
 RESUME_MUST_MATCH = ("model", "data")  # config sections a resume may not silently change
-# settings the saved optimizer/schedule state is shaped by: never changed on resume, even with resume_allow_changes
-RESUME_FIXED = ("optim.name", "optim.no_decay_norm_bias", "optim.norm_bias_lr_scale", "sched.name")
+# settings the saved optimizer, schedule, EMA and lookahead state is shaped by (the optimizer's param groups keep
+# lr, momentum, betas and weight decay; the schedule its shape): never changed on resume, even with
+# resume_allow_changes. optim.grad_clip and precision (a fresh fp16 loss scale) are taken as given.
+RESUME_FIXED = tuple(f"optim.{k}" for k in ("name", "lr", "momentum", "nesterov", "betas", "weight_decay",
+                                              "no_decay_norm_bias", "norm_bias_lr_scale")) + \
+    tuple(f"sched.{k}" for k in ("name", "warmup_epochs", "min_lr_ratio", "anneal", "start_lr_ratio")) + \
+    tuple(f"train.{k}" for k in ("ema_decay", "ema_warmup", "lookahead_every", "lookahead_decay", "lookahead_power"))
 MAX_PARAMETERS = 2_000_000_000  # a model larger than this is a typo in model.widths, not a CIFAR model
 EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "nonfinite_steps",
                  "skipped_steps")
@@ -85,6 +95,7 @@ class Run:
     eval_loader: EpochLoader
     say: Callable[..., None]
     resume_from: Optional[Path] = None
+    init_from: Optional[Dict[str, Any]] = None  # model.init_from's origin (path, epoch, best_acc, step-0 eval)
     epoch: int = 0  # epochs finished
     step: int = 0  # optimizer steps taken (global)
     best_acc: float = -1.0
@@ -98,6 +109,7 @@ class Run:
     t_start: float = field(default_factory=time.perf_counter)
     faithfulness_on: bool = True  # log.faithfulness=auto: still within its cost budget
     stop_saved: bool = True  # whether the last stop-time save was made (not with non-finite weights)
+    teacher_digest: Optional[str] = None  # train.distill.teacher's file digest, kept in checkpoints
 
     @property
     def device(self) -> torch.device:
@@ -126,6 +138,7 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
         torch.cuda.set_device(device)
     precision = engine.resolve_precision(cfg.precision, device)
     run_dir = Path(cfg.run_dir)
+    _check_init_folder(cfg, run_dir)
     resume_from = _resume_path(cfg, run_dir)
     check_augment(cfg.data)
     _check_model_options(cfg)
@@ -138,6 +151,8 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
     say(f"data: {len(splits.train)} train images ({splits.source}); evaluating on the {splits.eval_split}"
         + (f"; {splits.skipped} unreadable images skipped" if splits.skipped else ""))
     model = _build_model(cfg, splits, device, di)
+    # a resumed run holds its weights already: model.init_from acts only when the run starts
+    init = _init_from(cfg, model, splits, say) if cfg.model.init_from and resume_from is None else None
     n_params = sum(p.numel() for p in model.parameters())
     say(f"model: {cfg.model.name} ({n_params / 1e6:.2f}M parameters) on {device}, precision {precision}"
         + (f", {di.world_size} ranks" if di.enabled else ""))
@@ -154,7 +169,7 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
                                _build_teacher(cfg, splits, device, say))
     return Run(cfg=cfg, dist=di, run_dir=run_dir, splits=splits, model=model,
                opt=_build_optimization(cfg, model, len(train_loader), device, precision), policy=policy,
-               train_loader=train_loader, eval_loader=eval_loader, say=say, resume_from=resume_from)
+               train_loader=train_loader, eval_loader=eval_loader, say=say, resume_from=resume_from, init_from=init)
 
 
 def _resume_path(cfg: Config, run_dir: Path) -> Optional[Path]:
@@ -215,9 +230,60 @@ def _build_model(cfg: Config, splits: Splits, device: torch.device, di: DistInfo
     return model
 
 
+def _check_init_folder(cfg: Config, run_dir: Path) -> None:
+    src = cfg.model.init_from
+    if src and Path(src).resolve().parent == run_dir.resolve():
+        raise ConfigError(f"model.init_from: {src} is in run_dir {str(run_dir)!r}; a run started from a checkpoint "
+                          "gets a folder of its own (run_dir=NEW; resume=auto continues the run itself)")
+
+
+def _init_from(cfg: Config, model: nn.Module, splits: Splits, say: Callable[..., None]) -> Dict[str, Any]:
+    """``model.init_from``: load a checkpoint's weights into ``model`` before the optimizer, schedule and EMA are
+    built from it: the EMA weights where the checkpoint kept them (the weights it was evaluated with), else its
+    model weights. Every weight of the checkpoint must land, and only attention blocks the checkpoint does not
+    hold start fresh; anything else is one :class:`CheckpointError` line naming the keys. The loaded weights
+    replace the ones the model was built with, a whitening stem's data-computed ones included. Returns the
+    origin that ``run_info.json`` records."""
+    path = cfg.model.init_from
+    state = load_checkpoint(path, map_location="cpu")
+    if not isinstance(state["config"], dict):
+        raise CheckpointError(f"model.init_from: {path}: its config entry is a {type(state['config']).__name__}")
+    _check_same_data(f"model.init_from: {path}", cfg, state, splits, SPLIT_MUST_MATCH,
+                     "the run must hold out the same validation images, or it is scored on images its weights saw")
+    weights, kind = state["model"], "model"
+    ema = state.get("ema")
+    if isinstance(ema, dict) and any(k.startswith("module.") for k in ema):
+        weights, kind = {k[len("module."):]: v for k, v in ema.items() if k.startswith("module.")}, "EMA"
+    if not isinstance(weights, dict):
+        raise CheckpointError(f"model.init_from: {path}: its {kind} entry is a {type(weights).__name__}, not weights")
+    own = model.state_dict()
+    new = [p for p, m in model.named_modules() if p and is_attention_block(m)  # blocks with state, none of it held
+           and any(k.startswith(p + ".") for k in own) and not any(k.startswith(p + ".") for k in weights)]
+    unused = [k for k in weights if k not in own]
+    missing = [k for k in own if k not in weights and not any(k.startswith(b + ".") for b in new)]
+    shapes = [f"{k} {list(weights[k].shape)} vs {list(own[k].shape)}" for k in weights
+              if k in own and getattr(weights[k], "shape", None) != own[k].shape]
+
+    def keys(ks: List[str]) -> str:
+        return ", ".join(ks[:3]) + (f" and {len(ks) - 3} more" if len(ks) > 3 else "")
+
+    problems = ([f"its {keys(unused)} have no place in this model"] if unused else []) + \
+        ([f"this model's {keys(missing)} are not in it (only new attention blocks may start fresh)"] if missing else []) + \
+        ([f"shapes differ: {keys(shapes)}"] if shapes else [])
+    if problems:
+        raise CheckpointError(f"model.init_from: {path} does not fit model {cfg.model.name!r}: {'; '.join(problems)}")
+    model.load_state_dict(weights, strict=False)
+    origin = {"path": str(Path(path).resolve()), "epoch": int(state["epoch"]), "best_acc": state.get("best_acc"),
+              "weights": kind, "new_blocks": new}
+    say(f"model.init_from: {path} (epoch {origin['epoch']}, best val acc {origin['best_acc']}): its {kind} weights; "
+        + (f"new, starting fresh: {keys(new)}" if new else "no new blocks"))
+    return origin
+
+
 # data settings a teacher must share with the student: the held-out split (or the teacher saw the images the
 # student is scored on) and the input the teacher is fed (the student's normalised batches)
-TEACHER_MUST_MATCH = ("source", "split_seed", "val_size", "use_test_split", "image_size", "mean", "std")
+SPLIT_MUST_MATCH = ("source", "split_seed", "val_size", "use_test_split")  # the same held-out images
+TEACHER_MUST_MATCH = SPLIT_MUST_MATCH + ("image_size", "mean", "std")
 
 
 def _data_key(k: str) -> str:
@@ -242,6 +308,29 @@ def load_teacher(distill: DistillConfig, device: torch.device, channels_last: bo
     return engine.Distill(teacher.eval(), distill.weight, distill.temperature, distill.kind), tcfg, state
 
 
+def _check_same_data(what: str, cfg: Config, state: Dict[str, Any], splits: Splits, keys: Tuple[str, ...],
+                     why: str) -> None:
+    """Refuse a checkpoint (``what``: the key and its path) trained with other ``data`` ``keys`` than this run
+    (read from its stored config, with today's defaults for keys it predates), or on other classes."""
+    other = with_defaults(state["config"])
+    ours, theirs = cfg.data.model_dump(mode="json"), other["data"]
+    differ = [k for k in keys if ours[k] != theirs[k]]
+    if ours["source"] == "synthetic":  # synthetic images are drawn from the run's seed and size: other ones
+        differ += [k for k in ("synthetic_size",) if ours[k] != theirs[k]]
+        if other["seed"] != cfg.seed:
+            ours, theirs = {**ours, "seed": cfg.seed}, {**theirs, "seed": other["seed"]}
+            differ.append("seed")
+    elif Path(ours["root"]).name != Path(theirs["root"]).name:
+        differ.append("root")
+    if differ:
+        raise ConfigError(f"{what} was trained with other data settings "
+                          f"({', '.join(f'{_data_key(k)}: {theirs[k]!r}, here {ours[k]!r}' for k in differ)}); {why}")
+    classes = list(state.get("classes") or [])
+    if classes and classes != list(splits.train.classes):
+        raise ConfigError(f"{what} predicts other classes ({classes[:3]}...) than this run's "
+                          f"({list(splits.train.classes)[:3]}...)")
+
+
 def _build_teacher(cfg: Config, splits: Splits, device: torch.device,
                    say: Callable[..., None]) -> Optional[engine.Distill]:
     """``train.distill``'s teacher (:func:`load_teacher`), refused where its data settings would leak this run's
@@ -250,23 +339,8 @@ def _build_teacher(cfg: Config, splits: Splits, device: torch.device,
     if d.teacher is None:
         return None
     distill, tcfg, state = load_teacher(d, device, cfg.channels_last)
-    ours, theirs = cfg.data.model_dump(mode="json"), tcfg.data.model_dump(mode="json")
-    differ = [k for k in TEACHER_MUST_MATCH if ours[k] != theirs[k]]
-    if ours["source"] == "synthetic":  # synthetic images are drawn from the run's seed and size: other ones
-        differ += [k for k in ("synthetic_size",) if ours[k] != theirs[k]]
-        if tcfg.seed != cfg.seed:
-            ours, theirs = {**ours, "seed": cfg.seed}, {**theirs, "seed": tcfg.seed}
-            differ.append("seed")
-    elif Path(ours["root"]).name != Path(theirs["root"]).name:
-        differ.append("root")
-    if differ:
-        raise ConfigError(f"train.distill.teacher: {d.teacher} was trained with other data settings "
-                          f"({', '.join(f'{_data_key(k)}: {theirs[k]!r}, here {ours[k]!r}' for k in differ)}); a teacher "
-                          "must hold out the same validation images and see the same inputs")
-    classes = list(state.get("classes") or [])
-    if classes and classes != list(splits.train.classes):
-        raise ConfigError(f"train.distill.teacher: {d.teacher} predicts other classes ({classes[:3]}...) than this "
-                          f"run's ({list(splits.train.classes)[:3]}...)")
+    _check_same_data(f"train.distill.teacher: {d.teacher}", cfg, state, splits, TEACHER_MUST_MATCH,
+                     "a teacher must hold out the same validation images and see the same inputs")
     n = sum(p.numel() for p in distill.teacher.parameters())
     say(f"distilling from {d.teacher} ({tcfg.model.name}, {n / 1e6:.2f}M parameters, trained {state.get('epoch', '?')} "
         f"epochs): {d.kind}, weight {d.weight:g}" + (f", temperature {d.temperature:g}" if d.kind == "soft" else ""))
@@ -275,12 +349,11 @@ def _build_teacher(cfg: Config, splits: Splits, device: torch.device,
 
 def _build_optimization(cfg: Config, model: nn.Module, steps_per_epoch: int, device: torch.device,
                         precision: str) -> engine.Optimization:
-    o, s = cfg.optim, cfg.sched
+    o = cfg.optim
     optimizer = engine.build_optimizer(model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas,
                                        o.no_decay_norm_bias, o.norm_bias_lr_scale)
     total = steps_per_epoch * cfg.train.epochs
-    scheduler = engine.StepScheduler(optimizer, s.name, o.lr, total, int(round(s.warmup_epochs * steps_per_epoch)),
-                                     s.min_lr_ratio, s.anneal, s.start_lr_ratio)
+    scheduler = _schedule(cfg, optimizer, steps_per_epoch)
     t = cfg.train
     lookahead = engine.Lookahead(model, total, t.lookahead_every, t.lookahead_decay, t.lookahead_power) \
         if t.lookahead_every else None
@@ -292,6 +365,12 @@ def _build_optimization(cfg: Config, model: nn.Module, steps_per_epoch: int, dev
     return engine.Optimization(optimizer, scheduler, engine.make_scaler(device, precision), ema, o.grad_clip, lookahead)
 
 
+def _schedule(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> engine.StepScheduler:
+    s = cfg.sched
+    return engine.StepScheduler(optimizer, s.name, cfg.optim.lr, steps_per_epoch * cfg.train.epochs,
+                                int(round(s.warmup_epochs * steps_per_epoch)), s.min_lr_ratio, s.anneal, s.start_lr_ratio)
+
+
 # ------------------------------------------------------------------------------------------------- resume
 
 
@@ -300,6 +379,10 @@ def resume(run: Run, path: Path) -> None:
     cfg = run.cfg
     state = load_checkpoint(path, map_location="cpu")
     _check_resume_config(state, cfg, path)
+    held = state.get("teacher_digest")
+    if held and run.teacher_digest and held != run.teacher_digest and not cfg.resume_allow_changes:
+        raise CheckpointError(f"resume: the file of train.distill.teacher ({cfg.train.distill.teacher}) changed since "
+                              f"{path} was trained with it (set resume_allow_changes=true to resume anyway)")
     try:
         run.model.load_state_dict(state["model"])
     except RuntimeError as e:  # the first line only says "Error(s) in loading state_dict": name the first mismatch
@@ -324,12 +407,31 @@ def resume(run: Run, path: Path) -> None:
         raise CheckpointError(f"resume: {path} does not fit this run ({e.__class__.__name__}: {why[:120]})") from None
     check_branch(run.run_dir, path)  # a checkpoint that fits, but its folder must not be mixed or rewound
     check_rewind(run.run_dir, path, run.epoch)
+    _fit_schedule(run, state, path)
     run.best_acc = float(state.get("best_acc", -1.0))
     run.carry = state.get("epoch_stats") if run.dist.is_main else None  # all-rank totals: counted once, on rank 0
     run.resume_from = path
     position = run.train_loader.position
     run.say(f"resumed from {path}: epoch {run.epoch}, step {run.step}"
             + (f" ({position} batches into the epoch)" if position else ""))
+
+
+def _fit_schedule(run: Run, state: Dict[str, Any], path: Path) -> None:
+    """A resume under another ``train.epochs``: the checkpoint's schedule state is sized for its old length (a
+    finished one-cycle run would train every new epoch at its last lr, about 0). The schedule is rebuilt for the
+    new length and moved to the checkpoint's step, as if the run had been asked for that length from the start,
+    and one line says so, with the way to start from the weights on a fresh schedule instead."""
+    cfg, old = run.cfg, with_defaults(state["config"]).get("train", {}).get("epochs")
+    if old == cfg.train.epochs or cfg.sched.name == "constant":
+        return
+    was, done = run.opt.optimizer.param_groups[0]["lr"], run.opt.scheduler.num_updates
+    run.opt.scheduler = _schedule(cfg, run.opt.optimizer, len(run.train_loader))
+    for _ in range(done):
+        run.opt.scheduler.step()
+    run.say(f"resume: train.epochs {old} -> {cfg.train.epochs}: the {cfg.sched.name} schedule is rebuilt for "
+            f"{cfg.train.epochs} epochs and goes on from step {done} (lr {was:.3g} -> "
+            f"{run.opt.optimizer.param_groups[0]['lr']:.3g}); for a fresh schedule from these weights instead: "
+            f"model.init_from={path} run_dir=NEW")
 
 
 def _check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None:
@@ -343,11 +445,12 @@ def _check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None
             f"resume: {path} was trained with different settings for {', '.join(diff)} "
             "(set resume_allow_changes=true to resume anyway)"
         )
-    fixed = [k for sec in ("optim", "sched")
+    fixed = [k for sec in ("optim", "sched", "train")
              for k in config_diff({sec: stored.get(sec, {})}, {sec: now[sec]}) if k in RESUME_FIXED]
     if fixed:
-        raise CheckpointError(f"resume: {path} holds optimizer/schedule state made with other settings for "
-                              f"{', '.join(fixed)}, which cannot change on resume")
+        raise CheckpointError(f"resume: {path} holds optimizer/schedule/EMA/lookahead state made with other settings "
+                              f"for {', '.join(fixed)}, which cannot change on resume (start a new run to "
+                              "train with them)")
 
 
 # ---------------------------------------------------------------------------------------------------- fit
@@ -361,8 +464,13 @@ def fit(run: Run) -> Dict[str, Any]:
         device = run.device
         train_model = nn.parallel.DistributedDataParallel(
             train_model, device_ids=[device.index] if device.type == "cuda" else None)
+    if run.init_from is not None:  # before the first step: the weights it starts from, as they score here
+        _evaluate_init(run)
     if run.dist.is_main:
         _open_outputs(run)
+        if run.writer is not None and "val_acc" in (run.init_from or {}):
+            run.writer.add_scalar("val/acc", run.init_from["val_acc"], 0)
+            run.writer.add_scalar("val/loss", run.init_from["val_loss"], 0)
     run.t_start = time.perf_counter()
     with graceful_signals(run.stop):
         for epoch in range(run.epoch, cfg.train.epochs):
@@ -388,7 +496,18 @@ def fit(run: Run) -> Dict[str, Any]:
     return {"best_val_acc": run.best_acc, "final": run.history[-1] if run.history else None,
             "epochs": len(run.history), "wall_seconds": time.perf_counter() - run.t_start,
             "run_dir": str(run.run_dir), "eval_split": run.splits.eval_split,
-            "per_class_acc": run.last_eval.get("per_class_acc"), "classes": list(run.splits.train.classes)}
+            "per_class_acc": run.last_eval.get("per_class_acc"), "classes": list(run.splits.train.classes),
+            "init_from": run.init_from}
+
+
+def _evaluate_init(run: Run) -> None:
+    """Step 0 of a ``model.init_from`` run: its validation score before any step, printed, kept in run_info.json
+    and logged as the epoch-0 point of ``val/acc`` (with blocks that start as the identity it equals the
+    checkpoint's own score, to the digit)."""
+    ev = _evaluate(run)
+    run.init_from.update(val_acc=ev["val_acc"], val_loss=ev["val_loss"])
+    run.say(f"step 0 (model.init_from, before training): val loss {ev['val_loss']:.4f} acc {ev['val_acc']:.4f} "
+            f"(the checkpoint's best val acc: {run.init_from['best_acc']})")
 
 
 def run(cfg: Config, log: Callable[..., None] = print) -> Dict[str, Any]:
@@ -397,11 +516,45 @@ def run(cfg: Config, log: Callable[..., None] = print) -> Dict[str, Any]:
     Rank 0 holds the run folder's lock (:class:`~visattn.rundir.RunLock`) throughout: a second run on the same
     ``run_dir`` is refused.
     """
-    with RunLock(Path(cfg.run_dir), enabled=DistInfo().is_main):
+    run_dir, main = Path(cfg.run_dir), DistInfo().is_main
+    if main:
+        check_run_dir(run_dir)  # before the lock creates anything: not /, ~, a source tree or someone's folder
+    with RunLock(run_dir, enabled=main):
+        before = set(os.listdir(run_dir)) if run_dir.is_dir() else set()
+        if main and cfg.resume is not None and (run_dir / "metrics.jsonl").is_file():
+            metrics_rows(run_dir / "metrics.jsonl")  # a damaged row is refused before anything is rewritten
         r = build(cfg, log)
+        _check_forward(r)
+        if cfg.train.distill.teacher:  # a teacher file changed under a resumed run is a changed setting
+            r.teacher_digest = file_digest(cfg.train.distill.teacher)
         if r.resume_from is not None:
             resume(r, r.resume_from)
-        return fit(r)
+        try:
+            return fit(r)
+        except BaseException:  # failed before its first checkpoint: the folder is left as it was found
+            _close(r)
+            if main and not (run_dir / "last.pt").exists():
+                remove_new_run_files(run_dir, before)
+            raise
+
+
+def _check_forward(run: Run) -> None:
+    """One training image through the model (eval mode, no gradient) before anything is written: a model that
+    cannot take this data's images (a ViT built for 32x32 with data.image_size=48) is one line, not a traceback
+    at the first step after the run folder was filled."""
+    x = torch.from_numpy(run.splits.train.x[:1]).permute(0, 3, 1, 2)
+    x = normalize(x, run.cfg.data.mean, run.cfg.data.std).to(run.device)
+    training = run.model.training
+    run.model.eval()
+    try:
+        with torch.no_grad():
+            run.model(x)
+    except (ValueError, RuntimeError, TypeError, AssertionError) as e:
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else e.__class__.__name__
+        raise ConfigError(f"model {run.cfg.model.name!r} cannot take this data's {x.shape[2]}x{x.shape[3]} images "
+                          f"(data.image_size={run.cfg.data.image_size}): {why}") from None
+    finally:
+        run.model.train(training)
 
 
 def _open_outputs(run: Run) -> None:
@@ -412,7 +565,8 @@ def _open_outputs(run: Run) -> None:
     info = {"seed": cfg.seed, "versions": versions(), "git": git_revision(), "argv": sys.argv,
             "eval_split": run.splits.eval_split, "device": str(run.device), "precision": run.policy.precision,
             "world_size": run.dist.world_size, "parameters": sum(p.numel() for p in run.model.parameters()),
-            "classes": list(run.splits.train.classes), "branched_from": _branched_from(run)}
+            "classes": list(run.splits.train.classes), "branched_from": _branched_from(run),
+            "init_from": run.init_from or _recorded(run, "init_from")}
     (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
     if run.resume_from is not None or cfg.resume == "auto":  # (a new run under resume=auto: drops a torn line)
         trim_metrics(run_dir / "metrics.jsonl", run.epoch)
@@ -427,7 +581,8 @@ def _open_outputs(run: Run) -> None:
         ev = run.splits.eval
         pick = spread_indices(ev.y, cfg.log.probe_size)  # fixed: one image per class in turn
         px = torch.from_numpy(ev.x[pick]).permute(0, 3, 1, 2)
-        run.probe = (normalize(px, cfg.data.mean, cfg.data.std).to(run.device), torch.from_numpy(ev.y[pick]).to(run.device))
+        run.probe = (normalize(px, cfg.data.mean, cfg.data.std).to(run.device), torch.from_numpy(ev.y[pick]).to(run.device),
+                     None if ev.boxes is None else torch.from_numpy(ev.boxes[pick]))  # placed objects: their boxes
 
 
 def _branched_from(run: Run) -> Optional[str]:
@@ -437,6 +592,14 @@ def _branched_from(run: Run) -> Optional[str]:
         return str(src.resolve())
     try:
         return json.loads((run.run_dir / "run_info.json").read_text()).get("branched_from")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _recorded(run: Run, key: str) -> Any:
+    """What the run folder's run_info.json says under ``key`` (a resumed run keeps its origin), or None."""
+    try:
+        return json.loads((run.run_dir / "run_info.json").read_text()).get(key)
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -523,6 +686,7 @@ def _checkpoint_state(run: Run, epoch: int, position_stats: Optional[torch.Tenso
         "epoch_stats": position_stats.cpu() if position_stats is not None else None,
         "best_acc": run.best_acc, "config": cfg.to_dict(), "classes": list(run.splits.train.classes),
         "eval_split": run.splits.eval_split, "versions": versions(), "git": git_revision(), "seed": cfg.seed,
+        "teacher_digest": run.teacher_digest,
     }
 
 
@@ -664,7 +828,8 @@ def log_maps(writer: Any, model: nn.Module, probe: Any, step: int, cfg: Config, 
         warnings.simplefilter("ignore", RuntimeWarning)
         summary = log_attention_maps(writer, model, probe[0], probe[1], step, cfg.data.mean, cfg.data.std,
                                      list(classes), scale=cfg.log.map_scale, head_maps=cfg.log.head_maps,
-                                     norm=cfg.log.map_norm, faithfulness=faith, gradient_maps=cfg.log.gradient_maps)
+                                     norm=cfg.log.map_norm, faithfulness=faith, gradient_maps=cfg.log.gradient_maps,
+                                     boxes=probe[2] if len(probe) > 2 else None, tolerance=cfg.data.placed.tolerance)
     cost = summary.get("faithfulness_seconds")
     epoch = (row or {}).get("epoch_seconds")
     if auto and run is not None and cost and epoch and cost[0] > FAITHFULNESS_BUDGET * epoch:

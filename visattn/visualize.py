@@ -84,7 +84,11 @@ def load_image(path: str, image_size: int, fill: Sequence[float] = (0.5, 0.5, 0.
     transparent background is "nothing" to the model rather than black.
     Raises :class:`DataError` for a missing, unreadable or non-image file.
     """
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
+
+    from .data.sources import DEFAULT_MAX_PIXELS
 
     p = Path(path)
     if not p.exists():
@@ -92,7 +96,13 @@ def load_image(path: str, image_size: int, fill: Sequence[float] = (0.5, 0.5, 0.
     if not p.is_file():
         raise DataError(f"image {path!r} is not a file")
     try:
-        with Image.open(p) as im:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(p)  # the header only: a decompression bomb is refused before it is decoded
+        with im:
+            if im.size[0] * im.size[1] > DEFAULT_MAX_PIXELS:
+                raise DataError(f"image {path!r} is {im.size[0]}x{im.size[1]} pixels, more than "
+                                f"{DEFAULT_MAX_PIXELS:,} (a decompression bomb?)")
             im.load()
             mode, size = im.mode, im.size
             has_alpha = im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
@@ -102,7 +112,11 @@ def load_image(path: str, image_size: int, fill: Sequence[float] = (0.5, 0.5, 0.
                 rgb = Image.alpha_composite(bg, rgba).convert("RGB")
             else:
                 rgb = to_rgb(im)  # as the dataset decoder: 16-bit samples scaled to 8 bits, CMYK, palette, grey
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # over Pillow's limit, so over ours
+        raise DataError(f"image {path!r} has more than {DEFAULT_MAX_PIXELS:,} pixels (a decompression bomb?)") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        if isinstance(e, DataError):
+            raise
         raise DataError(f"cannot read image {path!r}: {e.__class__.__name__}") from None
     if min(size) < 1:
         raise DataError(f"image {path!r} is empty ({size[0]}x{size[1]})")
@@ -245,11 +259,12 @@ class _PngWriter:
 
 
 def heldout_batch(checkpoint: str, count: int, data: Optional[str] = None, device: str = "auto",
-                  pick: str = "spread") -> Tuple[torch.nn.Module, Any, List[str], torch.Tensor, torch.Tensor]:
+                  pick: str = "spread", with_boxes: bool = False) -> Tuple[Any, ...]:
     """``(model, config, classes, images, labels)``: ``count`` images of the checkpoint's held-out split
     (the split the run was scored on; ``data.root`` replaced by ``data`` when given), normalised as the
     model takes them. ``pick="spread"``: one image per class in turn (the trainer's probe batch);
-    ``"first"``: the first ``count`` (a held-out split may be ordered by class)."""
+    ``"first"``: the first ``count`` (a held-out split may be ordered by class). ``with_boxes``: also the
+    images' object boxes ``(count, 4)`` (``data.source=placed``; None for other data), a sixth item."""
     from .data import load_splits, normalize
 
     if count < 1:
@@ -265,7 +280,11 @@ def heldout_batch(checkpoint: str, count: int, data: Optional[str] = None, devic
     classes = [str(c) for c in (state.get("classes") or splits.eval.classes)]
     idx = _pick(splits.eval.y, count, pick)
     x = normalize(torch.from_numpy(splits.eval.x[idx]).permute(0, 3, 1, 2), cfg.data.mean, cfg.data.std)
-    return model, cfg, classes, x.to(dev), torch.from_numpy(splits.eval.y[idx]).long().to(dev)
+    out = (model, cfg, classes, x.to(dev), torch.from_numpy(splits.eval.y[idx]).long().to(dev))
+    if with_boxes:
+        boxes = splits.eval.boxes
+        return (*out, None if boxes is None else torch.from_numpy(boxes[idx]))
+    return out
 
 
 def validation_grids(checkpoint: str, count: int, out_dir: str, data: Optional[str] = None, alpha: float = 0.5,
@@ -277,12 +296,13 @@ def validation_grids(checkpoint: str, count: int, out_dir: str, data: Optional[s
     from .maps.tensorboard import log_attention_maps
 
     _check_options(alpha, scale, colormap, norm)
-    model, cfg, classes, x, y = heldout_batch(checkpoint, count, data, device, pick)
+    model, cfg, classes, x, y, boxes = heldout_batch(checkpoint, count, data, device, pick, with_boxes=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     writer = _PngWriter(out)
     log_attention_maps(writer, model, x, y, 0, cfg.data.mean, cfg.data.std, classes, scale=scale,
-                       colormap=colormap, alpha=alpha, head_maps=head_maps, norm=norm, gradient_maps=gradient_maps)
+                       colormap=colormap, alpha=alpha, head_maps=head_maps, norm=norm, gradient_maps=gradient_maps,
+                       boxes=boxes, tolerance=cfg.data.placed.tolerance)  # placed objects: their boxes and scores
     if not writer.files:
         why = "has no attention layers" if not find_taps(model) else "has no attention layer with a spatial map"
         raise VisattnError(f"model {cfg.model.name!r} {why}: no pictures written")

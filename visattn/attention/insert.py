@@ -6,27 +6,32 @@
   callable through) and applies the block after the residual branch's last BN, before the add. Only timm's
   ResNet family (``timm.models.resnet``) has that argument.
 * :func:`insert_attention` puts a block into an already built torchvision or timm model of the families
-  below: it replaces the model's own squeeze-and-excitation modules where the model has them, and otherwise
-  adds one block per residual block after the residual branch's last norm (before the residual add). With
-  ``at=`` it puts one after each named module of any model, your own included.
+  below: one block per residual block, after the residual branch's last norm (before the residual add). A
+  model's own squeeze-and-excitation modules are kept, trained weights and all, so a trained network computes
+  exactly what it computed before (the blocks start as the identity). ``replace_se=True`` instead puts the
+  block in each SE's place, which drops the SE's trained weights. With ``at=`` it puts one after each named
+  module of any model, your own included.
 
 Where each block goes (the model's own parameter names are kept everywhere except torchvision ResNets):
 
 =============================  ============================================================================
 torchvision ResNet             last BN of the branch becomes ``bnX = Sequential(norm=<BN>, attn=<block>)``
-timm ResNet                    the block's ``se`` slot (timm's own ``attn_layer`` place, after the last BN)
-torchvision RegNet-X           appended to ``f.c`` (the branch's last conv-BN): ``f.c.2``
-timm RegNet-X                  ``conv3.aa``, the empty slot ``ConvNormAct`` applies right after its norm
-RegNet-Y (both)                replaces the SE (torchvision ``f.se``, timm ``se``), at the bottleneck width
+timm ResNet                    the block's ``se`` slot (timm's own ``attn_layer`` place, after the last BN);
+                               a timm SE-ResNet keeps its SE and the block follows it (``drop_path.attn``)
+torchvision RegNet-X/Y         appended to ``f.c`` (the branch's last conv-BN, after RegNet-Y's SE): ``f.c.2``
+timm RegNet-X/Y                ``conv3.aa``, the empty slot ``ConvNormAct`` applies right after its norm
 torchvision ConvNeXt           appended to ``block`` after its last permute (``block.7``): the branch end
 timm ConvNeXt                  after ``mlp`` (in ``mlp.drop2``): the branch end, before the layer scale
-EfficientNet, MobileNetV3      replaces every SE (torchvision ``SqueezeExcitation``, timm ``SqueezeExcite``)
+torchvision EfficientNet       appended to the projection's conv-BN (after the SE): ``block.N.2``
+torchvision MobileNetV3        the same, in every inverted residual block (with an SE or not)
+timm EfficientNet/MobileNetV3  after the projection's norm, in its (identity) activation slot: ``bn3.act``
+                               (``bn2.act`` in depthwise-separable and edge-residual blocks)
 =============================  ============================================================================
 
 ConvNeXt's only norm sits before its MLP, in channels-last layout, so "after the last norm" is read there
 as the end of the residual branch (after the MLP, before the layer scale and the add), where the block
-sees the branch output as in a ResNet. A replaced SE's block is built with visattn's defaults for the SE's
-input width (pass options such as ``rd_ratio=0.25`` to mirror the original).
+sees the branch output as in a ResNet. With ``replace_se=True`` a replaced SE's block is built with
+visattn's defaults for the SE's input width (pass options such as ``rd_ratio=0.25`` to mirror the original).
 """
 from __future__ import annotations
 
@@ -166,17 +171,43 @@ def _is_norm(m: nn.Module) -> bool:
     return isinstance(m, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm))
 
 
+def _conv_norm_site(path: str, seq: nn.Sequential, host: nn.Module) -> Optional[Site]:
+    """After a torchvision conv-norm ``Sequential`` with no activation (``Conv2dNormActivation``): appended to
+    it; taken if it already ends in a block; ``None`` (no site) if it ends in anything else."""
+    if isinstance(seq[-1], _visattn_classes()):
+        return (f"{path}.{len(seq) - 1}", 0, None, host.training, None)
+    if len(seq) != 2 or not _is_norm(seq[-1]):
+        return None
+    return (f"{path}.{len(seq)}", seq[0].out_channels, seq[0].weight, host.training, lambda a, seq=seq: seq.append(a))
+
+
+def _after_site(path: str, parent: nn.Module, attr: str, channels: int, like: Optional[torch.Tensor],
+                host: nn.Module, channels_last: bool = False) -> Site:
+    """In a parameter-free slot ``parent.attr`` (an identity, dropout or drop path, or ``None``): it becomes
+    ``AttnAfter(<slot>, <block>)``, so the host's parameter names stay the same; taken if it already is one."""
+    slot = getattr(parent, attr)
+
+    def install(a: nn.Module) -> None:
+        setattr(parent, attr, AttnAfter(slot if slot is not None else nn.Identity(), a, channels_last=channels_last))
+
+    return (f"{path}.{attr}", channels, like, host.training, None if isinstance(slot, AttnAfter) else install)
+
+
 def _residual_sites(model: nn.Module) -> List[Site]:
-    """One site per residual block of the families that have no SE of their own."""
+    """One site per residual block, after the branch's last norm (after the model's own SE, which is kept)."""
+    import timm.models._efficientnet_blocks as tm_eff
     import timm.models.convnext as tm_convnext
     import timm.models.regnet as tm_regnet
     import timm.models.resnet as tm_resnet
     import torchvision.models.convnext as tv_convnext
+    import torchvision.models.efficientnet as tv_efficientnet
+    import torchvision.models.mobilenetv3 as tv_mobilenetv3
     import torchvision.models.regnet as tv_regnet
     import torchvision.models.resnet as tv_resnet
     from torchvision.ops.misc import Permute
 
-    sites: List[Site] = []
+    timm_eff_last = {tm_eff.InvertedResidual: "bn3", tm_eff.DepthwiseSeparableConv: "bn2", tm_eff.EdgeResidual: "bn2"}
+    sites: List[Optional[Site]] = []
     for path, block in model.named_modules():
         kind = type(block)
         if kind in (tv_resnet.BasicBlock, tv_resnet.Bottleneck):
@@ -191,17 +222,19 @@ def _residual_sites(model: nn.Module) -> List[Site]:
                           block.training, install if free else None))
         elif kind in (tm_resnet.BasicBlock, tm_resnet.Bottleneck):
             norm = block.bn2 if kind is tm_resnet.BasicBlock else block.bn3
+            if block.se is not None and not isinstance(block.se, _visattn_classes()):  # its own SE: kept, followed
+                sites.append(_after_site(path, block, "drop_path", norm.num_features, norm.weight, block))
+                continue
 
             def install(a, block=block):
                 block.se = a
 
             sites.append((f"{path}.se", norm.num_features, norm.weight, block.training,
                           install if block.se is None else None))
-        elif kind is tv_regnet.ResBottleneckBlock:
-            last = block.f.c  # Conv2dNormActivation(conv, BN): the branch's last conv-BN
-            free = len(last) == 2 and _is_norm(last[-1])
-            sites.append((f"{path}.f.c", last[0].out_channels, last[0].weight, block.training,
-                          (lambda a, last=last: last.append(a)) if free else None))
+        elif kind is tv_regnet.ResBottleneckBlock:  # f: a, b, (RegNet-Y: se), c = the branch's last conv-BN
+            sites.append(_conv_norm_site(f"{path}.f.c", block.f.c, block))
+        elif kind in (tv_efficientnet.MBConv, tv_efficientnet.FusedMBConv, tv_mobilenetv3.InvertedResidual):
+            sites.append(_conv_norm_site(f"{path}.block.{len(block.block) - 1}", block.block[-1], block))
         elif kind is tm_regnet.Bottleneck:
             conv3 = block.conv3  # ConvNormAct: conv, norm, then its optional `aa` slot (empty here)
 
@@ -210,6 +243,11 @@ def _residual_sites(model: nn.Module) -> List[Site]:
 
             sites.append((f"{path}.conv3.aa", conv3.conv.out_channels, conv3.conv.weight, block.training,
                           install if getattr(conv3, "aa", None) is None else None))
+        elif kind in timm_eff_last:  # the projection's BatchNormAct2d: norm, drop, then act (an identity here)
+            norm = getattr(block, timm_eff_last[kind])
+            if isinstance(norm.act, (nn.Identity, AttnAfter)):
+                sites.append(_after_site(f"{path}.{timm_eff_last[kind]}", norm, "act", norm.num_features,
+                                         norm.weight, block))
         elif kind is tv_convnext.CNBlock:
             seq = block.block  # dwconv, permute, LN, linear, GELU, linear, permute back to (B, C, H, W)
             free = isinstance(seq[-1], Permute)
@@ -218,14 +256,10 @@ def _residual_sites(model: nn.Module) -> List[Site]:
         elif kind is tm_convnext.ConvNeXtBlock:
             mlp = block.mlp
             tail = getattr(mlp, "drop2", None)  # the MLP's last, parameter-free layer
-            free = isinstance(tail, (nn.Dropout, nn.Identity))
-
-            def install(a, mlp=mlp, tail=tail, cl=not block.use_conv_mlp):
-                mlp.drop2 = AttnAfter(tail, a, channels_last=cl)
-
-            sites.append((f"{path}.mlp.drop2", block.conv_dw.out_channels, block.conv_dw.weight, block.training,
-                          install if free else None))
-    return sites
+            if isinstance(tail, (nn.Dropout, nn.Identity, AttnAfter)):
+                sites.append(_after_site(f"{path}.mlp", mlp, "drop2", block.conv_dw.out_channels,
+                                         block.conv_dw.weight, block, channels_last=not block.use_conv_mlp))
+    return [site for site in sites if site is not None]
 
 
 def _out_channels(module: nn.Module) -> Optional[int]:
@@ -287,21 +321,26 @@ def _visattn_classes() -> tuple:
     return tuple(c for c in (ATTENTION.get(n) for n in list_attention()) if inspect.isclass(c))
 
 
-def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], None] = None, **kwargs: Any) -> int:
+def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], None] = None,
+                     replace_se: bool = False, **kwargs: Any) -> int:
     """Put block ``name`` (built with ``kwargs``) into a torchvision or timm CNN, or after the modules ``at``
     names in any model; returns how many were put.
 
-    Supported: torchvision and timm ResNet, RegNet (X and Y), ConvNeXt, EfficientNet and MobileNetV3. If the
-    model has squeeze-and-excitation modules of its own (RegNet-Y, EfficientNet, MobileNetV3, timm SE-ResNets),
-    each is replaced by the block, built for the SE's input width, in the same place. Otherwise one block
-    goes into every residual block, after the residual branch's last norm and before the residual add (see
-    the module docstring for the exact slot per family; the model's parameter names are kept except in
+    Supported: torchvision and timm ResNet, RegNet (X and Y), ConvNeXt, EfficientNet and MobileNetV3. One
+    block goes into every residual block, after the residual branch's last norm and before the residual add
+    (see the module docstring for the exact slot per family; the model's parameter names are kept except in
     torchvision ResNets, whose last BN becomes ``bnX.norm``, so load pretrained weights before inserting).
+    The model's own squeeze-and-excitation modules (RegNet-Y, EfficientNet, MobileNetV3, timm SE-ResNets)
+    are kept, with their trained weights; the block goes after them.
 
     Blocks are built with ``init="identity"`` unless ``kwargs`` say otherwise: each starts by returning its
-    input unchanged, so a trained network's residual blocks compute what they computed before and training
-    moves the blocks from there (``init="default"`` gives the paper's block, whose sigmoid gates start near
-    0.5 and halve the signal they gate).
+    input unchanged, so a trained network computes exactly what it computed before (in eval mode the
+    outputs are bit-identical) and training moves the blocks from there (``init="default"`` gives the
+    paper's block, whose sigmoid gates start near 0.5 and halve the signal they gate).
+
+    ``replace_se``: put the block in the place of each of the model's own SE modules instead, built for the
+    SE's input width. This **drops the SEs' trained weights**: a trained model no longer computes what it did
+    (for a model built to be trained from scratch with another channel attention in the SE's place).
 
     ``at``: a module name of ``model.named_modules()`` or a list of them, each may be an ``fnmatch`` pattern
     (``"body.*.bn2"``): one block after each module named, in any model (your own included), instead of the
@@ -316,6 +355,8 @@ def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], 
     block or another attention block in the slot.
     """
     _check_feature_block(name, kwargs)
+    if replace_se and at is not None:
+        raise ValueError("insert_attention: replace_se=True replaces the model's SE modules; it cannot go with at=")
     if "init" in attention_options(name):
         kwargs.setdefault("init", "identity")
     held = [p for p, m in model.named_modules() if isinstance(m, _visattn_classes()) and p]
@@ -324,10 +365,18 @@ def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], 
             f"{type(model).__name__} already holds a visattn attention block at {held[0]!r}"
             f"{f' (and {len(held) - 1} more)' if len(held) > 1 else ''}; insert into a fresh model"
         )
-    sites = _named_sites(model, at) if at is not None else _se_sites(model) or _residual_sites(model)
+    if at is not None:
+        sites = _named_sites(model, at)
+    elif replace_se:
+        sites = _se_sites(model)
+        if not sites:
+            raise ValueError(f"insert_attention(replace_se=True): {type(model).__name__} has no squeeze-and-"
+                             "excitation modules of torchvision or timm to replace")
+    else:
+        sites = _residual_sites(model)
     if not sites:
         raise ValueError(
-            f"insert_attention found no residual blocks or SE modules it knows in {type(model).__name__}: it "
+            f"insert_attention found no residual blocks it knows in {type(model).__name__}: it "
             f"supports {SUPPORTED_FAMILIES} "
             "from torchvision and timm; for another model name the modules to follow, insert_attention(model, "
             "name, at=['body.1', ...]), or build the block with visattn.create_attention(name, channels) and "

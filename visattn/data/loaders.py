@@ -75,7 +75,8 @@ class TensorLoader(EpochLoader):
     """Batches from a uint8 image tensor with whole-batch augmentation; resumable mid-epoch.
 
     The images sit in one uint8 ``(N, 3, H, W)`` tensor on the training device; augmentation draws from
-    ``self.gen``, whose state is part of :meth:`state_dict`. Under data parallelism each rank takes an equal,
+    ``self.gen`` (a generator on that device, so a step makes no host read or copy), whose state is part of
+    :meth:`state_dict`. Under data parallelism each rank takes an equal,
     disjoint share of every epoch's permutation.
     """
 
@@ -86,7 +87,8 @@ class TensorLoader(EpochLoader):
         self.x = torch.from_numpy(images.x).permute(0, 3, 1, 2).contiguous().to(device)  # (N, 3, H, W) uint8
         self.y = torch.from_numpy(images.y).to(device)
         self.augment = augment if train else None
-        self.gen = torch.Generator(device="cpu").manual_seed(seed * 7919 + 17)
+        # on the training device: the augmentation's random draws need no host-to-device copy (a stream sync)
+        self.gen = torch.Generator(device=device).manual_seed(seed * 7919 + 17)
         self.flip_mask = None  # alternating flips: which images are mirrored in even epochs (fixed by the seed)
         if self.augment is not None and self.augment.hflip and self.augment.hflip_mode == "alternate":
             g = torch.Generator().manual_seed(seed * 7919 + 23)

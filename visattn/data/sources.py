@@ -21,20 +21,26 @@ import numpy as np
 
 from ..errors import DataError
 
-IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp")
+IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".webp", ".tif", ".tiff", ".gif")  # a GIF: its first frame
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 ARCHIVE_EXTS = (".tar.gz", ".tgz", ".tar")
 DEFAULT_MAX_PIXELS = 50_000_000  # data.max_image_pixels' default
+# the CIFAR-10 python archive unpacks to six 31 MB batches (178 MB): an archive whose members are larger is
+# refused before they are written (a small archive of zeros could otherwise fill the cache)
+MAX_CIFAR_MEMBER_BYTES = 64 << 20
+MAX_CIFAR_ARCHIVE_BYTES = 512 << 20
 Item = Tuple[str, Union[bytes, DataError]]  # (relative path, the file's bytes or why it was refused)
 
 
 @dataclass
 class ImageSet:
-    """Decoded images: ``x`` uint8 ``(N, H, W, 3)``, ``y`` int64 ``(N,)``."""
+    """Decoded images: ``x`` uint8 ``(N, H, W, 3)``, ``y`` int64 ``(N,)``; ``boxes`` int64 ``(N, 4)`` (x0, y0, x1,
+    y1 in pixels) where each image's object is known to lie (``data.source=placed``), else None."""
 
     x: np.ndarray
     y: np.ndarray
     classes: Tuple[str, ...]
+    boxes: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return len(self.y)
@@ -213,7 +219,10 @@ def _iter_tar(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> Iterator[Item
     try:
         with tarfile.open(path, "r:*") as tf:
             for m in tf:
-                if not m.isfile():
+                if not (m.isfile() or m.issym() or m.islnk()):
+                    continue
+                if not m.isfile() and m.name.lower().endswith(IMAGE_EXTS):  # a link: read its target in the archive
+                    yield m.name, _read_tar_link(tf, m, path, max_file_bytes(max_pixels))
                     continue
                 if _escapes(m.name):
                     yield m.name, DataError(f"archive {path}: member {m.name!r} refused: escapes the dataset folder")
@@ -228,6 +237,21 @@ def _iter_tar(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> Iterator[Item
                 yield m.name, f.read()
     except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
         raise DataError(f"archive {path} is truncated or corrupt ({e.__class__.__name__}: {e})") from None
+
+
+def _read_tar_link(tf: tarfile.TarFile, m: tarfile.TarInfo, path: Path, max_bytes: int) -> Union[bytes, DataError]:
+    """The bytes of the archive member a link member points at (never a file outside the archive)."""
+    kind = "symbolic link" if m.issym() else "hard link"
+    try:
+        f = tf.extractfile(m)
+    except KeyError:
+        f = None
+    if f is None:
+        return DataError(f"image {path}:{m.name} refused: a {kind} to {m.linkname!r}, which the archive does not hold")
+    data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        return DataError(f"image {path}:{m.name} refused: more than any image within data.max_image_pixels")
+    return data
 
 
 def _empty_class_dirs(root: Path) -> List[str]:
@@ -347,16 +371,34 @@ def _extract(path: Path, dest: Path) -> None:
     tmp = dest.with_name(f"{dest.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    total = 0
+
+    def capped(m: tarfile.TarInfo, where: str) -> Optional[tarfile.TarInfo]:
+        nonlocal total
+        total += m.size
+        if m.size > MAX_CIFAR_MEMBER_BYTES or total > MAX_CIFAR_ARCHIVE_BYTES:
+            raise DataError(f"archive {path}: member {m.name!r} ({m.size:,} bytes) refused: the CIFAR-10 batches are "
+                            f"at most {MAX_CIFAR_MEMBER_BYTES:,} bytes each and {MAX_CIFAR_ARCHIVE_BYTES:,} in all")
+        return tarfile.data_filter(m, where)
+
     try:
         with tarfile.open(path, "r:*") as tf:
-            tf.extractall(tmp, filter="data")
+            tf.extractall(tmp, filter=capped)
+        try:
+            _batches_dir(tmp)
+        except DataError:
+            raise DataError(f"archive {path} holds no cifar-10-batches-py/data_batch_1") from None
         shutil.rmtree(dest, ignore_errors=True)
         os.replace(tmp, dest)
     except tarfile.FilterError as e:
         member = getattr(getattr(e, "tarinfo", None), "name", "?")
         why = "is a special file" if isinstance(e, tarfile.SpecialFileError) else "escapes the dataset folder"
         raise DataError(f"archive {path}: member {member!r} refused: {why}") from None
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
+    except OSError as e:
+        if e.errno is None:  # gzip's BadGzipFile: the archive's bytes, not the disk
+            raise DataError(f"archive {path} is truncated or corrupt ({e.__class__.__name__})") from None
+        raise DataError(f"archive {path} cannot be extracted into {dest.parent} ({e.strerror or e})") from None
+    except (tarfile.TarError, EOFError, zlib.error) as e:
         raise DataError(f"archive {path} is truncated or corrupt ({e.__class__.__name__})") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -371,7 +413,7 @@ def read_cifar_batches(path: Path, cache_dir: Path, on_bad_image: str = "error")
     """:func:`read_cifar_python`, and the number of images dropped for labels out of range (``on_bad_image='skip'``)."""
     if path.is_file():  # the archive: extract once into the cache folder
         dest = cache_dir / ("extract-" + fingerprint(path)[:16])
-        if not (dest / "cifar-10-batches-py" / "data_batch_1").is_file():
+        if not any((d / "data_batch_1").is_file() for d in (dest, dest / "cifar-10-batches-py")):
             _extract(path, dest)
         path = dest
     bdir = _batches_dir(path)
@@ -469,6 +511,13 @@ def torchvision_download(root: Path, download: bool) -> Path:
 def read_source(root: Path, source: str, image_size: int, on_bad_image: str, cache_dir: Path,
                 max_pixels: int = DEFAULT_MAX_PIXELS, need_train: bool = True) -> Tuple[Dict[str, ImageSet], int]:
     """Decode ``root`` as ``source`` ('folder' or 'cifar_python'): (``{"train": ..., "test": ...}``, skipped)."""
+    try:
+        mode = root.stat().st_mode
+    except OSError as e:
+        raise DataError(f"data.root {str(root)!r} cannot be read ({e.strerror or e.__class__.__name__})") from None
+    if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):  # never opened: a FIFO would block for ever
+        kind = next((what for test, what in _KINDS if test(mode)), "not a regular file")
+        raise DataError(f"data.root {str(root)!r} is {kind}, not a folder or an archive")
     if source == "folder":
         return read_image_folder(root, image_size, on_bad_image, max_pixels, need_train)
     return read_cifar_batches(root, cache_dir, on_bad_image)

@@ -11,6 +11,7 @@ import numpy as np
 from ..errors import DataError
 from . import sources
 from .cache import cached_read, default_cache_dir
+from .placed import place_splits
 from .sources import ImageSet
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ def load_splits(cfg: DataConfig, seed: int, eval_only: bool = False) -> Splits:
     set) also takes an image folder that holds only ``test/<class>/``; its ``train`` is then empty.
     """
     cache_dir = Path(os.path.expanduser(cfg.cache_dir)) if cfg.cache_dir else default_cache_dir()
-    source = cfg.source
+    placed = cfg.source == "placed"
+    source = cfg.placed.source if placed else cfg.source
     skipped = 0
     if source == "synthetic":
         full = sources.make_synthetic(cfg.synthetic_size, size=cfg.image_size, seed=seed)
@@ -74,6 +76,9 @@ def load_splits(cfg: DataConfig, seed: int, eval_only: bool = False) -> Splits:
     if cfg.subset is not None and cfg.subset < len(train):  # after the hold-out: the eval images never change
         keep, _ = stratified_split(train.y, len(train) - cfg.subset, cfg.split_seed + 1)
         train = ImageSet(train.x[keep], train.y[keep], train.classes)
+    if placed:  # after the split: held-out canvases are built from held-out images only
+        train, ev = place_splits(train, ev, cfg.placed)
+        eval_split += f", placed on {cfg.placed.canvas}x{cfg.placed.canvas} canvases (seed {cfg.placed.seed})"
     return Splits(train=train, eval=ev, eval_split=eval_split, source=source, skipped=skipped)
 
 

@@ -176,18 +176,33 @@ def notes_footer(notes: Sequence[Line], width: int) -> np.ndarray:
     return _write(canvas, [(1, LINE_H * k, fit_text(t, width - 2), c, FONT_SIZE) for k, (t, c) in enumerate(notes)])
 
 
+def draw_box(tile: np.ndarray, box: Sequence[int], image_hw: Sequence[int], colour: Colour = (255, 255, 255)) -> None:
+    """Outline ``box`` (x0, y0, x1, y1 in input pixels) on ``tile`` (HWC, a picture of an ``image_hw`` input)."""
+    fy, fx = tile.shape[0] / image_hw[0], tile.shape[1] / image_hw[1]
+    x0, x1 = int(round(box[0] * fx)), min(int(round(box[2] * fx)), tile.shape[1]) - 1
+    y0, y1 = int(round(box[1] * fy)), min(int(round(box[3] * fy)), tile.shape[0]) - 1
+    tile[y0:y1 + 1, [x0, x1]] = colour
+    tile[[y0, y1], x0:x1 + 1] = colour
+
+
 def map_picture(base: torch.Tensor, layer_map, image_hw: Sequence[int], labels: Sequence[List[Line]],
                 norm: str = "fixed", colormap: str = "jet", alpha: float = 0.5,
-                max_width: int = MAX_WIDTH, notes: Sequence[Line] = ()) -> np.ndarray:
+                max_width: int = MAX_WIDTH, notes: Sequence[Line] = (), boxes: Optional[Sequence] = None,
+                image_notes: Optional[Sequence[List[Line]]] = None) -> np.ndarray:
     """A :class:`~visattn.maps.readout.LayerMap` over ``base`` (float RGB in [0, 1], ``(B, 3, H', W')``, the
     pictures of ``image_hw`` inputs): per image, its caption ``labels`` and a line with the map's range and
     peakedness above the original and its overlay; ``notes`` (lines about the whole map, e.g. how faithful it
-    is) and the colour bar below."""
+    is) and the colour bar below. ``boxes``: each image's object box, outlined on both tiles; ``image_notes``:
+    more lines per image (e.g. its scores against the box)."""
     over = hwc(blend(base, layer_map.unit(norm), layer_map.geometry, image_hw, alpha, colormap))
     originals = hwc(to_uint8(base))
     cells = []
     for i, st in enumerate(layer_map.stats()):
-        lines = list(labels[i]) + [(caption(st, layer_map.scale, norm), DIM)]
+        lines = list(labels[i]) + [(caption(st, layer_map.scale, norm), DIM)] + list((image_notes or [[]] * (i + 1))[i])
+        if boxes is not None:
+            originals[i], over[i] = originals[i].copy(), over[i].copy()
+            for tile in (originals[i], over[i]):
+                draw_box(tile, boxes[i], image_hw)
         cells.append((lines, [originals[i], over[i]]))
 
     def footer(w: int) -> np.ndarray:
@@ -197,6 +212,6 @@ def map_picture(base: torch.Tensor, layer_map, image_hw: Sequence[int], labels: 
     return cells_picture(cells, footer, max_width)
 
 
-__all__ = ["hwc", "map_picture", "BG", "COL_GAP", "DIM", "GAP", "LINE_H", "MAX_WIDTH", "RIGHT", "TEXT", "WRONG",
+__all__ = ["draw_box", "hwc", "map_picture", "BG", "COL_GAP", "DIM", "GAP", "LINE_H", "MAX_WIDTH", "RIGHT", "TEXT", "WRONG",
            "cells_picture",
            "colour_bar", "fit_text", "font", "label_lines", "matrix_picture", "notes_footer", "text_width"]

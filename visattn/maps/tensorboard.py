@@ -137,9 +137,41 @@ def _faithfulness(writer: Any, model, images, labels, maps: List[LayerMap], step
     return out
 
 
+def _localization(writer: Any, maps: List[LayerMap], boxes: torch.Tensor, tolerance: int, image_hw, step: int,
+                  notes: Dict[str, Tuple[List[Line], str]], summary: Dict[str, List[str]],
+                  about: Dict[str, str]) -> Dict[str, List[List[Line]]]:
+    """Each map against the probe's object boxes (:mod:`visattn.maps.localize`): a line per image (hit or miss,
+    energy in the box), the probe's pointing rate and mean energy on the card and as scalars."""
+    from ..data.placed import box_share
+    from .localize import box_scores
+
+    gen = torch.Generator().manual_seed(0)
+    chance = float(box_share(boxes.cpu().numpy(), image_hw[0], tolerance).mean())
+    area = float(((boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])).double().mean()) / (image_hw[0] * image_hw[1])
+    per_image = {}
+    for lm in maps:
+        if not lm.finite():
+            continue
+        hit, energy = box_scores(lm, boxes, tolerance, image_hw, gen)
+        per_image[lm.name] = [[(f"box: {'hit' if h else 'miss'}, energy {e:.2f}", RIGHT if h else WRONG)]
+                              for h, e in zip(hit.tolist(), energy.tolist())]
+        for what, v in (("pointing", hit.mean()), ("energy", energy.mean())):
+            writer.add_scalar(f"localization/{lm.name}/{what}", float(v), step)
+            summary["scalars"].append(f"localization/{lm.name}/{what}")
+        lines = [(f"box: pointing {int(hit.sum())}/{len(hit)} (chance {chance:.0%})", TEXT),
+                 (f"energy in box {energy.mean():.2f} (box area {area:.2f})", TEXT)]
+        card, words = notes.get(lm.name, ([], ""))
+        notes[lm.name] = ([*lines, *card], words)
+    about["localization/<map>/pointing"] = (f"probe: share of images whose map peaks within {tolerance} px of the "
+                                            f"object's box (chance {chance:.0%}, a random point's)")
+    about["localization/<map>/energy"] = f"probe: share of the map's positive mass inside the box (the box's area: {area:.2f})"
+    return per_image
+
+
 def _map_images(writer: Any, maps: List[LayerMap], base: torch.Tensor, image_hw, captions, step: int,
                 style: Dict[str, Any], notes: Dict[str, Tuple[List[Line], str]], explained: str,
-                summary: Dict[str, List[str]], about: Dict[str, str]) -> None:
+                summary: Dict[str, List[str]], about: Dict[str, str],
+                image_notes: Optional[Dict[str, List[List[Line]]]] = None) -> None:
     for lm in maps:
         if not lm.finite():
             warnings.warn(f"log_attention_maps: {lm.tag} has NaN or inf values at step {step}; picture skipped",
@@ -147,7 +179,8 @@ def _map_images(writer: Any, maps: List[LayerMap], base: torch.Tensor, image_hw,
             summary["skipped"].append(lm.name)
             continue
         card, words = notes.get(lm.name, ((), ""))
-        picture = map_picture(base, lm, image_hw, captions, notes=card, **style)
+        picture = map_picture(base, lm, image_hw, captions, notes=card, image_notes=(image_notes or {}).get(lm.name),
+                              **style)
         writer.add_image(lm.tag, picture, step, dataformats="HWC")
         summary["images"].append(lm.tag)
         about[lm.tag] = lm.description + (f"; explained class: {explained}" if lm.kind in GRADIENT_KINDS else "")
@@ -185,6 +218,8 @@ def log_attention_maps(
     norm: str = "fixed",
     faithfulness: bool = False,
     gradient_maps: bool = True,
+    boxes: Optional[torch.Tensor] = None,
+    tolerance: int = 0,
 ) -> Dict[str, List[str]]:
     """Run one probe forward pass of ``images`` (normalised model input, ``(B, 3, H, W)``) and log its maps.
 
@@ -198,7 +233,10 @@ def log_attention_maps(
     ``"fixed"`` (each map kind on its declared scale) or ``"per_image"`` (stretched to each map's range).
     ``faithfulness``: also log the probe's deletion/insertion scores as scalars (extra forward passes) and
     write them on each map's card. ``gradient_maps``: also the ``/grad`` maps, ``rollout_grad`` and
-    ``layers_grad`` for the ``labels`` classes (the predicted ones without labels).
+    ``layers_grad`` for the ``labels`` classes (the predicted ones without labels). ``boxes``: ``(B, 4)`` each
+    image's object box (x0, y0, x1, y1 in input pixels; ``data.source=placed``), outlined on the pictures, with
+    each map's pointing hit and energy in the box under each image (``tolerance`` px) and the probe's rates on
+    the card and as ``localization/<map>/`` scalars.
     Returns ``{"images", "histograms", "scalars", "texts": tags, "skipped": names, "faithfulness": lines}``,
     and ``"faithfulness_seconds": [seconds]`` when the scores were computed.
     """
@@ -226,9 +264,14 @@ def log_attention_maps(
         start = time.perf_counter()
         notes = _faithfulness(writer, model, images, labels_, scored, step, summary, about)
         summary["faithfulness_seconds"] = [time.perf_counter() - start]
-    style = {"norm": norm, "colormap": colormap, "alpha": alpha}
+    style: Dict[str, Any] = {"norm": norm, "colormap": colormap, "alpha": alpha}
+    image_notes = None
+    if boxes is not None:
+        style["boxes"] = boxes.tolist()
+        image_notes = _localization(writer, [m for m in maps if m.kind != "head"], boxes, tolerance, (h, w), step,
+                                    notes, summary, about)
     explained = "the true class" if labels is not None else "the predicted class"
-    _map_images(writer, maps, base, (h, w), captions, step, style, notes, explained, summary, about)
+    _map_images(writer, maps, base, (h, w), captions, step, style, notes, explained, summary, about, image_notes)
     for k, r in named_records(rec.records, "token", dims=4):
         _matrix(writer, r, k, step, captions[0] + [(f"attention of {k}", DIM)], norm, colormap, summary, about)
     _channels(writer, rec.records, step, summary, about)
