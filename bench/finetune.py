@@ -1,4 +1,4 @@
-"""Fine-tuning a block into a trained network: does adding attention to a network that has already trained pay?
+"""Fine-tuning a block into a trained network: what adding attention to a network that has already trained pays.
 
     python bench/finetune.py --lr 0.25                  # every block x seed; runs already in the results are skipped
     python bench/finetune.py --report                   # the table, and docs/results.md's section rewritten from it

@@ -309,7 +309,7 @@ def test_visualize_model_without_attention_writes_predictions_only(cnn_run, user
     _, run_dir = cnn_run
     state = load_checkpoint(run_dir / "best.pt")
     plain = {**state["config"]["model"], "attention": "none"}
-    opts = {k: v for k, v in plain.items() if k != "name"}
+    opts = {k: v for k, v in plain.items() if k not in ("name", "init_from")}  # the model's own options
     state["config"]["model"] = plain
     state["model"] = create_model("resnet_fast", num_classes=10, **opts).state_dict()
     state["ema"] = None
