@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from faithfulness import by_checkpoint, find_checkpoints, kind_of, val_acc  # noqa: E402
+from faithfulness import by_checkpoint, find_checkpoints, kind_of, load, val_acc  # noqa: E402 (load: the same results file form)
 
 from visattn.errors import DataError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import read_json, write_atomic  # noqa: E402
+from visattn.runtime import write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "localization.json"
 DOCS = ROOT / "docs" / "maps.md"
@@ -85,13 +85,6 @@ def score(ckpt: Path, images: int, faith_images: int, options: Dict[str, Any], d
                      "faith_images": n, "deletion_score": _iv(f.deletion_score) if f else None,
                      "insertion_score": _iv(f.insertion_score) if f else None,
                      "faith_settings": {k: v for k, v in options.items() if k != "seed"}})
-    return rows
-
-
-def load(path: Path) -> List[Dict[str, Any]]:
-    rows = read_json(path, dict, missing={"rows": []}).get("rows")
-    if not isinstance(rows, list):
-        raise DataError(f"{path}: holds no list of rows")
     return rows
 
 
