@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from visattn.errors import ConfigError, VisattnError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import read_json, write_atomic  # noqa: E402
+from visattn.rundir import read_json, write_atomic  # noqa: E402
 
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
 CNN_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ATTENTION]

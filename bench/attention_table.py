@@ -58,7 +58,7 @@ from attention_report import (  # noqa: E402
 
 from visattn.errors import CheckpointError, ConfigError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import Interrupted, complete_rows, read_json, write_atomic  # noqa: E402
+from visattn.rundir import Interrupted, complete_rows, read_json, write_atomic  # noqa: E402
 
 
 class LoadSampler:
@@ -132,7 +132,7 @@ def run_resuming(config: Path, overrides: Sequence[str], run_dir: Path, log=prin
     never deleted (it may hold hours), with a line on stderr. Returns the run's summary and whether it was
     resumed (its time then spans two sittings)."""
     from visattn.config import load_config, safe_yaml, with_defaults
-    from visattn.runtime import config_diff, yaml_dump
+    from visattn.rundir import config_diff, yaml_dump
     from visattn.trainer import run
 
     def settings(d: dict) -> dict:
@@ -196,15 +196,15 @@ def default_epochs(config: str) -> Optional[int]:
 def kernels(device: str = "auto") -> str:
     """The family of kernels a run on this machine computes with: the CUDA device's name, else the CPU's best
     of ``amx`` (AMX tiles), ``avx512_bf16``, ``avx512``, ``avx2``, else ``cpu``, by the same ``torch.cpu``
-    probes with which ``precision: auto`` decides whether bf16 is native (``visattn.engine``).
+    probes with which ``precision: auto`` decides whether bf16 is native (``visattn.evaluate``).
 
     The same seed gives a different result on another family (86.76% on AMX against 86.66% with AVX512-BF16
     for ``resnet_fast_none`` seed 0 in bf16), so runs are paired only within one family."""
     import torch
 
-    from visattn import engine
+    from visattn import options
 
-    dev = engine.resolve_device(device)
+    dev = options.resolve_device(device)
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     for probe, name in (("amx_tile", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512"), ("avx2", "avx2")):
@@ -334,11 +334,11 @@ def variant(config: str, tag: str, backbone: bool = False) -> str:
 
 def planned_numerics(config: str, precision_override: Optional[str] = None) -> str:
     """The :func:`numerics` a run of ``config`` has on this machine (``auto``: bf16 only with native bf16)."""
-    from visattn import engine
+    from visattn import evaluate, options
     from visattn.config import load_config
 
     cfg = load_config(ROOT / config)
-    prec = engine.resolve_precision(precision_override or cfg.precision, engine.resolve_device(cfg.device))
+    prec = evaluate.resolve_precision(precision_override or cfg.precision, options.resolve_device(cfg.device))
     return numerics({"precision": prec, "kernels": kernels(cfg.device)})
 
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from visattn.errors import DataError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import complete_rows, read_json, write_atomic  # noqa: E402
+from visattn.rundir import complete_rows, read_json, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "faithfulness.json"
 KINDS = ("attention", "attention_gradient", "layers_gradient", "rollout", "gradient_rollout", "input_x_gradient",
@@ -93,8 +93,8 @@ def score(ckpt: Path, images: int, vit_images: Optional[int], options: Dict[str,
           device: str) -> List[Dict[str, Any]]:
     """Score every map of one checkpoint on ``images`` held-out images (``vit_images`` for a vit_* model, when
     given); returns its rows."""
-    from visattn.checkpoint import load_checkpoint
     from visattn.config import build_config
+    from visattn.rundir import load_checkpoint
     from visattn.visualize import faithfulness_table
 
     state = load_checkpoint(ckpt)

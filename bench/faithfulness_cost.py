@@ -4,7 +4,7 @@ training time measured in the same process.
     python bench/faithfulness_cost.py [--configs configs/attention/resnet_fast_cbam.yaml ...] [--steps 3] [--repeats 3]
     python bench/faithfulness_cost.py --steps 1 --repeats 1 --epoch-images 2000     # a quick look
 
-Per config: ``--steps`` training steps are timed (``engine.train_one_epoch`` on the config's batch size,
+Per config: ``--steps`` training steps are timed (``trainer.train_one_epoch`` on the config's batch size,
 precision, augmentation and channels-last setting, as ``bench/maps_overhead.py`` does) and extrapolated to an
 epoch of ``--epoch-images`` images (45,000: CIFAR-10's training images less the held-out 5,000). One map-logging
 call is timed as the trainer makes it (``log_attention_maps`` with the config's ``log.probe_size`` probe
@@ -40,10 +40,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from visattn import engine  # noqa: E402
+from visattn import evaluate, trainer  # noqa: E402
 from visattn.config import Config, load_config  # noqa: E402
 from visattn.data import Placement, TensorLoader, normalize  # noqa: E402
-from visattn.maps import log_attention_maps  # noqa: E402
+from visattn.maps import MapSettings, log_attention_maps  # noqa: E402
 from visattn.options import describe  # noqa: E402
 
 DEFAULT_CONFIGS = ("configs/attention/resnet_fast_cbam.yaml", "configs/attention/resnet_fast_gc.yaml",
@@ -64,14 +64,14 @@ def measure(cfg: Config, steps: int, repeats: int, epoch_images: int, budget: fl
     """One config's row: seconds per training step and epoch, and each logging variant's median seconds."""
     mo = _overhead_module()
     dev = torch.device("cpu")
-    precision = engine.resolve_precision(cfg.precision, dev)
+    precision = evaluate.resolve_precision(cfg.precision, dev)
     bs = cfg.train.batch_size
     train_images, eval_images, source = mo.images_for(cfg, bs * (steps + 1))
     model = mo.build(cfg, train_images)
     o = cfg.optim
-    opt = engine.build_optimizer(model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas,
+    opt = trainer.build_optimizer(model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas,
                                  o.no_decay_norm_bias)
-    sched = engine.StepScheduler(opt, "constant", o.lr, 10**9, 0)
+    sched = trainer.StepScheduler(opt, "constant", o.lr, 10**9, 0)
     loader = TensorLoader(train_images, bs, cfg.data.mean, cfg.data.std, train=True, augment=cfg.data.augment,
                           seed=0, placement=Placement(channels_last=cfg.channels_last))
     k = min(cfg.log.probe_size, len(eval_images))
@@ -80,17 +80,17 @@ def measure(cfg: Config, steps: int, repeats: int, epoch_images: int, budget: fl
 
     def train_steps() -> float:
         it = iter(loader)
-        engine.train_one_epoch(model, [next(it)], engine.Optimization(opt, sched), engine.StepPolicy(dev, precision))
+        trainer.train_one_epoch(model, [next(it)], trainer.Optimization(opt, sched), trainer.StepPolicy(dev, precision))
         rest = list(it)
         t = time.perf_counter()
-        engine.train_one_epoch(model, rest, engine.Optimization(opt, sched), engine.StepPolicy(dev, precision))
+        trainer.train_one_epoch(model, rest, trainer.Optimization(opt, sched), trainer.StepPolicy(dev, precision))
         return (time.perf_counter() - t) / len(rest)
 
     def log_call(writer: Any, variant: str, step: int) -> float:
         t = time.perf_counter()
-        log_attention_maps(writer, model, probe, labels, step, cfg.data.mean, cfg.data.std, eval_images.classes,
-                           scale=cfg.log.map_scale, head_maps=cfg.log.head_maps, norm=cfg.log.map_norm,
-                           **VARIANTS[variant])
+        settings = MapSettings(cfg.data.mean, cfg.data.std, eval_images.classes, scale=cfg.log.map_scale,
+                               head_maps=cfg.log.head_maps, norm=cfg.log.map_norm, **VARIANTS[variant])
+        log_attention_maps(writer, model, probe, labels, step, settings)
         writer.flush()
         return time.perf_counter() - t
 

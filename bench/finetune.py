@@ -35,7 +35,7 @@ from attention_table import cpu_name, run_resuming  # noqa: E402
 
 from visattn.errors import ConfigError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import Interrupted, complete_rows, read_json, write_atomic  # noqa: E402
+from visattn.rundir import Interrupted, complete_rows, read_json, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "finetune.json"
 DOC = ROOT / "docs" / "results.md"

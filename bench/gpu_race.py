@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import reference_airbench as ref  # noqa: E402
 from time_to_accuracy import time_to  # noqa: E402
 
-from visattn import engine  # noqa: E402
+from visattn import evaluate, options, trainer  # noqa: E402
 from visattn.options import describe  # noqa: E402
 
 CONFIG = ROOT / "configs" / "cifar10_gpu.yaml"
@@ -97,9 +97,9 @@ def warm_compile(run: Any) -> float:
     for epoch in sorted({0, cfg.train.epochs - 1}):
         if hasattr(model, "set_epoch"):
             model.set_epoch(epoch)
-        with engine.autocast(device, run.policy.precision):
+        with evaluate.autocast(device, run.policy.precision):
             logits = compiled(x)
-        engine.training_loss(logits, x, y, run.policy).backward()
+        trainer.training_loss(logits, x, y, run.policy).backward()
     _sync(device)
     seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
@@ -135,12 +135,12 @@ def race(args: argparse.Namespace) -> Dict[str, Any]:
     from attention_table import kernels
 
     from visattn.config import load_config
-    from visattn.runtime import git_revision
+    from visattn.rundir import git_revision
 
-    device = engine.resolve_device(args.device)
+    device = options.resolve_device(args.device)
     precision = args.precision
     if precision == "auto":
-        precision = "bf16" if engine.resolve_precision("auto", device) == "bf16" else "fp32"
+        precision = "bf16" if evaluate.resolve_precision("auto", device) == "bf16" else "fp32"
     over = [f"device={device}", f"precision={precision}", *args.set]
     if args.subset:
         over.append(f"data.subset={args.subset}")
@@ -190,7 +190,7 @@ def race(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def main() -> None:
-    from visattn.runtime import write_atomic
+    from visattn.rundir import write_atomic
 
     ap = argparse.ArgumentParser(description=describe(__doc__))
     ap.add_argument("--runs", type=int, default=3, help="runs of each recipe (seeds 0..runs-1)")

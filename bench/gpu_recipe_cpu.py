@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from time_to_accuracy import rows, time_to  # noqa: E402
 
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import read_json, write_atomic  # noqa: E402
+from visattn.rundir import read_json, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "gpu_recipe_cpu.json"
 TARGET = 0.90

@@ -5,7 +5,7 @@ the table into docs/maps.md (between its localization markers) and prints it.
     python bench/localization.py runs/placed                  # every run below; 1,000 canvases each
     python bench/localization.py --report                     # the docs table, from the JSON
 
-Per checkpoint (:func:`visattn.maps.localize.localization`): the first ``--images`` held-out canvases, one class
+Per checkpoint (:func:`visattn.maps.faithful.localization`): the first ``--images`` held-out canvases, one class
 at a time, with their true labels, under the run's precision; every map kind (``kind``: attention,
 attention_gradient, layers_gradient, rollout, gradient_rollout, input_x_gradient, gradcam, centre, random):
 ``pointing`` (the map's peak within the run's ``data.placed.tolerance`` px of the box) and ``energy`` (the share of
@@ -32,7 +32,7 @@ from faithfulness import by_checkpoint, find_checkpoints, kind_of, load, val_acc
 
 from visattn.errors import DataError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import write_atomic  # noqa: E402
+from visattn.rundir import write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "localization.json"
 DOCS = ROOT / "docs" / "maps.md"
@@ -51,15 +51,14 @@ def _iv(iv: Any) -> List[float]:
 def score(ckpt: Path, images: int, faith_images: int, options: Dict[str, Any], data: Optional[str],
           device: str, command: str) -> List[Dict[str, Any]]:
     """Every map of one checkpoint on ``images`` held-out canvases; returns its rows."""
-    from visattn import engine
-    from visattn.maps.faithful import faithfulness
-    from visattn.maps.localize import localization, random_map
+    from visattn import evaluate
+    from visattn.maps.faithful import faithfulness, localization, random_map
     from visattn.visualize import heldout_batch
 
     model, cfg, _, x, y, boxes = heldout_batch(str(ckpt), images, data, device, "spread", with_boxes=True)
     if boxes is None:
         raise DataError(f"{ckpt}: trained on data.source={cfg.data.source}, not placed objects: no boxes to score")
-    from visattn.checkpoint import load_checkpoint
+    from visattn.rundir import load_checkpoint
 
     state = load_checkpoint(ckpt)
     head = {"model": cfg.model.name, "checkpoint": {"path": str(ckpt), "config": cfg.name, "seed": cfg.seed,
@@ -69,8 +68,8 @@ def score(ckpt: Path, images: int, faith_images: int, options: Dict[str, Any], d
             "tolerance": cfg.data.placed.tolerance, "command": command}
     if not cfg.data.placed.object:  # the background-only check: its accuracy is the result
         return [{**head, "map": None, "kind": None, "val_images": cfg.data.val_size}]
-    precision = engine.resolve_precision(cfg.precision, x.device)
-    with engine.autocast(x.device, precision):
+    precision = evaluate.resolve_precision(cfg.precision, x.device)
+    with evaluate.autocast(x.device, precision):
         loc = localization(model, x, y, boxes, cfg.data.placed.tolerance, seed=options["seed"])
         n = min(faith_images, len(x))
         faith = faithfulness(model, x[:n], y[:n], sanity=False, extra_maps={"random": random_map(n, x.shape[-2:],

@@ -4,9 +4,9 @@
 
 1. Epoch time with map logging on against off, per config (default: the resnet_fast+cbam CPU recipe, the
    plain vit_tiny and the class-token vit_tiny_lsa_spt), for the real data's size: 45,000 training images
-   per epoch. The script times ``--steps`` training steps (``engine.train_one_epoch`` on the config's batch
+   per epoch. The script times ``--steps`` training steps (``trainer.train_one_epoch`` on the config's batch
    size, precision, augmentation and channels-last setting) and extrapolates to the epoch's steps; it times
-   one map-logging call exactly as the trainer makes it (``trainer.log_maps``: log.probe_size validation
+   one map-logging call exactly as the trainer makes it (``visattn.maps.MapLogger.log``: log.probe_size validation
    images, log.map_scale, log.head_maps, with the config's defaults, then ``writer.flush()``) and adds it
    once per epoch (log.maps_every=1, the default). Step and logging repeats are interleaved; medians.
    A config whose model has class-token layers also gets a row with ``head_maps=all`` (one image per head
@@ -33,14 +33,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from visattn import engine
+from visattn import evaluate, trainer
 from visattn.config import Config, load_config
 from visattn.data import ImageSet, Placement, TensorLoader, load_splits, normalize
 from visattn.errors import DataError, run_main
-from visattn.maps import read_maps, record_attention
+from visattn.maps import MapLogger, read_maps, record_attention
 from visattn.models import create_model
 from visattn.options import describe
-from visattn.trainer import log_maps
 
 EPOCH_IMAGES = 45_000  # CIFAR-10's 50,000 training images less the 5,000 held out for validation
 DEFAULT_CONFIGS = ("configs/attention/resnet_fast_cbam.yaml", "configs/vit_tiny.yaml", "configs/vit_tiny_lsa_spt.yaml")
@@ -78,13 +77,13 @@ def has_class_token_layers(model: torch.nn.Module, probe: torch.Tensor) -> bool:
 
 def epoch_overhead(cfg: Config, steps: int, repeats: int) -> Tuple[List[Dict[str, Any]], str]:
     dev = torch.device("cpu")
-    precision = engine.resolve_precision(cfg.precision, dev)
+    precision = evaluate.resolve_precision(cfg.precision, dev)
     bs = cfg.train.batch_size
     train_images, eval_images, source = images_for(cfg, bs * (steps + 1))
     model = build(cfg, train_images)
     o = cfg.optim
-    opt = engine.build_optimizer(model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas, o.no_decay_norm_bias)
-    sched = engine.StepScheduler(opt, "constant", o.lr, 10**9, 0)
+    opt = trainer.build_optimizer(model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas, o.no_decay_norm_bias)
+    sched = trainer.StepScheduler(opt, "constant", o.lr, 10**9, 0)
     loader = TensorLoader(train_images, bs, cfg.data.mean, cfg.data.std, train=True, augment=cfg.data.augment,
                           seed=0, placement=Placement(channels_last=cfg.channels_last))
     k = min(cfg.log.probe_size, len(eval_images))
@@ -96,10 +95,10 @@ def epoch_overhead(cfg: Config, steps: int, repeats: int) -> Tuple[List[Dict[str
 
     def train_steps() -> float:  # seconds per step; the loader's first batch warms up and is not counted
         it = iter(loader)
-        engine.train_one_epoch(model, [next(it)], engine.Optimization(opt, sched), engine.StepPolicy(dev, precision))
+        trainer.train_one_epoch(model, [next(it)], trainer.Optimization(opt, sched), trainer.StepPolicy(dev, precision))
         rest = list(it)
         t, c = time.perf_counter(), time.process_time()
-        engine.train_one_epoch(model, rest, engine.Optimization(opt, sched), engine.StepPolicy(dev, precision))
+        trainer.train_one_epoch(model, rest, trainer.Optimization(opt, sched), trainer.StepPolicy(dev, precision))
         wall = time.perf_counter() - t
         busy.append((time.process_time() - c) / wall / torch.get_num_threads())
         return wall / len(rest)
@@ -108,7 +107,7 @@ def epoch_overhead(cfg: Config, steps: int, repeats: int) -> Tuple[List[Dict[str
         c = cfg.model_copy(deep=True)
         c.log.head_maps = head_maps
         t = time.perf_counter()
-        log_maps(writer, model, probe, step, c, eval_images.classes)
+        MapLogger(c, eval_images.classes).log(writer, model, probe, step)
         writer.flush()
         return time.perf_counter() - t
 
@@ -141,7 +140,7 @@ def epoch_overhead(cfg: Config, steps: int, repeats: int) -> Tuple[List[Dict[str
 
 def recording_off(cfg: Config, batch: int, repeats: int) -> Dict[str, Any]:
     dev = torch.device("cpu")
-    precision = engine.resolve_precision(cfg.precision, dev)
+    precision = evaluate.resolve_precision(cfg.precision, dev)
     train_images, _, _ = images_for(cfg, max(batch, 64))
     never = build(cfg, train_images)
     after = copy.deepcopy(never)
@@ -151,14 +150,14 @@ def recording_off(cfg: Config, batch: int, repeats: int) -> Dict[str, Any]:
         x = x.contiguous(memory_format=torch.channels_last)
 
     def fwd(model: torch.nn.Module) -> torch.Tensor:
-        with torch.no_grad(), engine.autocast(dev, precision):
+        with torch.no_grad(), evaluate.autocast(dev, precision):
             return model.eval()(x)
 
     def train_fwd_bwd(model: torch.nn.Module) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         model.train()
         model.zero_grad(set_to_none=True)
         torch.manual_seed(123)  # the same dropout / drop-path draws
-        with engine.autocast(dev, precision):
+        with evaluate.autocast(dev, precision):
             out = model(x)
         F.cross_entropy(out.float(), y).backward()
         return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
@@ -213,7 +212,7 @@ def main() -> None:
           f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"\n1) Epoch of {EPOCH_IMAGES:,} training images, map logging on vs off. Extrapolated: the median time of one "
           f"step over {args.steps} steps x {args.repeats} repeats, times the epoch's steps; plus one map-logging call "
-          "(trainer.log_maps + writer.flush(), median of the same interleaved repeats) per epoch (log.maps_every=1).")
+          "(MapLogger.log + writer.flush(), median of the same interleaved repeats) per epoch (log.maps_every=1).")
     head = (f"{'config':<34}{'batch':>6}{'s/step':>8}{'busy':>6}{'epoch off s':>13}{'maps s':>8}{'epoch on s':>12}"
             f"{'on/off':>8}")
     print(head)

@@ -30,7 +30,7 @@ from attention_table import kernels, numerics, run_resuming  # noqa: E402
 
 from visattn.errors import CheckpointError, ConfigError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import Interrupted, complete_rows, read_json, write_atomic  # noqa: E402  # noqa: E402
+from visattn.rundir import Interrupted, complete_rows, read_json, write_atomic  # noqa: E402  # noqa: E402
 
 # airbench94's setting of the levers: batch 1024 (lr 1.5 in mean-loss form) with lookahead averaging
 AIRBENCH = ["train.batch_size=1024", "optim.lr=1.5", "train.lookahead_every=5"]

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from visattn.errors import DataError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import read_json  # noqa: E402
+from visattn.rundir import read_json  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "reference_airbench.json"
 MEAN = (0.4914, 0.4822, 0.4465)  # CIFAR-10's channel statistics, as airbench normalises
@@ -265,8 +265,8 @@ def train(seed: int, epochs: float, precision: str, overrides=(), quality: int |
 def main() -> None:
     from attention_table import kernels
 
-    from visattn import engine
-    from visattn.runtime import write_atomic
+    from visattn import evaluate
+    from visattn.rundir import write_atomic
 
     ap = argparse.ArgumentParser(description=describe(__doc__))
     ap.add_argument("--epochs", type=float, default=9.9)
@@ -297,7 +297,7 @@ def main() -> None:
         sys.exit(f"error: --reencode must be a JPEG quality from 1 to 95, got {a.reencode}")
     precision = a.precision
     if precision == "auto":
-        precision = "bf16" if engine.resolve_precision("auto", torch.device("cpu")) == "bf16" else "fp32"
+        precision = "bf16" if evaluate.resolve_precision("auto", torch.device("cpu")) == "bf16" else "fp32"
     fam = kernels("cpu")
     for seed in a.seeds:
         if any(r["seed"] == seed and r["epochs"] == a.epochs and r["precision"] == precision and r["kernels"] == fam

@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from visattn import engine  # noqa: E402
+from visattn import evaluate  # noqa: E402
 from visattn.data import ImageSet, Placement, build_loader, load_splits, spread_indices  # noqa: E402
 from visattn.errors import VisattnError  # noqa: E402
 from visattn.evaluate import load_model_from_checkpoint  # noqa: E402
@@ -45,7 +45,7 @@ def logits_of(model: torch.nn.Module, images: ImageSet, cfg, precision: str, bat
     loader = build_loader(images, cfg.data, batch, False, cfg.seed, Placement(torch.device("cpu"), cfg.channels_last))
     out: List[torch.Tensor] = []
     for x, _ in loader:
-        with engine.autocast(x.device, precision):
+        with evaluate.autocast(x.device, precision):
             out.append(model(x).float())
     return torch.cat(out)
 
@@ -54,7 +54,7 @@ def measure(checkpoint: str, n: int, temperatures: Sequence[float]) -> List[dict
     model, cfg, state = load_model_from_checkpoint(checkpoint, torch.device("cpu"))
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
-    precision = engine.resolve_precision(cfg.precision, torch.device("cpu"))
+    precision = evaluate.resolve_precision(cfg.precision, torch.device("cpu"))
     splits = load_splits(cfg.data, cfg.seed)
     rows = []
     for split, images in (("train", splits.train), ("validation", splits.eval)):

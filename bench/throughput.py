@@ -47,12 +47,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from visattn import create_model, engine  # noqa: E402
+from visattn import create_model, evaluate, trainer  # noqa: E402
 from visattn.attention.token import SDPA_CPU_MODES, MultiHeadSelfAttention, sdpa_cpu_mode  # noqa: E402
 from visattn.config import load_config  # noqa: E402
 from visattn.errors import run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import write_atomic  # noqa: E402
+from visattn.rundir import write_atomic  # noqa: E402
 
 
 def matmul_tflops(n: int, dtype: torch.dtype, repeats: int) -> float:
@@ -70,7 +70,7 @@ def step_flops(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precisi
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as fc:
-        with engine.autocast(x.device, precision):
+        with evaluate.autocast(x.device, precision):
             out = model(x)
         F.cross_entropy(out.float(), y).backward()
     model.zero_grad(set_to_none=True)
@@ -78,14 +78,14 @@ def step_flops(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precisi
 
 
 def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, precision: str,
-              distill: Optional[engine.Distill] = None):
+              distill: Optional[trainer.Distill] = None):
     """One training step; with ``distill`` (a config's ``train.distill``) the teacher's forward pass too."""
-    policy = engine.StepPolicy(torch.device("cpu"), precision, 0.2, distill=distill)
+    policy = trainer.StepPolicy(torch.device("cpu"), precision, 0.2, distill=distill)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        with engine.autocast(x.device, precision):
+        with evaluate.autocast(x.device, precision):
             out = model(x)
-        loss = engine.training_loss(out, x, y, policy)
+        loss = trainer.training_loss(out, x, y, policy)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -104,7 +104,7 @@ def conv_layers(model: torch.nn.Module, x: torch.Tensor, precision: str) -> List
     seen: List[Tuple[str, torch.nn.Conv2d, tuple]] = []
     hooks = [m.register_forward_hook(lambda m, i, o, n=n: seen.append((n, m, tuple(i[0].shape))))
              for n, m in model.named_modules() if isinstance(m, torch.nn.Conv2d)]
-    with torch.no_grad(), engine.autocast(x.device, precision):
+    with torch.no_grad(), evaluate.autocast(x.device, precision):
         model(x)
     for h in hooks:
         h.remove()
@@ -160,14 +160,14 @@ class Setup:
     batches: List[Tuple[torch.Tensor, torch.Tensor]]
     precision: str
     dtype: torch.dtype
-    distill: Optional[engine.Distill] = None  # the config's teacher: its forward pass is part of the step
+    distill: Optional[trainer.Distill] = None  # the config's teacher: its forward pass is part of the step
 
 
 def build(config: str, batch: int = 0, steps: int = 8, precision: str = "", overrides: Sequence[str] = ()) -> Setup:
     """The model of ``config`` (seed 0; ``overrides`` as ``train.py --set``) and ``steps`` random batches of
     ``batch`` (default: the config's) images."""
     cfg = load_config(config, overrides)
-    precision = engine.resolve_precision(precision or cfg.precision, torch.device("cpu"))
+    precision = evaluate.resolve_precision(precision or cfg.precision, torch.device("cpu"))
     torch.manual_seed(0)
     model = create_model(cfg.model.name, num_classes=10, **cfg.model.options())
     if getattr(model, "needs_data_init", False):
@@ -182,7 +182,7 @@ def build(config: str, batch: int = 0, steps: int = 8, precision: str = "", over
         from visattn.trainer import load_teacher
 
         distill = load_teacher(cfg.train.distill, torch.device("cpu"), cfg.channels_last)[0]
-    return Setup(config, cfg.model.name, model, batches, precision, engine.AMP_DTYPES[precision] or torch.float32,
+    return Setup(config, cfg.model.name, model, batches, precision, evaluate.AMP_DTYPES[precision] or torch.float32,
                  distill)
 
 

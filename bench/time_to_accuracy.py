@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from visattn.errors import run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.runtime import complete_rows, read_json  # noqa: E402
+from visattn.rundir import complete_rows, read_json  # noqa: E402
 
 
 def rows(run_dir: Path) -> List[dict]:

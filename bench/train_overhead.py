@@ -6,7 +6,7 @@ The model is the config's (default: the CPU recipe's network, with its options).
 
 Baseline ("bare"): a plain loop over batches already in memory — autocast forward, cross-entropy,
 zero_grad, backward, SGD step — on the same model, batch size and precision. "visattn" is
-``engine.train_one_epoch`` fed by the ``TensorLoader`` (batch gather, normalisation, and in the "+aug" row
+``trainer.train_one_epoch`` fed by the ``TensorLoader`` (batch gather, normalisation, and in the "+aug" row
 the pad-crop and flip augmentation), with its schedule, statistics and non-finite checks. Repeats are
 interleaved and the median is reported; the ratio is visattn / bare (1.0 = no overhead).
 """
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from visattn import engine
+from visattn import evaluate, trainer
 from visattn.config import load_config
 from visattn.data import ImageSet, Placement, TensorLoader
 from visattn.errors import run_main
@@ -32,7 +32,7 @@ def bare_loop(model, batches, opt, precision):
     model.train()
     t = time.perf_counter()
     for xb, yb in batches:
-        with engine.autocast(torch.device("cpu"), precision):
+        with evaluate.autocast(torch.device("cpu"), precision):
             out = model(xb)
         loss = F.cross_entropy(out.float(), yb)
         opt.zero_grad(set_to_none=True)
@@ -43,7 +43,7 @@ def bare_loop(model, batches, opt, precision):
 
 def visattn_loop(model, loader, opt, sched, precision):
     t = time.perf_counter()
-    engine.train_one_epoch(model, loader, engine.Optimization(opt, sched), engine.StepPolicy(torch.device("cpu"), precision))
+    trainer.train_one_epoch(model, loader, trainer.Optimization(opt, sched), trainer.StepPolicy(torch.device("cpu"), precision))
     return time.perf_counter() - t
 
 
@@ -67,13 +67,13 @@ def main() -> None:
 
     def make(precision):
         model = create_model(cfg.model.name, num_classes=10, **cfg.model.options()).to(memory_format=torch.channels_last)
-        opt = engine.build_optimizer(model, "sgd", 0.05, 5e-4)
+        opt = trainer.build_optimizer(model, "sgd", 0.05, 5e-4)
         return model, opt
 
     results = {}
     for precision in ("bf16", "fp32"):
         model, opt = make(precision)
-        sched = engine.StepScheduler(opt, "constant", 0.05, 10**6, 0)
+        sched = trainer.StepScheduler(opt, "constant", 0.05, 10**6, 0)
         plain = TensorLoader(images, args.batch, mean, std, train=True, augment=None, seed=0, placement=Placement(channels_last=True))
         aug = TensorLoader(images, args.batch, mean, std, train=True, augment=dcfg.augment, seed=0, placement=Placement(channels_last=True))
         batches = [(xb.clone(), yb.clone()) for xb, yb in plain]  # the bare loop's data: ready in memory

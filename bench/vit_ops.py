@@ -65,7 +65,7 @@ def flop_by_op(model, x, y, precision: str) -> Dict[str, int]:
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as fc:
-        with throughput.engine.autocast(x.device, precision):
+        with throughput.evaluate.autocast(x.device, precision):
             out = model(x)
         torch.nn.functional.cross_entropy(out.float(), y).backward()
     model.zero_grad(set_to_none=True)

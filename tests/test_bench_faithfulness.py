@@ -11,9 +11,9 @@ import pytest
 import torch
 from conftest import ROOT
 
-from visattn.checkpoint import save_checkpoint
 from visattn.config import build_config, read_yaml
 from visattn.models import create_model
+from visattn.rundir import save_checkpoint
 
 
 def _load(name: str):

@@ -21,8 +21,8 @@ import pytest
 import torch
 from conftest import ROOT, SMOKE, metrics_rows
 
-from visattn.checkpoint import load_checkpoint
 from visattn.evaluate import evaluate_checkpoint
+from visattn.rundir import load_checkpoint
 
 TRAIN_IMAGES, VAL_IMAGES, BATCH = 300, 100, 50  # global batch 50 = 25 per rank; 6 steps per epoch
 OVERRIDES = [f"data.synthetic_size={TRAIN_IMAGES + VAL_IMAGES}", f"data.val_size={VAL_IMAGES}",
@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 import timm.utils
 
-import visattn.engine as engine
 import visattn.trainer as trainer
 from visattn.cli import main
 
@@ -80,22 +79,22 @@ class RecordingEma(timm.utils.ModelEmaV3):
 timm.utils.ModelEmaV3 = RecordingEma
 
 step_log = os.environ.get("PROBE_STEP_LOG") if rank == 0 else None
-train_one_epoch, evaluate = engine.train_one_epoch, engine.evaluate
-def recording_train_one_epoch(*a, hooks, **k):
-    inner = hooks.after_step
-    def after_step(step):
-        if step_log:
-            with open(step_log, "a") as f:
-                f.write(f"{step}\n")
-        return inner(step)
-    res = train_one_epoch(*a, hooks=engine.StepHooks(after_step=after_step, on_check=hooks.on_check), **k)
+train_one_epoch, periodic_check, evaluate = trainer.train_one_epoch, trainer.periodic_check, trainer.evaluate
+def recording_periodic_check(run, step):
+    if step_log:
+        with open(step_log, "a") as f:
+            f.write(f"{step}\n")
+    return periodic_check(run, step)
+def recording_train_one_epoch(*a, **k):
+    res = train_one_epoch(*a, **k)
     seen["train_images"].append(res[0].images)
     return res
 def recording_evaluate(*a, **k):
     res = evaluate(*a, **k)
     seen["eval_images"].append(res["images"])
     return res
-engine.train_one_epoch, engine.evaluate = recording_train_one_epoch, recording_evaluate
+trainer.train_one_epoch, trainer.periodic_check, trainer.evaluate = \
+    recording_train_one_epoch, recording_periodic_check, recording_evaluate
 
 rc = main(sys.argv[1:])
 torch.save({"model": seen["models"][-1].state_dict(),

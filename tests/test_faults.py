@@ -28,11 +28,11 @@ from conftest import ROOT, SMOKE, metrics_rows
 from PIL import Image
 
 from visattn import evaluate as evaluate_cli
-from visattn.checkpoint import load_checkpoint, save_checkpoint
 from visattn.cli import main
 from visattn.config import load_config
 from visattn.errors import CheckpointError
 from visattn.models import create_model
+from visattn.rundir import load_checkpoint, save_checkpoint
 from visattn.trainer import run
 
 TINY = ["data.synthetic_size=400", "data.val_size=100", "model.widths=[8,16,16]", "model.stem_width=8",
@@ -47,22 +47,19 @@ WAIT = 120.0  # seconds: the bound on every wait for a subprocess
 PROBE = r'''
 import io, os, signal, sys
 import torch
-import visattn.engine as engine
+import visattn.trainer as trainer
 from visattn.cli import main
 
 step_log = os.environ["PROBE_STEP_LOG"]
 kill_in_save = int(os.environ.get("PROBE_KILL_IN_SAVE", "0"))
 saves = 0
 
-train_one_epoch = engine.train_one_epoch
-def logging_train_one_epoch(*a, hooks, **k):
-    inner = hooks.after_step
-    def after_step(step):
-        with open(step_log, "a") as f:  # before the trainer's own after_step, which may checkpoint
-            f.write(f"{step}\n")
-        return inner(step)
-    return train_one_epoch(*a, hooks=engine.StepHooks(after_step=after_step, on_check=hooks.on_check), **k)
-engine.train_one_epoch = logging_train_one_epoch
+periodic_check = trainer.periodic_check
+def logging_periodic_check(run, step):
+    with open(step_log, "a") as f:  # before the trainer's own periodic check, which may checkpoint
+        f.write(f"{step}\n")
+    return periodic_check(run, step)
+trainer.periodic_check = logging_periodic_check
 
 real_save = torch.save
 def torn_save(obj, f, *a, **k):
@@ -470,23 +467,18 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, finis
 def _poison_weights_at_step(monkeypatch, at: int, then: Callable[[], None] = lambda: None) -> None:
     """After training step ``at`` fill a weight with NaN (as bad steps reach the weights on a GPU, where the loss
     is checked only every ``check_every`` steps), then call ``then``."""
-    import visattn.engine as engine
+    import visattn.trainer as trainer
 
-    real = engine.train_one_epoch
+    real = trainer.periodic_check
 
-    def poisoning(model, *a, hooks, **k):
-        inner = hooks.after_step
+    def poisoning(run, step: int) -> bool:
+        if step == at:
+            with torch.no_grad():
+                next(run.model.parameters()).fill_(float("nan"))
+            then()
+        return real(run, step)
 
-        def after_step(step: int) -> bool:
-            if step == at:
-                with torch.no_grad():
-                    next(model.parameters()).fill_(float("nan"))
-                then()
-            return inner(step)
-
-        return real(model, *a, hooks=engine.StepHooks(after_step=after_step, on_check=hooks.on_check), **k)
-
-    monkeypatch.setattr(engine, "train_one_epoch", poisoning)
+    monkeypatch.setattr(trainer, "periodic_check", poisoning)
 
 
 def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch):
@@ -509,7 +501,7 @@ def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch
 def test_a_signal_with_nonfinite_weights_saves_nothing_and_says_so(tmp_path, monkeypatch):
     """A SIGTERM that comes while the weights are not finite keeps the last good checkpoint and says that
     nothing was saved (not "state saved to last.pt")."""
-    from visattn.runtime import Interrupted
+    from visattn.rundir import Interrupted
 
     # the trainer's handler sets its stop flag
     _poison_weights_at_step(monkeypatch, 4, then=lambda: os.kill(os.getpid(), signal.SIGTERM))
@@ -527,22 +519,17 @@ def test_nonfinite_state_at_an_epoch_end_is_never_committed(tmp_path, monkeypatc
     """NaN normalisation statistics after the epoch's last step (no step left to see a NaN loss; on a GPU, steps
     between two loss checks): the epoch is neither evaluated into a row nor saved; one error line, exit 3, and
     last.pt stays the last finite one (step 5)."""
-    import visattn.engine as engine
+    import visattn.trainer as trainer
 
-    real = engine.train_one_epoch
+    real = trainer.periodic_check
 
-    def poisoning(model, *a, hooks, **k):
-        inner = hooks.after_step
+    def poisoning(run, step: int) -> bool:
+        if step == 6:
+            bn = next(m for m in run.model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+            bn.running_mean.fill_(float("nan"))
+        return real(run, step)
 
-        def after_step(step: int) -> bool:
-            if step == 6:
-                bn = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
-                bn.running_mean.fill_(float("nan"))
-            return inner(step)
-
-        return real(model, *a, hooks=engine.StepHooks(after_step=after_step, on_check=hooks.on_check), **k)
-
-    monkeypatch.setattr(engine, "train_one_epoch", poisoning)
+    monkeypatch.setattr(trainer, "periodic_check", poisoning)
     rd = tmp_path / "run"
     rc, err = _cli(["--config", str(SMOKE), f"run_dir={rd}", *TINY, "train.batch_size=50", "train.epochs=1",
                     "train.ckpt_every_steps=1", "log.tensorboard=false"])

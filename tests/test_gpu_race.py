@@ -13,7 +13,7 @@ from conftest import ROOT
 from test_bench import _load, _script_main
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from visattn import engine, trainer
+from visattn import trainer
 from visattn.config import load_config
 
 race = _load("gpu_race")
@@ -111,7 +111,7 @@ class _HostReads(TorchDispatchMode):
 
 
 def test_the_gpu_recipes_steps_read_the_host_only_at_the_checks(tmp_path, monkeypatch):
-    """The GPU path of the loop (``engine.host_check_every`` as on a GPU), with the GPU recipe's loader, optimizer,
+    """The GPU path of the loop (``trainer.host_check_every`` as on a GPU), with the GPU recipe's loader, optimizer,
     schedule and lookahead: between two checks a step makes no host read at all (loader included), and a check
     step makes one (the run of non-finite losses); the loader draws its augmentation on its own device."""
     check = 4
@@ -119,18 +119,18 @@ def test_the_gpu_recipes_steps_read_the_host_only_at_the_checks(tmp_path, monkey
                             f"train.check_every={check}", "compile=false", f"run_dir={tmp_path / 'r'}"])
     run = trainer.build(cfg, log=lambda *a, **k: None)
     assert run.train_loader.gen.device == run.device and run.opt.lookahead is not None
-    monkeypatch.setattr(engine, "host_check_every", lambda policy: policy.check_every)
+    monkeypatch.setattr(trainer, "host_check_every", lambda policy: policy.check_every)
     listed = []
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t, _real=torch.Tensor.tolist: listed.append(1) or _real(t))
     reads, marks = _HostReads(), []
 
-    def after_step(step: int) -> bool:
+    def after_step(run, step: int) -> bool:
         marks.append((reads.count, len(listed)))
         return False
 
+    monkeypatch.setattr(trainer, "periodic_check", after_step)
     with reads:
-        engine.train_one_epoch(run.model, run.train_loader, run.opt, run.policy,
-                               hooks=engine.StepHooks(after_step=after_step))
+        trainer.train_one_epoch(run.model, run.train_loader, run.opt, run.policy, run=run)
     per_step = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(marks[1:], marks)]  # steps 2.. (step 1 sets up the epoch)
     assert len(per_step) == 400 // 16 - 1
     for step, (scalars, lists) in enumerate(per_step, start=2):
@@ -139,20 +139,20 @@ def test_the_gpu_recipes_steps_read_the_host_only_at_the_checks(tmp_path, monkey
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_no_synchronising_cuda_call_between_checks(tmp_path):
+def test_no_synchronising_cuda_call_between_checks(tmp_path, monkeypatch):
     """On a GPU: steps 2-8 of the recipe (checks every 1,000 steps) under CUDA's sync guard, which raises on any
     synchronising call (a host read, a copy from pageable memory)."""
     cfg = load_config(GPU, [*SYNTHETIC, "data.synthetic_size=2200", "train.batch_size=128", "train.epochs=1",
                             "train.check_every=1000", "compile=false", "device=cuda", f"run_dir={tmp_path / 'r'}"])
     run = trainer.build(cfg, log=lambda *a, **k: None)
 
-    def after_step(step: int) -> bool:
+    def after_step(run, step: int) -> bool:
         torch.cuda.set_sync_debug_mode("error" if step < 8 else 0)
         return step >= 8
 
+    monkeypatch.setattr(trainer, "periodic_check", after_step)
     try:
-        engine.train_one_epoch(run.model, run.train_loader, run.opt, run.policy,
-                               hooks=engine.StepHooks(after_step=after_step))
+        trainer.train_one_epoch(run.model, run.train_loader, run.opt, run.policy, run=run)
     finally:
         torch.cuda.set_sync_debug_mode(0)
 

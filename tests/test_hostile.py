@@ -31,10 +31,10 @@ from test_faults import TINY, _cli, _env, _snapshot, _write_images
 
 from visattn import evaluate as evaluate_cli
 from visattn import visualize as visualize_cli
-from visattn.checkpoint import DIGEST_KEY, load_checkpoint, save_checkpoint
 from visattn.config import load_config
 from visattn.data.sources import read_image_folder
 from visattn.errors import CheckpointError, ConfigError, DataError
+from visattn.rundir import DIGEST_KEY, load_checkpoint, save_checkpoint
 from visattn.trainer import run
 
 WAIT = 300.0  # seconds: the bound on a subprocess (a hang fails the test instead of the suite)

@@ -19,8 +19,8 @@ import pytest
 import torch
 from conftest import ROOT, metrics_rows
 
-from visattn.checkpoint import load_checkpoint, save_checkpoint
 from visattn.config import load_config
+from visattn.rundir import load_checkpoint, save_checkpoint
 from visattn.trainer import build, run
 
 NONE = ROOT / "configs" / "attention" / "resnet_fast_none.yaml"
@@ -69,7 +69,7 @@ def test_a_block_at_identity_scores_the_checkpoints_accuracy_at_step_0_then_fine
     assert origin["best_acc"] == best["best_acc"] and origin["weights"] == "model"
     assert len(origin["new_blocks"]) == 3 and all(b.endswith(".units.0.attn") for b in origin["new_blocks"])
     assert [row["epoch"] for row in metrics_rows(rd)] == [1]  # the fine-tune's own epochs only: no row 0
-    from visattn.hparams import logged_hparams
+    from visattn.rundir import logged_hparams
 
     assert logged_hparams(rd / "tb")[0]["init_from"] == str(source / "best.pt")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

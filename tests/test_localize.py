@@ -1,4 +1,4 @@
-"""Placed objects (visattn.data.placed) and the maps scored against their boxes (visattn.maps.localize), on
+"""Placed objects (visattn.data.placed) and the maps scored against their boxes (visattn.maps.faithful), on
 synthetic images: boxes exact under the geometry, the centre prior at chance, determinism, no held-out image in
 training, and the background carrying no label."""
 import importlib.util
@@ -19,9 +19,8 @@ from visattn.data import load_splits, make_synthetic
 from visattn.data.placed import box_share, place
 from visattn.data.sources import ImageSet
 from visattn.errors import DataError
-from visattn.maps.faithful import attention_maps, centre_prior
+from visattn.maps.faithful import attention_maps, centre_prior, localization, random_map
 from visattn.maps.geometry import GridGeometry
-from visattn.maps.localize import localization, random_map
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = PlacedConfig(canvas=48, patch=4, tolerance=3, seed=0)

@@ -23,16 +23,15 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
     EventAccumulator,
 )
 
-from visattn import trainer as trainer_mod
-from visattn.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from visattn.config import build_config, read_yaml  # noqa: E402
 from visattn.data import load_splits, normalize  # noqa: E402
 from visattn.errors import ConfigError  # noqa: E402
 from visattn.evaluate import load_model_from_checkpoint  # noqa: E402
 from visattn.maps import find_taps  # noqa: E402
-from visattn.maps.draw import LINE_H  # noqa: E402
-from visattn.maps.overlay import images_to_float, to_uint8  # noqa: E402
+from visattn.maps import tensorboard as maps_tensorboard  # noqa: E402
+from visattn.maps.render import LINE_H, images_to_float, to_uint8  # noqa: E402
 from visattn.models import create_model  # noqa: E402
+from visattn.rundir import load_checkpoint, save_checkpoint  # noqa: E402
 from visattn.trainer import run  # noqa: E402
 from visattn.visualize import _pick, load_image  # noqa: E402
 from visattn.visualize import main as visualize_main
@@ -350,7 +349,7 @@ def test_faithfulness_command_prints_the_table(cnn_run, tmp_path, capsys):
 
 @pytest.mark.parametrize("budget,steps", [(0.0, [1]), (1e9, [1, 2])], ids=["over-budget", "within-budget"])
 def test_faithfulness_auto_keeps_the_scores_only_within_their_budget(tmp_path, monkeypatch, budget, steps):
-    monkeypatch.setattr(trainer_mod, "FAITHFULNESS_BUDGET", budget)
+    monkeypatch.setattr(maps_tensorboard, "FAITHFULNESS_BUDGET", budget)
     said = []
     cfg = tiny_config(tmp_path / "run", CNN, 2)
     assert cfg.log.faithfulness == "auto"  # the default

@@ -21,8 +21,8 @@ from test_maps_gradient import DecidingGate, DecidingTokens, images  # noqa: E40
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 import visattn  # noqa: E402
-from visattn.maps import log_attention_maps  # noqa: E402
-from visattn.maps.draw import LINE_H, colour_bar  # noqa: E402
+from visattn.maps import MapSettings, log_attention_maps  # noqa: E402
+from visattn.maps.render import LINE_H, colour_bar  # noqa: E402
 
 
 def read_events(logdir):
@@ -66,7 +66,7 @@ def logged_with_and_without_scores(tmp_path):
     call's summary, and both logs read back."""
     model, x = DecidingGate(grid=(4, 4)), images(8, hw=(32, 32))
     writer = SummaryWriter(str(tmp_path / "on"))
-    summary = log_attention_maps(writer, model, x, None, 5, faithfulness=True)
+    summary = log_attention_maps(writer, model, x, None, 5, MapSettings(faithfulness=True))
     writer.close()
     writer = SummaryWriter(str(tmp_path / "off"))
     log_attention_maps(writer, model, x, None, 5)
@@ -114,7 +114,7 @@ def test_cards_say_how_faithful_their_map_is(tmp_path):
 def test_gradient_maps_and_rollout_are_logged_and_described(tmp_path):
     writer = SummaryWriter(str(tmp_path))
     x = images(3)
-    summary = log_attention_maps(writer, DecidingTokens(1), x, torch.tensor([0, 1, 0]), 2, head_maps="none")
+    summary = log_attention_maps(writer, DecidingTokens(1), x, torch.tensor([0, 1, 0]), 2, MapSettings(head_maps="none"))
     writer.close()
     acc = read_events(tmp_path)
     tags = set(acc.Tags()["images"])
@@ -134,8 +134,8 @@ def test_real_models_with_faithfulness(tmp_path, name, kwargs, expect):
     torch.manual_seed(0)
     model = visattn.create_model(name, num_classes=3, **kwargs).train()
     writer = SummaryWriter(str(tmp_path))
-    summary = log_attention_maps(writer, model, images(2, hw=(16, 32)), torch.tensor([0, 1]), 0, head_maps="none",
-                                 faithfulness=True)
+    summary = log_attention_maps(writer, model, images(2, hw=(16, 32)), torch.tensor([0, 1]), 0,
+                                 MapSettings(head_maps="none", faithfulness=True))
     writer.close()
     tags = set(read_events(tmp_path).Tags()["images"])
     assert expect <= tags and tags == set(summary["images"]) and model.training

@@ -6,10 +6,8 @@ import torch
 from torch import nn
 
 from visattn.attention.tap import AttentionTap
-from visattn.maps import colorize, log_attention_maps, overlay, read_maps, record_attention
-from visattn.maps.draw import GAP, colour_bar
-from visattn.maps.overlay import images_to_float, to_uint8
-from visattn.maps.scale import caption, map_stats, ticks, to_unit
+from visattn.maps import MapSettings, colorize, log_attention_maps, overlay, read_maps, record_attention
+from visattn.maps.render import GAP, caption, colour_bar, images_to_float, map_stats, ticks, to_uint8, to_unit
 
 LUT = {}
 
@@ -93,7 +91,7 @@ def test_gate_through_the_logger_stays_within_a_tenth():
         def add_text(self, *a):
             pass
 
-    log_attention_maps(Writer(), model, images, None, 0, scale=4, alpha=1.0)
+    log_attention_maps(Writer(), model, images, None, 0, MapSettings(scale=4, alpha=1.0))
     pic = pictures["maps/tap"]  # a tap on the model itself is named "tap"
     original = to_uint8(images_to_float(images, size=(32, 32)))[0].permute(1, 2, 0).numpy()
     y, x = find_tile(pic, original)

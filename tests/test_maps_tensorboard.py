@@ -24,8 +24,8 @@ from tensorboard.backend.event_processing.event_accumulator import (  # noqa: E4
 from torch.utils.tensorboard import SummaryWriter  # noqa: E402
 
 from visattn.attention.tap import AttentionTap  # noqa: E402
-from visattn.maps import log_attention_maps  # noqa: E402
-from visattn.maps.draw import LINE_H, MAX_WIDTH  # noqa: E402
+from visattn.maps import MapSettings, log_attention_maps  # noqa: E402
+from visattn.maps.render import LINE_H, MAX_WIDTH  # noqa: E402
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 CLASSES = ["plane", "car", "bird"]
@@ -139,7 +139,8 @@ def test_logs_expected_tags_legibly(tmp_path):
     labels[1] = (preds[1] + 1) % 3  # image 0 right, image 1 wrong
 
     writer = SummaryWriter(str(tmp_path))
-    summary = log_attention_maps(writer, model, images, labels, step=7, mean=MEAN, std=STD, class_names=CLASSES)
+    summary = log_attention_maps(writer, model, images, labels, step=7,
+                                 settings=MapSettings(mean=MEAN, std=STD, class_names=CLASSES))
     writer.close()
 
     acc = read_events(tmp_path)
@@ -198,7 +199,7 @@ def test_nan_map_is_skipped_with_a_warning(tmp_path):
     model.spatial.conv.bias.data.fill_(float("nan"))  # the spatial gate is NaN, and so is all that follows
     writer = SummaryWriter(str(tmp_path))
     with pytest.warns(RuntimeWarning) as caught:
-        summary = log_attention_maps(writer, model, probe_batch(b=2), None, 0, faithfulness=True)
+        summary = log_attention_maps(writer, model, probe_batch(b=2), None, 0, MapSettings(faithfulness=True))
     writer.close()
     messages = " ".join(str(w.message) for w in caught)
     for name in ("maps/spatial", "maps/rollout", "matrix/blocks.0", "channel/channel"):
@@ -211,8 +212,8 @@ def test_per_image_norm_and_faithfulness_scalars(tmp_path):
     torch.manual_seed(0)
     model = TinyHybrid("seq")
     writer = SummaryWriter(str(tmp_path))
-    summary = log_attention_maps(writer, model, probe_batch(b=2), torch.tensor([0, 2]), 3, norm="per_image",
-                                 faithfulness=True)
+    summary = log_attention_maps(writer, model, probe_batch(b=2), torch.tensor([0, 2]), 3,
+                                 MapSettings(norm="per_image", faithfulness=True))
     writer.close()
     acc = read_events(tmp_path)
     assert set(acc.Tags()["scalars"]) == set(summary["scalars"])
@@ -221,7 +222,7 @@ def test_per_image_norm_and_faithfulness_scalars(tmp_path):
     assert has_colour_bar(decode(acc.Images("maps/seq_pool")[0]))
     assert "stretched per image" in descriptions(acc) or "per image" in str(summary)
     with pytest.raises(ValueError, match="norm"):
-        log_attention_maps(writer, model, probe_batch(b=1), None, 0, norm="minmax")
+        log_attention_maps(writer, model, probe_batch(b=1), None, 0, MapSettings(norm="minmax"))
 
 
 def test_probe_leaves_model_untouched(tmp_path):
@@ -237,7 +238,7 @@ def test_probe_leaves_model_untouched(tmp_path):
     rng = torch.get_rng_state()
 
     writer = SummaryWriter(str(tmp_path))
-    log_attention_maps(writer, model, images, None, step=0, mean=MEAN, std=STD)
+    log_attention_maps(writer, model, images, None, step=0, settings=MapSettings(mean=MEAN, std=STD))
     writer.close()
 
     assert {n: m.training for n, m in model.named_modules()} == modes
@@ -252,7 +253,7 @@ def test_seq_pool_model_without_class_token(tmp_path):
     torch.manual_seed(0)
     model = TinyHybrid("seq")
     writer = SummaryWriter(str(tmp_path))
-    summary = log_attention_maps(writer, model, probe_batch(b=2), torch.tensor([0, 2]), step=1, scale=2)
+    summary = log_attention_maps(writer, model, probe_batch(b=2), torch.tensor([0, 2]), step=1, settings=MapSettings(scale=2))
     writer.close()
     tags = set(read_events(tmp_path).Tags()["images"])
     assert {"maps/seq_pool", "maps/rollout", "maps/blocks.0", "matrix/blocks.1"} <= tags
@@ -263,14 +264,14 @@ def test_seq_pool_model_without_class_token(tmp_path):
 def test_head_maps_option(tmp_path):
     model = TinyHybrid("cls")
     writer = SummaryWriter(str(tmp_path))
-    last = log_attention_maps(writer, model, probe_batch(b=1), None, 0, scale=1, head_maps="last")
+    last = log_attention_maps(writer, model, probe_batch(b=1), None, 0, MapSettings(scale=1, head_maps="last"))
     assert all(has_colour_bar(decode(e)) for t in ["maps/rollout"] for e in read_events(tmp_path).Images(t))
-    none = log_attention_maps(writer, model, probe_batch(b=1), None, 0, scale=1, head_maps="none")
+    none = log_attention_maps(writer, model, probe_batch(b=1), None, 0, MapSettings(scale=1, head_maps="none"))
     writer.close()
     assert sorted(t for t in last["images"] if "cls_head" in t) == ["maps/blocks.1/cls_head0", "maps/blocks.1/cls_head1"]
     assert not any("cls_head" in t for t in none["images"])
     with pytest.raises(ValueError, match="head_maps"):
-        log_attention_maps(writer, model, probe_batch(b=1), None, 0, head_maps="first")
+        log_attention_maps(writer, model, probe_batch(b=1), None, 0, MapSettings(head_maps="first"))
 
 
 # --------------------------------------------------------------------------------------------- real models
@@ -290,8 +291,41 @@ def test_real_models(tmp_path, name, kwargs, expect):
     model = visattn.create_model(name, num_classes=3, **kwargs).train()
     state = copy.deepcopy(model.state_dict())
     writer = SummaryWriter(str(tmp_path))
-    summary = log_attention_maps(writer, model, probe_batch(b=2), torch.tensor([0, 1]), 0, MEAN, STD, CLASSES, scale=2)
+    summary = log_attention_maps(writer, model, probe_batch(b=2), torch.tensor([0, 1]), 0,
+                                 MapSettings(MEAN, STD, CLASSES, scale=2))
     writer.close()
     tags = set(read_events(tmp_path).Tags()["images"])
     assert expect <= tags and tags == set(summary["images"]) and not summary["skipped"]
     assert model.training and all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+@pytest.mark.parametrize("setting,cost,steps_scored,said", [
+    ("auto", 2.0, [1], True),  # 2 s against a 10 s epoch: over the 5% budget, scored once, then off with a line
+    ("auto", 0.2, [1, 2, 3], False),  # within the budget: kept
+    (True, 2.0, [1, 2, 3], False),  # always
+    (False, 0.0, [], False),  # never
+], ids=["auto-over", "auto-within", "true", "false"])
+def test_map_logger_keeps_faithfulness_only_within_its_budget(monkeypatch, setting, cost, steps_scored, said):
+    from visattn.config import Config
+    from visattn.maps import MapLogger, tensorboard
+
+    scored, lines = [], []
+
+    def fake_log(writer, model, images, labels, step, settings, boxes=None):
+        assert settings.scale == 2 and settings.class_names == CLASSES and boxes is None
+        if settings.faithfulness:
+            scored.append(step)
+            return {"skipped": ["rollout"], "faithfulness_seconds": [cost]}
+        return {"skipped": []}
+
+    monkeypatch.setattr(tensorboard, "log_attention_maps", fake_log)
+    cfg = Config()
+    cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"faithfulness": setting})})
+    logger = MapLogger(cfg, CLASSES, say=lines.append)
+    skipped = [logger.log(None, None, (None, None), step, epoch_seconds=10.0) for step in (1, 2, 3)]
+    assert scored == steps_scored and logger.faithfulness_on == (setting is True or (setting == "auto" and not said))
+    assert skipped[0] == (["rollout"] if steps_scored else [])
+    assert len(lines) == int(said)
+    if said:
+        assert lines[0] == ("log.faithfulness=auto: the faithfulness scores took 2.0 s, more than 5% of the 10 s "
+                            "epoch; not computed again in this run (log.faithfulness=true keeps them)")

@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import SMOKE, metrics_rows
 
-from visattn.checkpoint import load_checkpoint
 from visattn.config import load_config
+from visattn.rundir import load_checkpoint
 from visattn.trainer import run
 
 STEPS_PER_EPOCH = 6  # 300 training images (400 - 100 held out) / batch 50

@@ -28,13 +28,11 @@ from PIL import Image
 
 from visattn import evaluate as evaluate_cli
 from visattn import visualize as visualize_cli
-from visattn.checkpoint import load_checkpoint, save_checkpoint
 from visattn.cli import main
 from visattn.config import load_config
 from visattn.data import load_splits
 from visattn.errors import ConfigError, DataError
-from visattn.rundir import LOCK_NAME, RunLock, holds, remove_stale_temps
-from visattn.runtime import metrics_line
+from visattn.rundir import LOCK_NAME, RunLock, holds, load_checkpoint, metrics_line, remove_stale_temps, save_checkpoint
 from visattn.trainer import build, fit, run
 
 TINY = ["data.synthetic_size=400", "data.val_size=100", "model.widths=[8,16,16]", "model.stem_width=8",
@@ -105,22 +103,19 @@ def _data_cfg(tmp_path: Path, root: Path, *extra: str):
 
 PROBE = r'''
 import os, sys, time
-import visattn.engine as engine
+import visattn.trainer as trainer
 from visattn.cli import main
 
 step_log, go = os.environ["PROBE_STEP_LOG"], os.environ["PROBE_GO"]
-train_one_epoch = engine.train_one_epoch
-def waiting_train_one_epoch(*a, hooks, **k):
-    inner = hooks.after_step
-    def after_step(step):
-        with open(step_log, "a") as f:
-            f.write(f"{step}\n")
-        deadline = time.monotonic() + 120
-        while step == 1 and not os.path.exists(go) and time.monotonic() < deadline:
-            time.sleep(0.01)  # hold the run (and its lock) open until the test says go
-        return inner(step)
-    return train_one_epoch(*a, hooks=engine.StepHooks(after_step=after_step, on_check=hooks.on_check), **k)
-engine.train_one_epoch = waiting_train_one_epoch
+periodic_check = trainer.periodic_check
+def waiting_periodic_check(run, step):
+    with open(step_log, "a") as f:
+        f.write(f"{step}\n")
+    deadline = time.monotonic() + 120
+    while step == 1 and not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.01)  # hold the run (and its lock) open until the test says go
+    return periodic_check(run, step)
+trainer.periodic_check = waiting_periodic_check
 sys.exit(main(sys.argv[1:]))
 '''
 
@@ -582,10 +577,10 @@ def test_metrics_line_is_strict_json_with_null_for_nonfinite():
 def test_nonfinite_eval_loss_is_written_as_null_and_fails_the_run_at_its_end(tmp_path, monkeypatch):
     """Before the end a non-finite validation loss is a null in its row (the epoch is never the best one) and the
     run goes on; the last one is the run's result: one error line, exit 3, and that epoch is not committed."""
-    import visattn.engine as engine
+    import visattn.trainer as trainer
 
-    real = engine.evaluate
-    monkeypatch.setattr(engine, "evaluate", lambda *a, **k: {**real(*a, **k), "loss": float("nan")})
+    real = trainer.evaluate
+    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: {**real(*a, **k), "loss": float("nan")})
     rd = tmp_path / "run"
     rc, out, err = _cli(_train(rd, "train.epochs=2", "log.tensorboard=false"))
     assert rc == 3
@@ -675,11 +670,11 @@ def test_a_few_nonfinite_losses_are_skipped_counted_and_the_run_goes_on(tmp_path
     epoch line and the metrics row; the loss and accuracy are means over the finite steps; the run ends in 0."""
     import torch.nn.functional as F
 
-    import visattn.engine as engine
+    import visattn.trainer as trainer
 
     calls = []
 
-    class Functional:  # torch.nn.functional as the engine sees it, with the training loss poisoned at those steps
+    class Functional:  # torch.nn.functional as the trainer sees it, with the training loss poisoned at those steps
         def __getattr__(self, name):
             return getattr(F, name)
 
@@ -691,7 +686,7 @@ def test_a_few_nonfinite_losses_are_skipped_counted_and_the_run_goes_on(tmp_path
                     return loss * float("nan")
             return loss
 
-    monkeypatch.setattr(engine, "F", Functional())
+    monkeypatch.setattr(trainer, "F", Functional())
     rd = tmp_path / "run"
     rc, out, err = _cli(_train(rd, "train.epochs=2", "log.tensorboard=false"))
     assert rc == 0, err

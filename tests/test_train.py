@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from visattn import engine
-from visattn.checkpoint import load_checkpoint
+from visattn import evaluate, trainer
 from visattn.config import load_config
 from visattn.evaluate import evaluate_checkpoint
 from visattn.models import create_model
+from visattn.rundir import load_checkpoint
 from visattn.trainer import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,14 +30,14 @@ def test_one_step_per_precision(precision, channels_last):
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
-    opt = engine.build_optimizer(model, "sgd", 0.1, 5e-4)
-    sched = engine.StepScheduler(opt, "onecycle", 0.1, 10, 2)
-    scaler = engine.make_scaler(dev, precision)
+    opt = trainer.build_optimizer(model, "sgd", 0.1, 5e-4)
+    sched = trainer.StepScheduler(opt, "onecycle", 0.1, 10, 2)
+    scaler = trainer.make_scaler(dev, precision)
     assert (scaler is not None) == (precision == "fp16")
     before = [p.detach().clone() for p in model.parameters()]
     # fp16 starts at a loss scale of 65536: its first steps may overflow and be skipped (counted), never applied
-    stats, step, raw = engine.train_one_epoch(model, [(x, y)] * 20, engine.Optimization(opt, sched, scaler),
-                                              engine.StepPolicy(dev, precision))
+    stats, step, raw = trainer.train_one_epoch(model, [(x, y)] * 20, trainer.Optimization(opt, sched, scaler),
+                                              trainer.StepPolicy(dev, precision))
     assert step == 20 and stats.nonfinite_steps == 0
     assert stats.skipped_steps < 20 and (precision == "fp16" or stats.skipped_steps == 0)
     assert torch.isfinite(torch.tensor(stats.loss)) and stats.loss > 0
@@ -49,29 +49,29 @@ def test_one_step_per_precision(precision, channels_last):
 
 def test_autocast_dtype_is_used_on_cpu():
     model = torch.nn.Linear(4, 4)
-    with engine.autocast(torch.device("cpu"), "bf16"):
+    with evaluate.autocast(torch.device("cpu"), "bf16"):
         assert model(torch.randn(2, 4)).dtype == torch.bfloat16
-    with engine.autocast(torch.device("cpu"), "fp16"):
+    with evaluate.autocast(torch.device("cpu"), "fp16"):
         assert model(torch.randn(2, 4)).dtype == torch.float16
 
 
 def test_nonfinite_steps_are_skipped_then_stop():
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
-    opt = engine.build_optimizer(model, "sgd", 0.1, 0.0)
-    sched = engine.StepScheduler(opt, "constant", 0.1, 10, 0)
+    opt = trainer.build_optimizer(model, "sgd", 0.1, 0.0)
+    sched = trainer.StepScheduler(opt, "constant", 0.1, 10, 0)
     x = torch.randn(4, 3, 2, 2)
     y = torch.tensor([0, 1, 2, 0])
     w0 = model[1].weight.detach().clone()
     bad = [(x * float("nan"), y)] * 2
-    policy = engine.StepPolicy(torch.device("cpu"), "fp32", max_nonfinite_steps=5)
-    stats, _, _ = engine.train_one_epoch(model, bad, engine.Optimization(opt, sched), policy)
+    policy = trainer.StepPolicy(torch.device("cpu"), "fp32", max_nonfinite_steps=5)
+    stats, _, _ = trainer.train_one_epoch(model, bad, trainer.Optimization(opt, sched), policy)
     assert stats.nonfinite_steps == stats.steps == 2 and stats.nothing_learned
     assert math.isnan(stats.loss) and math.isnan(stats.acc)  # a mean over no finite step is not 0
     assert torch.equal(model[1].weight, w0)  # skipped: weights untouched
     from visattn.errors import TrainingError
 
     with pytest.raises(TrainingError, match="consecutive non-finite"):
-        engine.train_one_epoch(model, bad * 3, engine.Optimization(opt, sched), policy)
+        trainer.train_one_epoch(model, bad * 3, trainer.Optimization(opt, sched), policy)
 
 
 def _smoke_cfg(tmp_path, *extra):
@@ -184,13 +184,13 @@ def test_ema_decay_follows_the_step_count():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     ema = ModelEmaV3(model, decay=0.999, use_warmup=True)
-    sgd = engine.build_optimizer(model, "sgd", 0.5, 0.0)
-    opt = engine.Optimization(sgd, engine.StepScheduler(sgd, "constant", 0.5, 10, 0), None, ema)
+    sgd = trainer.build_optimizer(model, "sgd", 0.5, 0.0)
+    opt = trainer.Optimization(sgd, trainer.StepScheduler(sgd, "constant", 0.5, 10, 0), None, ema)
     data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 3
-    engine.train_one_epoch(model, data[:1], opt, engine.StepPolicy(torch.device("cpu"), "fp32"))
+    trainer.train_one_epoch(model, data[:1], opt, trainer.StepPolicy(torch.device("cpu"), "fp32"))
     assert torch.equal(ema.module.weight, model.weight)  # step 1: decay 0, a copy
     before = ema.module.weight.detach().clone()
-    _, step, _ = engine.train_one_epoch(model, data[1:2], opt, engine.StepPolicy(torch.device("cpu"), "fp32"),
+    _, step, _ = trainer.train_one_epoch(model, data[1:2], opt, trainer.StepPolicy(torch.device("cpu"), "fp32"),
                                         global_step=1)
     d = ema.get_decay(2)
     assert step == 2 and 0 < d < 0.999

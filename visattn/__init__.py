@@ -2,7 +2,7 @@
 __version__ = "0.1.0"
 
 # The user's verbs and the one type they pass between them; everything else is importable from its submodule
-# (visattn.attention, visattn.models, visattn.maps, visattn.config, visattn.trainer, visattn.engine, ...).
+# (visattn.attention, visattn.models, visattn.maps, visattn.config, visattn.trainer, visattn.rundir, ...).
 from .attention import attn_layer, create_attention, insert_attention, list_attention
 from .config import load_config
 from .maps import LayerMap, faithfulness, overlay, read_maps, record_attention

@@ -1,8 +1,7 @@
 """Typed run configuration: a YAML file plus dotted command-line overrides, checked before anything runs.
 
-The schema is a tree of pydantic models (pydantic v2: strict unknown-key rejection, typed fields, choices
-as ``Literal``, ranges as ``Field(ge=..., le=...)``); the loader turns every problem into one
-:class:`ConfigError` line that names the key and what is allowed, e.g.::
+The schema is a tree of pydantic models (unknown keys rejected, choices as ``Literal``, ranges as ``Field``);
+every problem becomes one :class:`ConfigError` line that names the key and what is allowed, e.g.::
 
     config error: optim.lr: must be > 0 (got -0.1)
     config error: unknown key 'optim.lrr'; valid keys under optim: betas, lr, momentum, name, nesterov, ...
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import ConfigError
 from .registry import MODELS
@@ -89,15 +88,10 @@ class DataConfig(_Section):
 
     @field_validator("mean", "std")
     @classmethod
-    def _check_finite(cls, v: Tuple[float, float, float]) -> Tuple[float, float, float]:
+    def _check_finite(cls, v: Tuple[float, float, float], info: ValidationInfo) -> Tuple[float, float, float]:
         if not all(math.isfinite(x) for x in v):
             raise ValueError("every value must be a finite number")
-        return v
-
-    @field_validator("std")
-    @classmethod
-    def _check_std(cls, v: Tuple[float, float, float]) -> Tuple[float, float, float]:
-        if not all(x >= MIN_STD for x in v):
+        if info.field_name == "std" and not all(x >= MIN_STD for x in v):
             raise ValueError(f"every value must be >= {MIN_STD:g} (a standard deviation of pixel values in [0, 1]; "
                              "CIFAR-10's is about 0.25)")
         return v
@@ -303,13 +297,7 @@ class Config(_Section):
 
 
 def _fmt_loc(loc: Sequence[Union[str, int]]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).removeprefix(".")
 
 
 def _section_at(loc: Sequence[Union[str, int]]) -> Optional[type]:
@@ -392,19 +380,6 @@ def _check_yaml_shape(text: str, what: str) -> None:
     :data:`MAX_YAML_VALUES` values, before the loader builds anything."""
     sizes: List[List[Any]] = [[0, None]]  # per open collection: [values so far, its anchor]
     done: Dict[str, int] = {}  # anchor -> the number of values it stands for
-    try:
-        _walk_yaml_events(text, what, sizes, done)
-    except yaml.YAMLError as e:
-        # A parser with its own depth limit (PyYAML >= 6.0.3 stops flow nesting past a fixed depth) says so in
-        # its own words: give the same message as the walk below, whichever limit is met first.
-        if "nesting depth" not in str(e):
-            raise
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ConfigError(f"{what}: nested more than {MAX_YAML_DEPTH} levels deep{where}") from None
-
-
-def _walk_yaml_events(text: str, what: str, sizes: List[List[Any]], done: Dict[str, int]) -> None:
     for ev in yaml.parse(text, Loader=_BaseLoader):
         if isinstance(ev, yaml.CollectionStartEvent):
             if len(sizes) > MAX_YAML_DEPTH:
@@ -442,6 +417,9 @@ def safe_yaml(text: str, what: str) -> Any:
         raise ConfigError(f"{what}: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
+        if "nesting depth" in str(e):  # the parser's own depth limit (PyYAML >= 6.0.3): the walk's message
+            where = f" (line {mark.line + 1})" if mark is not None else ""
+            raise ConfigError(f"{what}: nested more than {MAX_YAML_DEPTH} levels deep{where}") from None
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{what} is not valid YAML{where}") from None
     except RecursionError:

@@ -26,10 +26,18 @@ def check_range(flag: str, value: Union[int, float], low: Union[int, float], hig
         raise ConfigError(f"{flag} must be between {low} and {high}, got {value}")
 
 
+def resolve_device(name: str) -> torch.device:
+    """The device ``name`` means: ``auto`` is CUDA where there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device: {name!r} asked for but no CUDA device is available (use device=auto or cpu)")
+    return dev
+
+
 def check_device(flag: str, name: str) -> torch.device:
     """The device ``name`` means (``auto``, ``cpu``, ``cuda``, ``cuda:N``), checked to exist."""
-    from .engine import resolve_device
-
     try:
         dev = resolve_device(name)
     except VisattnError as e:

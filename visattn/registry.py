@@ -1,20 +1,10 @@
 """The two name -> builder registries, attention blocks and models, with one :class:`Registry` class.
 
-Decorator based (``@register_attention("se")``, ``@register_model("mynet")``), duplicate names are
-rejected, and an unknown name or a bad keyword option is answered with an error that lists what is valid
-(never an ``assert``). A model *variant* is a builder that puts a dict of arguments onto one class
-(timm's and torchvision's pattern)::
-
-    @register_model("vit_tiny", family="vit", cls=VisionTransformer)
-    def vit_tiny(**kwargs):
-        return VisionTransformer(**dict(dict(depth=9, dim=192), **kwargs))
-
-The options of such a builder are read from ``cls``'s signature (and, where ``cls.__init__`` passes
-``**kwargs`` on, from its base classes' keyword parameters that have defaults), so the config checks model
-options without the builders copying signatures.
-
-This module imports nothing else from visattn: the blocks and models register themselves when
-``visattn.attention`` and ``visattn.models`` are imported (``import visattn`` does both).
+Decorator based (``@register_attention("se")``); duplicate names are rejected, and an unknown name or option
+is answered with an error that lists what is valid. A model *variant* puts a dict of arguments onto one class
+(``@register_model("vit_tiny", cls=VisionTransformer)``); its options are read from ``cls``'s signature (and
+through ``**kwargs`` from its base classes'), so the builders need not copy signatures. This module imports
+nothing else from visattn: blocks and models register themselves when their packages are imported.
 """
 from __future__ import annotations
 
@@ -109,23 +99,19 @@ class Registry:
         return {k: p.default for k, p in self._params(name).items() if p.default is not inspect.Parameter.empty}
 
     def check_options(self, name: str, kwargs: Dict[str, Any]) -> None:
+        """A ValueError listing the valid options if ``kwargs`` holds others (any go for an open-ended builder)."""
+        fn = self.get(name)
+        open_ended = any(p.kind is p.VAR_KEYWORD for p in _own_params(fn.__init__ if inspect.isclass(fn) else fn))
+        if open_ended and self._meta[name].get("cls") is None:
+            return
         valid = set(self.options(name))
         bad = sorted(k for k in kwargs if k not in valid)
         if bad:
             raise ValueError(f"{self.what} {name!r} got unknown option(s) {', '.join(bad)}; valid: {', '.join(sorted(valid))}")
 
     def create(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        fn = self.get(name)
-        target = fn.__init__ if inspect.isclass(fn) else fn
-        open_ended = any(p.kind is p.VAR_KEYWORD for p in _own_params(target))
-        if not open_ended or self._meta[name].get("cls") is not None:
-            self.check_options(name, kwargs)
-        return fn(*args, **kwargs)
-
-
-def describe(obj: Optional[Callable[..., Any]]) -> str:
-    doc = inspect.getdoc(obj) if obj is not None else None
-    return (doc or "").strip().splitlines()[0] if doc else ""
+        self.check_options(name, kwargs)
+        return self.get(name)(*args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------- attention blocks

@@ -1,29 +1,56 @@
-"""One run per folder: a lock held for the run's life, and the checks that keep two runs' files apart.
+"""A run's state on disk, and each guarantee that keeps it whole, in one place.
 
-:class:`RunLock` is an ``fcntl.flock`` on ``RUN/.visattn-run.lock``, a file that holds the owner's pid, host
-and start time. The kernel drops the lock when its process dies however it dies (``kill -9`` included), so
-a second process on the same folder is refused while the first lives, and a lock file left by a dead
-process is taken over and named. Only the lock's holder may delete what a dead run left behind (torn
-checkpoint writes, ``.*.pt.*.tmp``): :func:`remove_stale_temps` does nothing in a folder this process has
-not locked.
-
-:func:`check_new_run_dir` is the guard of a new run (no ``resume``): the folder must hold no run files and
-must not be a project's source tree (``run_dir=.`` in a checkout). ``resume=PATH`` either continues a
-checkpoint of the run folder itself, never rewinding past epochs it has finished (:func:`check_rewind`), or
-branches a checkpoint of another run into a new folder (:func:`check_branch`): two runs' files never meet.
+- **One run per folder**: :class:`RunLock` is an ``fcntl.flock`` on ``RUN/.visattn-run.lock`` (the owner's pid,
+  host and start time inside). The kernel drops it when its process dies however it dies, so a second process is
+  refused while the first lives and a dead one's lock is taken over and named. The ``check_*`` functions keep two
+  runs' files apart: a new run refuses a folder that holds run files or a source tree; ``resume=PATH`` continues
+  the folder's own checkpoint without rewinding finished epochs (:func:`check_rewind`) or branches another run's
+  into a new folder (:func:`check_branch`).
+- **Atomic checkpoints**: :func:`save_checkpoint` writes a temporary file, fsyncs and renames, so a kill leaves the
+  old file or the new one. Checkpoints hold tensors and plain data only and load with
+  ``torch.load(weights_only=True)``; torch does not check the zip's CRC-32, so each carries a SHA-256
+  ``digest`` (:func:`state_digest`) that :func:`load_checkpoint` recomputes, refusing a mismatch or non-finite
+  ``model``/``ema`` weights (a file from before digests is accepted after the finite check).
+- **Exact resume**: :func:`rng_state`/:func:`set_rng_state`; ``metrics.jsonl`` rows past the checkpoint and a torn
+  last line are dropped (:func:`trim_metrics`), a damaged row is refused (:func:`metrics_rows`).
+- **Non-finite values**: :func:`check_finite` names every NaN or inf in a number, tensor, module or nested row.
+- **Signals**: SIGTERM/SIGINT set a :class:`StopFlag`; the loop saves and raises :class:`Interrupted`.
+- **HParams**: each run folder is one row of TensorBoard's HParams dashboard (:func:`start_hparams`). The dashboard
+  reads a run's settings from the *first* session-start summary it meets, so they live in an event file of their
+  own, :data:`HPARAMS_FILE`, whose name sorts before the ``SummaryWriter``'s: it is replaced when a resumed run's
+  settings differ, so the row shows the settings the run last started with. Values are numbers or one-line text,
+  one type per key.
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import math
 import os
+import pickle
+import random
+import re
 import shutil
+import signal
 import socket
+import stat
+import subprocess
 import sys
+import tempfile
 import time
+import zipfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Collection, Dict, List, Optional
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Tuple, Union
 
-from .errors import ConfigError
-from .runtime import complete_rows
+import numpy as np
+import torch
+from torch import nn
+
+from .config import Config
+from .errors import CheckpointError, ConfigError, DataError
+from .models import model_defaults
 
 try:
     import fcntl
@@ -274,3 +301,564 @@ def _has_rows(run_dir: Path) -> bool:
         return bool(_finished_epochs(run_dir))
     except OSError:
         return True  # unreadable: assume it holds rows, and refuse
+
+
+
+# ------------------------------------------------------------------------------------- checkpoints
+
+
+REQUIRED_KEYS = ("model", "config", "epoch", "step")
+DIGEST_KEY = "digest"
+WEIGHT_KEYS = ("model", "ema")  # entries whose floating-point tensors must be finite
+
+
+def state_digest(state: Dict[str, Any]) -> str:
+    """``sha256:HEX`` over ``state`` less its digest: each tensor's key path, dtype, shape and bytes, and the
+    ``repr`` of every other value, walked in the dict's order (which the pickle keeps)."""
+    h = hashlib.sha256()
+
+    def walk(x: Any, key: str) -> None:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().cpu().contiguous()
+            h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{key}/{k!r}")
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, f"{key}[{i}]")
+        else:
+            h.update(f"{key}={x!r};".encode())
+
+    walk({k: v for k, v in state.items() if k != DIGEST_KEY}, "")
+    return f"sha256:{h.hexdigest()}"
+
+
+def file_digest(path: Union[str, os.PathLike]) -> str:
+    """``sha256:HEX`` of a file's bytes (a distillation teacher's, recorded in the student's checkpoints)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return f"sha256:{h.hexdigest()}"
+
+
+def _umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+def save_checkpoint(state: Dict[str, Any], path: Union[str, os.PathLike]) -> Path:
+    """Write ``state`` to ``path`` atomically: a temporary file in the same folder, fsync, rename.
+
+    A kill at any moment leaves either the old file or the new one, never a torn one. The file carries
+    :func:`state_digest` and follows the umask, like the run's other files (``mkstemp`` would make it 0600).
+    A failed write (disk full, a file-size limit) is the ``OSError`` behind it, whatever torch's writer wraps.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {**state, DIGEST_KEY: state_digest(state)}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as f:
+            try:
+                torch.save(state, f)
+            except RuntimeError as e:  # torch's zip writer reports a failed write as "unexpected pos ..."
+                cause = e.__context__ or e.__cause__
+                raise (cause if isinstance(cause, OSError) else OSError(f"writing {path} failed ({e})")) from None
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        try:  # make the rename itself durable
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:
+            pass
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+def load_checkpoint(path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
+    """Load a visattn checkpoint safely; every failure is one :class:`CheckpointError` line naming the file."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+        if stat.S_ISDIR(mode):
+            raise CheckpointError(f"checkpoint {str(path)!r} is a folder, not a checkpoint file (e.g. "
+                                  f"{str(path / 'best.pt')!r})")
+        if not stat.S_ISREG(mode):
+            raise CheckpointError(f"checkpoint {str(path)!r} is not a regular file")
+        f = open(path, "rb")
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointError(f"checkpoint {str(path)!r} not found") from None
+    except OSError as e:  # permissions (of the file or a folder above it), not damage
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read ({e.strerror or e.__class__.__name__})") from None
+    try:
+        with f:
+            state = torch.load(f, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        text = str(e)
+        if "Weights only load failed" in text or "Unsupported global" in text or "weights_only" in text:
+            m = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text) or re.search(r"Unsupported operand \d+", text)
+            what = f" ({m.group(1) if m.groups() else m.group(0)})" if m else ""
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} refused: it holds pickled objects other than tensors and plain data{what}; "
+                "loading it could run code, so it was not loaded"
+            ) from None
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt ({first[:120]})") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, AttributeError, IndexError, KeyError,
+            TypeError) as e:  # what garbage bytes make the unpickler raise (a text file: IndexError)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or truncated ({first[:120]})") from None
+    if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
+        missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a visattn checkpoint (missing {', '.join(missing)})")
+    stored = state.pop(DIGEST_KEY, None)  # absent: written before digests; the finite check below still runs
+    if stored is not None and stored != state_digest(state):
+        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: its contents do not match the digest written with "
+                              "it (a changed byte on disk or in a copy); use another copy or an earlier checkpoint")
+    bad = check_finite({k: state.get(k) for k in WEIGHT_KEYS if isinstance(state.get(k), dict)})
+    if bad:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds non-finite weights (NaN or inf in {bad[0]}); it was not "
+                              "used: take an earlier checkpoint")
+    return state
+
+
+
+# ------------------------------------------------------------------------------- non-finite values
+
+
+def check_finite(x: Any, key: str = "") -> List[str]:
+    """The keys where ``x`` holds NaN or inf (``model/conv.weight``, ``val_loss``, ``acc[3]``); ``[]`` when all is
+    finite. ``x``: a number, a tensor, a module (its parameters and floating-point buffers, BN running statistics
+    included), or a dict, list or tuple of them. The one test behind every non-finite rule: checkpoints saved and
+    loaded, an epoch's weights and results, a metrics row."""
+    leaves = list(_leaves(x, key))
+    tensors = [(k, v) for k, v in leaves if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    flags = [torch.isfinite(v).all() for _, v in tensors]
+    if len({f.device for f in flags}) == 1:  # one host read for them all
+        flags = torch.stack(flags).tolist()
+    bad = {k for (k, _), ok in zip(tensors, flags) if not ok}
+    return [k for k, v in leaves if k in bad or isinstance(v, float) and not math.isfinite(v)]
+
+
+def _leaves(x: Any, key: str) -> Iterator[Tuple[str, Any]]:
+    if isinstance(x, nn.Module):
+        x = dict(x.named_parameters()) | dict(x.named_buffers())
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, f"{key}/{k}" if key else str(k))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, f"{key}[{i}]")
+    else:
+        yield key, x
+
+
+
+# ------------------------------------------------------------------------------- metrics, run info
+
+
+def trim_metrics(path: Path, epochs_done: int) -> None:
+    """Keep the complete rows of epochs the checkpoint has finished; drop later ones and a torn last line."""
+    if not path.is_file():
+        return
+    rows = metrics_rows(path)
+    keep = [line for line, row in rows if row["epoch"] <= epochs_done]
+    if len(keep) != len(rows) or not path.read_bytes().endswith(b"\n") and path.stat().st_size:
+        write_atomic(path, "".join(keep))
+
+
+def metrics_rows(path: Path) -> List[Tuple[str, Dict[str, Any]]]:
+    """(line, row) of each complete line of a ``metrics.jsonl``. A torn last line (no newline: a run killed while
+    writing it) is left out; a damaged complete line (not UTF-8, not a JSON object, an ``epoch`` that is not an
+    integer) is a :class:`ConfigError` naming the file and line: the rows are the run's record, never guessed."""
+    out = []
+    for i, raw in enumerate(Path(path).read_bytes().splitlines(keepends=True), 1):
+        if not raw.endswith(b"\n") or not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+            row = json.loads(line)
+        except (UnicodeDecodeError, ValueError) as e:
+            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else "not valid JSON"
+        else:
+            epoch = row.get("epoch") if isinstance(row, dict) else None
+            if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0:
+                out.append((line, row))
+                continue
+            why = f"its epoch is {epoch!r}, not an integer" if isinstance(row, dict) else "not a JSON object"
+        raise ConfigError(f"{path} line {i} is damaged ({why}); repair or delete that line and run again")
+    return out
+
+
+_REQUIRED = object()
+
+def read_json(path: Path, kind: type = dict, missing: Any = _REQUIRED) -> Any:
+    """The ``kind`` (dict or list) a JSON file holds (a results file, a run's ``run_info.json``); ``missing`` where
+    there is no file and it is given. A missing, unreadable, empty or malformed file is one :class:`DataError`
+    line naming it: a script that merges results never reads a damaged file as no results."""
+    path = Path(path)
+    if missing is not _REQUIRED and not path.exists():
+        return missing
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:120] if str(e) else ""
+        raise DataError(f"{path}: not a readable JSON file ({why or e.__class__.__name__})") from None
+    if not isinstance(data, kind):
+        raise DataError(f"{path}: holds a JSON {type(data).__name__}, not a {kind.__name__}")
+    return data
+
+
+def complete_rows(path: Path) -> List[Dict[str, Any]]:
+    """The complete rows of a ``metrics.jsonl`` (:func:`metrics_rows`)."""
+    return [row for _, row in metrics_rows(path)]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path``'s text in one step (a temporary file beside it, then a rename): a kill mid-write leaves
+    the old file, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def metrics_line(row: Dict[str, Any], say: Any = print) -> str:
+    """``row`` as one line of strict JSON: a NaN or infinite value is written as ``null``, with a warning."""
+    bad = check_finite(row)
+    if bad:
+        shown = ", ".join(f"{k}={row[k]}" if k in row else k for k in bad)
+        say(f"warning: epoch {row.get('epoch')}: {shown} is not finite; written as null in metrics.jsonl")
+    clean = json.loads(json.dumps(row), parse_constant=lambda _: None)  # NaN, Infinity, -Infinity -> null
+    return json.dumps(clean, allow_nan=False)
+
+
+def yaml_dump(d: Dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(d, sort_keys=False)
+
+
+def config_diff(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "") -> List[str]:
+    """Dotted keys whose values differ between two nested dicts."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        key = f"{prefix}{k}"
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += config_diff(va, vb, key + ".")
+        elif va != vb:
+            out.append(key)
+    return out
+
+
+def git_revision() -> str:
+    try:
+        here = Path(__file__).resolve().parent
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
+        if rev.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return rev.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def versions() -> Dict[str, str]:
+    import platform
+    from importlib import metadata
+
+    import timm
+    import torchvision
+
+    try:
+        own = metadata.version("visattn")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        own = "unknown"
+    return {"visattn": own, "torch": str(torch.__version__), "torchvision": str(torchvision.__version__),
+            "timm": str(timm.__version__), "python": platform.python_version(), "numpy": str(np.__version__)}
+
+
+
+# ------------------------------------------------------------------------------------ rng, signals
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if torch.cuda.is_available():
+            torch.backends.cudnn.benchmark = False
+            torch.backends.cudnn.deterministic = True
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    elif torch.cuda.is_available():
+        torch.backends.cudnn.benchmark = True
+
+
+def rng_state() -> Dict[str, Any]:
+    st = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate()),
+          "numpy": _numpy_state_to_plain(np.random.get_state())}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: Dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(_to_tuples(st["python"]))
+    np.random.set_state(_numpy_state_from_plain(st["numpy"]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _to_lists(x: Any) -> Any:
+    return [_to_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _to_tuples(x: Any) -> Any:
+    return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def _numpy_state_to_plain(st: tuple) -> Dict[str, Any]:
+    return {"name": st[0], "keys": torch.from_numpy(st[1].astype(np.int64)), "pos": int(st[2]),
+            "has_gauss": int(st[3]), "gauss": float(st[4])}
+
+
+def _numpy_state_from_plain(d: Dict[str, Any]) -> tuple:
+    return (d["name"], d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["gauss"])
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGINT; the loop finishes the current step, saves and exits."""
+
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+
+    def __bool__(self) -> bool:
+        return self.signum is not None
+
+
+@contextmanager
+def graceful_signals(flag: StopFlag) -> Iterator[None]:
+    def handler(signum: int, frame: Any) -> None:
+        if flag.signum is not None and signum == signal.SIGINT:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        flag.signum = signum
+        print(f"\nreceived {signal.Signals(signum).name}: finishing the current step, then saving", file=sys.stderr, flush=True)
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for s in old:
+            signal.signal(s, handler)
+    except ValueError:  # not the main thread (e.g. called from a notebook worker): no handlers
+        old = {}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class Interrupted(Exception):
+    """Training stopped on a signal, after saving unless ``saved`` is False (the weights were not finite, so the
+    folder keeps what it had: ``kept`` says what); ``exit_code`` is 128 + the signal number."""
+
+    def __init__(self, signum: int, path: Path, saved: bool = True, kept: str = ""):
+        name = signal.Signals(signum).name
+        what = f"state saved to {path}" if saved else f"the weights were not finite, so nothing was saved ({kept})"
+        super().__init__(f"stopped by {name}; {what} (resume with resume=auto)")
+        self.exit_code = 128 + signum
+
+
+
+# ----------------------------------------------------------------------------------------- hparams
+
+
+Scalar = Union[str, int, float]
+HPARAMS_FILE = "events.out.tfevents.0000000000.visattn-hparams"  # sorts before SummaryWriter's timestamped files
+METRIC_TAGS = ("hparams/best_val_acc", "hparams/final_val_acc", "hparams/images_per_s")
+# config keys the headline names stand for, and keys that say how a run was started, not what it is
+COVERED = ("model", "optim.name", "optim.lr", "train.batch_size", "train.epochs", "precision", "seed",
+           "resume", "resume_allow_changes", "run_dir")
+ATTENTION_KEYS = ("attention", "attn")  # the option that picks the attention: CNNs, transformers
+
+
+def text(value: Any) -> str:
+    """A config value as one line: ``[16, 32, 64]``, ``{init: identity}``, ``true``, ``none``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {text(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """Nested sections to dotted keys: ``{"optim": {"lr": 0.1}}`` -> ``{"optim.lr": 0.1}``."""
+    out: Dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _text_keys() -> frozenset:
+    """Keys whose default is None (``optim.grad_clip``, ``data.subset``...): always text, so one type per key."""
+    return frozenset(k for k, v in flatten(Config().to_dict()).items() if v is None or isinstance(v, (list, dict)))
+
+
+def scalar(key: str, value: Any) -> Scalar:
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in _text_keys():
+        return value
+    return value if isinstance(value, str) else text(value)
+
+
+def model_hparams(cfg: Config) -> Dict[str, Scalar]:
+    """The model's name, attention (``model.attention``, or ``model.attn`` for the transformers), attention init
+    (``model.attn_kwargs.init``, else ``default``), placement (``model.attn_position``; ``n/a`` for a model
+    without it), its other options as one line (``model.options``: the same key for every model), and the
+    checkpoint it started from (``init_from``, ``none`` for a run from scratch)."""
+    opts = cfg.model.options()
+    defaults = model_defaults(cfg.model.name)
+    attn_key = next((k for k in ATTENTION_KEYS if k in defaults or k in opts), None)
+    kwargs = dict(opts.get("attn_kwargs") or {})
+    init = kwargs.pop("init", "default")
+    rest = {k: v for k, v in opts.items() if k not in (attn_key, "attn_kwargs", "attn_position")}
+    rest.update({f"attn_kwargs.{k}": v for k, v in kwargs.items()})
+    return {
+        "model": cfg.model.name,
+        "attention": text(opts.get(attn_key, defaults.get(attn_key))) if attn_key else "n/a",
+        "attn_init": text(init),
+        "attn_position": text(opts.get("attn_position", defaults.get("attn_position", "n/a"))),
+        "model.options": ", ".join(f"{k}={text(v)}" for k, v in sorted(rest.items())),
+        "init_from": text(cfg.model.init_from),  # the checkpoint the weights started from (model.init_from)
+    }
+
+
+def run_hparams(cfg: Config, precision: Optional[str] = None, parameters: Optional[int] = None,
+                world_size: int = 1) -> Dict[str, Scalar]:
+    """Every value the HParams table shows for a run: the headline settings, then the flat config.
+
+    ``precision`` is the one the run resolved (``auto`` -> ``bf16``...); ``parameters`` the model's size."""
+    hp: Dict[str, Scalar] = model_hparams(cfg)
+    hp.update({"optimizer": cfg.optim.name, "lr": cfg.optim.lr, "batch_size": cfg.train.batch_size,
+               "epochs": cfg.train.epochs, "precision": precision or cfg.precision, "seed": cfg.seed,
+               "parameters": parameters if parameters is not None else -1, "world_size": world_size})
+    for key, value in flatten(cfg.to_dict()).items():
+        if not any(key == c or key.startswith(c + ".") for c in COVERED):
+            hp[key] = scalar(key, value)
+    return hp
+
+
+def _summaries(hp: Dict[str, Scalar]) -> Tuple[Any, Any, Any]:
+    from torch.utils.tensorboard.summary import hparams
+
+    return hparams(hp, {tag: 0.0 for tag in METRIC_TAGS})  # (experiment, session start, session end)
+
+
+def _write(path: Path, summaries: List[Any], append: bool) -> None:
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    target = path if append else path.with_name(".visattn-hparams.tmp")
+    with open(target, "ab" if append else "wb") as f:
+        records = RecordWriter(f)
+        if not append:
+            records.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+        for summary in summaries:
+            records.write(Event(wall_time=time.time(), step=0, summary=summary).SerializeToString())
+        f.flush()
+        os.fsync(f.fileno())
+    if not append:
+        os.replace(target, path)
+
+
+def logged_hparams(log_dir: Union[str, os.PathLike]) -> Tuple[Optional[Dict[str, Any]], bool]:
+    """What :data:`HPARAMS_FILE` in ``log_dir`` holds: (its session-start hparams or None, whether it has ended)."""
+    from google.protobuf import json_format
+    from google.protobuf.message import DecodeError
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
+
+    path = Path(log_dir) / HPARAMS_FILE
+    if not path.is_file():
+        return None, False
+    found: Optional[Dict[str, Any]] = None
+    ended = False
+    try:
+        for event in LegacyEventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                data = HParamsPluginData.FromString(value.metadata.plugin_data.content)
+                if data.HasField("session_start_info"):
+                    found = {k: json_format.MessageToDict(v) for k, v in data.session_start_info.hparams.items()}
+                ended = ended or data.HasField("session_end_info")
+    except (OSError, ValueError, DecodeError):  # a torn or foreign file: written anew
+        return None, False
+    return found, ended
+
+
+def start_hparams(log_dir: Union[str, os.PathLike], hp: Dict[str, Scalar],
+                  say: Callable[..., None] = print) -> List[str]:
+    """Write the run's settings for the HParams dashboard (experiment + session start) into ``log_dir``.
+
+    A resumed run whose settings are those already logged, and not ended, keeps the file as it is (a running
+    TensorBoard keeps reading it); otherwise the file is replaced. Returns the settings that changed."""
+    path = Path(log_dir) / HPARAMS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    exp, ssi, _ = _summaries(hp)
+    before, ended = logged_hparams(log_dir)
+    now = {k: float(v) if isinstance(v, (int, float)) else v for k, v in hp.items()}
+    if before == now and not ended:
+        return []
+    changed = [] if before is None else sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    _write(path, [exp, ssi], append=False)
+    if changed:
+        shown = ", ".join(f"{k} {_shown(before.get(k))} -> {_shown(now.get(k))}" for k in changed[:6])
+        say(f"hparams: settings changed since this run folder was last started ({shown}"
+            + (f", and {len(changed) - 6} more" if len(changed) > 6 else "")
+            + "); a TensorBoard already running shows them after a restart")
+    return changed
+
+
+def _shown(value: Any) -> str:
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else text(value)
+
+
+def finish_hparams(log_dir: Union[str, os.PathLike]) -> None:
+    """Mark the run's HParams session ended with success (the run trained all its epochs)."""
+    path = Path(log_dir) / HPARAMS_FILE
+    if path.is_file():
+        _write(path, [_summaries({})[2]], append=True)
+
+
+def log_hparam_metrics(writer: Any, row: Dict[str, Any], step: int) -> None:
+    """The HParams metrics from an epoch's metrics row, as scalars under :data:`METRIC_TAGS`."""
+    values = {"hparams/best_val_acc": row.get("best_val_acc"), "hparams/final_val_acc": row.get("val_acc"),
+              "hparams/images_per_s": row.get("images_per_s")}
+    for tag, value in values.items():
+        if isinstance(value, (int, float)) and not check_finite(float(value)) and not (tag.endswith("acc") and value < 0):
+            writer.add_scalar(tag, value, step)

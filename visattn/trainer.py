@@ -1,17 +1,19 @@
-"""The training run, in three steps that read top to bottom: ``build``, ``resume``, ``fit``.
+"""The training run, top to bottom: ``build``, ``resume``, then for each epoch its steps, evaluation and save.
 
-``run(cfg)`` = ``build(cfg)`` (device, precision, data, model, optimizer, schedule, EMA, loaders: a
-:class:`Run`), then ``resume(run, path)`` when asked, then ``fit(run)``: the run folder and TensorBoard are
-opened, and each epoch trains (checkpointing every ``train.ckpt_every_steps``), evaluates, writes a metrics
-row, saves ``best.pt``/``last.pt`` and logs attention maps. SIGTERM/SIGINT stop the run after the current
-step with a checkpoint saved. Under ``torchrun`` it runs data-parallel (gloo on CPU, NCCL on GPU); rank 0
-alone writes.
+``run(cfg)`` = :func:`build` (device, precision, data, model, optimizer, schedule, EMA, lookahead, teacher,
+loaders: a :class:`Run`), :func:`resume` when a checkpoint is to be continued, then :func:`fit`: the run folder
+and TensorBoard are opened and each epoch trains (:func:`train_one_epoch`, whose every step ends in
+:func:`periodic_check`: signals, ``train.max_steps``, a checkpoint every ``train.ckpt_every_steps``), evaluates,
+writes a metrics row, saves ``best.pt``/``last.pt`` and logs attention maps. SIGTERM/SIGINT stop the run after
+the current step with a checkpoint saved. Under ``torchrun`` it runs data-parallel (gloo on CPU, NCCL on GPU);
+rank 0 alone writes. The run folder's state and its guarantees live in :mod:`visattn.rundir`.
 
-The config is read here and nowhere below: the data layer gets its typed ``data`` section, the engine gets
-plain arguments (:class:`~visattn.engine.Optimization`, :class:`~visattn.engine.StepPolicy`).
+The config is read here and nowhere below it: the data layer gets its typed ``data`` section, the optimizer and
+the epoch plain arguments (:class:`Optimization`, :class:`StepPolicy`).
 """
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import math
@@ -19,48 +21,55 @@ import os
 import signal
 import sys
 import time
+import types
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from . import engine
-from .checkpoint import file_digest, load_checkpoint, save_checkpoint
 from .config import Config, DistillConfig, with_defaults
 from .data import Placement, Splits, build_loader, check_augment, load_splits, normalize, spread_indices
 from .data.loaders import EpochLoader
 from .errors import CheckpointError, ConfigError, TrainingError
-from .hparams import finish_hparams, log_hparam_metrics, run_hparams, start_hparams
+from .evaluate import autocast, cpu_has_native_bf16, evaluate, resolve_precision
+from .maps import find_taps
+from .maps.tensorboard import MapLogger
 from .models import create_model
-from .registry import is_attention_block
+from .options import resolve_device
+from .registry import backbone_modules, is_attention_block
 from .rundir import (
+    Interrupted,
     RunLock,
+    StopFlag,
     check_auto_start,
     check_branch,
+    check_finite,
     check_new_run_dir,
     check_not_project,
     check_rewind,
     check_run_dir,
-    remove_new_run_files,
-    remove_stale_temps,
-)
-from .runtime import (
-    DistInfo,
-    Interrupted,
-    StopFlag,
-    all_finite,
     config_diff,
+    file_digest,
+    finish_hparams,
     git_revision,
     graceful_signals,
+    load_checkpoint,
+    log_hparam_metrics,
     metrics_line,
     metrics_rows,
+    remove_new_run_files,
+    remove_stale_temps,
     rng_state,
+    run_hparams,
+    save_checkpoint,
     seed_everything,
     set_rng_state,
+    start_hparams,
     trim_metrics,
     versions,
     yaml_dump,
@@ -78,6 +87,112 @@ MAX_PARAMETERS = 2_000_000_000  # a model larger than this is a typo in model.wi
 EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "nonfinite_steps",
                  "skipped_steps")
 NONFINITE_HINT = "check data.mean and data.std, lower optim.lr, use precision=bf16/fp32, or set optim.grad_clip"
+# data settings a teacher must share with the student: the held-out split (or the teacher saw the images the
+# student is scored on) and the input the teacher is fed (the student's normalised batches)
+SPLIT_MUST_MATCH = ("source", "split_seed", "val_size", "use_test_split")  # the same held-out images
+TEACHER_MUST_MATCH = SPLIT_MUST_MATCH + ("image_size", "mean", "std")
+MUON_FALLBACK = ("head.*", "fc.*", "classifier.*")  # the classifier trains with AdamW, as in Muon's recipes
+
+
+class DistInfo:
+    """This process's place under ``torchrun`` (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``); one process without it."""
+
+    def __init__(self) -> None:
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.enabled = self.world_size > 1
+        self.is_main = self.rank == 0
+
+    def reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(t)
+        return t
+
+
+@dataclass
+class Optimization:
+    """What takes a training step: the optimizer, its per-step schedule, and the optional extras."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: StepScheduler
+    scaler: Optional[torch.amp.GradScaler] = None  # fp16 loss scaling
+    ema: Optional[nn.Module] = None  # timm ModelEmaV3, updated after every applied step
+    grad_clip: Optional[float] = None
+    lookahead: Optional[Lookahead] = None
+
+
+@dataclass
+class Distill:
+    """A frozen teacher whose logits on each training batch join the loss (:func:`distill_loss`)."""
+
+    teacher: nn.Module
+    weight: float = 0.5
+    temperature: float = 1.0
+    kind: str = "soft"
+
+
+@dataclass
+class StepPolicy:
+    """How steps run and are checked: device, precision, loss smoothing, the non-finite policy."""
+
+    device: torch.device
+    precision: str = "fp32"
+    label_smoothing: float = 0.0
+    max_nonfinite_steps: int = 10  # consecutive non-finite losses before TrainingError
+    check_every: int = 20  # steps between host reads of the statistics (GPUs; a CPU reads every step)
+    reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # all-reduce under data parallelism
+    distill: Optional[Distill] = None  # a teacher's logits in the loss
+
+
+class Stat(enum.IntEnum):
+    """The slots of an epoch's running totals: one float64 tensor on the device, added to in place at every step
+    without a host read, saved by mid-epoch checkpoints (``epoch_stats``) and read by name: ``live[Stat.steps]``."""
+
+    loss_sum = 0  # summed over the images of the steps whose loss was finite
+    correct = 1  # (the same)
+    images = 2
+    nonfinite = 3  # steps whose loss was NaN or inf
+    scaler_skipped = 4  # fp16: optimizer steps the GradScaler skipped (inf/NaN gradients)
+    steps = 5
+    finite_images = 6  # images of the steps whose loss was finite
+
+
+@dataclass
+class EpochStats:
+    """An epoch's totals. ``loss`` and ``acc`` are means over the steps whose loss was finite: NaN when there
+    were none. ``steps`` and ``nonfinite_steps`` count the whole epoch (a resumed part included); ``new_steps``
+    and ``new_nonfinite`` only the steps this call ran. Under data parallelism the counts are summed over ranks.
+    """
+
+    loss: float
+    acc: float
+    images: int
+    seconds: float
+    nonfinite_steps: int = 0
+    skipped_steps: int = 0  # fp16: optimizer steps the GradScaler skipped (inf/NaN gradients)
+    steps: int = 0
+    new_steps: int = 0
+    new_nonfinite: int = 0
+
+    @classmethod
+    def of(cls, total: List[float], new: List[float], seconds: float) -> "EpochStats":
+        """From the totals over the epoch and over this call's part (:class:`Stat` order), as host numbers."""
+        good = total[Stat.finite_images]
+        return cls(loss=total[Stat.loss_sum] / good if good else float("nan"),
+                   acc=total[Stat.correct] / good if good else float("nan"), images=int(total[Stat.images]),
+                   seconds=seconds, nonfinite_steps=int(total[Stat.nonfinite]),
+                   skipped_steps=int(total[Stat.scaler_skipped]), steps=int(total[Stat.steps]),
+                   new_steps=int(new[Stat.steps]), new_nonfinite=int(new[Stat.nonfinite]))
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / max(self.seconds, 1e-9)
+
+    @property
+    def nothing_learned(self) -> bool:
+        """Every step of the epoch, or every step this call ran (a resumed tail), had a non-finite loss."""
+        return (0 < self.steps <= self.nonfinite_steps) or (0 < self.new_steps <= self.new_nonfinite)
 
 
 @dataclass
@@ -89,8 +204,8 @@ class Run:
     run_dir: Path
     splits: Splits
     model: nn.Module
-    opt: engine.Optimization
-    policy: engine.StepPolicy
+    opt: Optimization
+    policy: StepPolicy
     train_loader: EpochLoader
     eval_loader: EpochLoader
     say: Callable[..., None]
@@ -100,14 +215,15 @@ class Run:
     step: int = 0  # optimizer steps taken (global)
     best_acc: float = -1.0
     carry: Optional[torch.Tensor] = None  # a resumed partial epoch's statistics
-    live: Optional[torch.Tensor] = None  # the running epoch's statistics, saved by mid-epoch checkpoints
+    live: Optional[torch.Tensor] = None  # the running epoch's totals (:class:`Stat`), saved by mid-epoch checkpoints
+    bar: Any = None  # the epoch's progress bar (rank 0, log.progress)
     writer: Any = None  # TensorBoard SummaryWriter (rank 0)
     probe: Optional[tuple] = None  # fixed (images, labels) whose attention maps are logged
     stop: StopFlag = field(default_factory=StopFlag)
     history: List[Dict[str, Any]] = field(default_factory=list)
     last_eval: Dict[str, Any] = field(default_factory=dict)
     t_start: float = field(default_factory=time.perf_counter)
-    faithfulness_on: bool = True  # log.faithfulness=auto: still within its cost budget
+    maps: Any = None  # the probe's MapLogger (it owns log.faithfulness=auto's cost budget)
     stop_saved: bool = True  # whether the last stop-time save was made (not with non-finite weights)
     teacher_digest: Optional[str] = None  # train.distill.teacher's file digest, kept in checkpoints
 
@@ -124,7 +240,7 @@ class Run:
         return self.opt.ema.module if self.opt.ema is not None else self.model
 
 
-# -------------------------------------------------------------------------------------------------- build
+# ------------------------------------------------------------------------------------------- build
 
 
 def build(cfg: Config, log: Callable[..., None] = print) -> Run:
@@ -132,11 +248,11 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
     di = DistInfo()
     if di.enabled and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() and cfg.device != "cpu" else "gloo")
-    device = engine.resolve_device(cfg.device)
+    device = resolve_device(cfg.device)
     if di.enabled and device.type == "cuda":
         device = torch.device("cuda", di.local_rank)
         torch.cuda.set_device(device)
-    precision = engine.resolve_precision(cfg.precision, device)
+    precision = resolve_precision(cfg.precision, device)
     run_dir = Path(cfg.run_dir)
     _check_init_folder(cfg, run_dir)
     resume_from = _resume_path(cfg, run_dir)
@@ -164,7 +280,7 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
     eval_loader = build_loader(splits.eval, cfg.data, cfg.eval.batch_size, False, cfg.seed, placement)
     if len(train_loader) == 0:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} exceeds the {len(splits.train)} training images")
-    policy = engine.StepPolicy(device, precision, cfg.train.label_smoothing, cfg.train.max_nonfinite_steps,
+    policy = StepPolicy(device, precision, cfg.train.label_smoothing, cfg.train.max_nonfinite_steps,
                                cfg.train.check_every, di.reduce if di.enabled else None,
                                _build_teacher(cfg, splits, device, say))
     return Run(cfg=cfg, dist=di, run_dir=run_dir, splits=splits, model=model,
@@ -280,20 +396,14 @@ def _init_from(cfg: Config, model: nn.Module, splits: Splits, say: Callable[...,
     return origin
 
 
-# data settings a teacher must share with the student: the held-out split (or the teacher saw the images the
-# student is scored on) and the input the teacher is fed (the student's normalised batches)
-SPLIT_MUST_MATCH = ("source", "split_seed", "val_size", "use_test_split")  # the same held-out images
-TEACHER_MUST_MATCH = SPLIT_MUST_MATCH + ("image_size", "mean", "std")
-
-
 def _data_key(k: str) -> str:
     return k if k == "seed" else f"data.{k}"
 
 
 def load_teacher(distill: DistillConfig, device: torch.device, channels_last: bool = False
-                 ) -> Tuple[engine.Distill, Config, dict]:
+                 ) -> Tuple[Distill, Config, dict]:
     """``distill``'s teacher (a :class:`DistillConfig` whose ``teacher`` names a checkpoint) as an
-    :class:`engine.Distill`: the checkpoint's model (its EMA weights where it kept them), frozen, in eval mode, in
+    :class:`Distill`: the checkpoint's model (its EMA weights where it kept them), frozen, in eval mode, in
     ``channels_last`` where asked; with the teacher's config and the checkpoint's state, to check them against a
     run's. Checks nothing itself: :func:`_build_teacher` does, for a training run."""
     from .evaluate import load_model_from_checkpoint
@@ -305,7 +415,7 @@ def load_teacher(distill: DistillConfig, device: torch.device, channels_last: bo
     teacher.requires_grad_(False)
     if channels_last:
         teacher.to(memory_format=torch.channels_last)
-    return engine.Distill(teacher.eval(), distill.weight, distill.temperature, distill.kind), tcfg, state
+    return Distill(teacher.eval(), distill.weight, distill.temperature, distill.kind), tcfg, state
 
 
 def _check_same_data(what: str, cfg: Config, state: Dict[str, Any], splits: Splits, keys: Tuple[str, ...],
@@ -332,7 +442,7 @@ def _check_same_data(what: str, cfg: Config, state: Dict[str, Any], splits: Spli
 
 
 def _build_teacher(cfg: Config, splits: Splits, device: torch.device,
-                   say: Callable[..., None]) -> Optional[engine.Distill]:
+                   say: Callable[..., None]) -> Optional[Distill]:
     """``train.distill``'s teacher (:func:`load_teacher`), refused where its data settings would leak this run's
     evaluation images or feed it other inputs."""
     d = cfg.train.distill
@@ -348,30 +458,236 @@ def _build_teacher(cfg: Config, splits: Splits, device: torch.device,
 
 
 def _build_optimization(cfg: Config, model: nn.Module, steps_per_epoch: int, device: torch.device,
-                        precision: str) -> engine.Optimization:
+                        precision: str) -> Optimization:
     o = cfg.optim
-    optimizer = engine.build_optimizer(model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas,
+    optimizer = build_optimizer(model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas,
                                        o.no_decay_norm_bias, o.norm_bias_lr_scale)
     total = steps_per_epoch * cfg.train.epochs
     scheduler = _schedule(cfg, optimizer, steps_per_epoch)
     t = cfg.train
-    lookahead = engine.Lookahead(model, total, t.lookahead_every, t.lookahead_decay, t.lookahead_power) \
+    lookahead = Lookahead(model, total, t.lookahead_every, t.lookahead_decay, t.lookahead_power) \
         if t.lookahead_every else None
     ema = None
     if cfg.train.ema_decay:
         from timm.utils import ModelEmaV3
 
         ema = ModelEmaV3(model, decay=cfg.train.ema_decay, use_warmup=cfg.train.ema_warmup)
-    return engine.Optimization(optimizer, scheduler, engine.make_scaler(device, precision), ema, o.grad_clip, lookahead)
+    return Optimization(optimizer, scheduler, make_scaler(device, precision), ema, o.grad_clip, lookahead)
 
 
-def _schedule(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> engine.StepScheduler:
+def _schedule(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int) -> StepScheduler:
     s = cfg.sched
-    return engine.StepScheduler(optimizer, s.name, cfg.optim.lr, steps_per_epoch * cfg.train.epochs,
+    return StepScheduler(optimizer, s.name, cfg.optim.lr, steps_per_epoch * cfg.train.epochs,
                                 int(round(s.warmup_epochs * steps_per_epoch)), s.min_lr_ratio, s.anneal, s.start_lr_ratio)
 
 
-# ------------------------------------------------------------------------------------------------- resume
+# ----------------------------------------------------------------------- optimizer, schedule, loss
+
+
+def make_scaler(device: torch.device, precision: str) -> Optional[torch.amp.GradScaler]:
+    """fp16 needs loss scaling (its range is narrow); bf16 and fp32 do not."""
+    if precision != "fp16":
+        return None
+    return torch.amp.GradScaler(device.type)
+
+
+def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, momentum: float = 0.9,
+                    nesterov: bool = True, betas: Sequence[float] = (0.9, 0.999),
+                    no_decay_norm_bias: bool = True, norm_bias_lr_scale: float = 1.0) -> torch.optim.Optimizer:
+    """SGD (Nesterov by default), AdamW or Muon through timm's ``create_optimizer_v2``.
+
+    Muon (timm's ``Muon``, Jordan et al. 2024) orthogonalises the momentum of every weight matrix and
+    convolution filter bank (``momentum``, Nesterov with ``nesterov``); its step is scaled to AdamW's update
+    size, so ``lr`` means what it means for AdamW. The classifier (``head``, ``fc``, ``classifier``), 1-d
+    parameters and those in ``no_weight_decay()`` (positional embeddings, class token) go to its AdamW
+    fallback with ``betas``. Where the CPU emulates bf16 (:func:`cpu_has_native_bf16`), its Newton-Schulz
+    iterations run in fp32 instead of timm's bf16 (about 30x faster there).
+
+    With ``no_decay_norm_bias`` (the default) norm weights, biases (all 1-d tensors) and every parameter the
+    model lists in ``no_weight_decay()`` (a ViT's ``pos_embed`` and ``cls_token``) get no weight decay.
+    ``norm_bias_lr_scale`` puts the biases of the norm layers in a group of their own whose learning rate is
+    that many times ``lr`` (airbench trains BatchNorm biases 64x faster); the schedulers honour it. That rule
+    is the backbone's: the norms inside attention blocks train at ``lr``.
+    """
+    from timm.optim import create_optimizer_v2
+
+    kwargs: Dict[str, Any] = {}
+    if name == "sgd":
+        opt = "sgd" if nesterov and momentum > 0 else "momentum"  # timm: "sgd" is Nesterov, "momentum" is not
+        kwargs["momentum"] = momentum
+    elif name == "adamw":
+        opt = "adamw"
+        kwargs["betas"] = tuple(betas)
+    elif name == "muon":
+        opt = "muon"
+        kwargs.update(momentum=momentum, nesterov=nesterov, betas=tuple(betas), fallback_list=MUON_FALLBACK,
+                      fallback_no_weight_decay=True)
+    else:
+        raise ConfigError(f"optim.name: unknown optimizer {name!r}; valid: sgd, adamw, muon")
+    params: Any = model
+    if norm_bias_lr_scale != 1.0:
+        params = _groups_with_norm_bias_scale(model, weight_decay, no_decay_norm_bias, norm_bias_lr_scale)
+    optimizer = create_optimizer_v2(params, opt=opt, lr=lr, weight_decay=weight_decay,
+                                    filter_bias_and_bn=no_decay_norm_bias, **kwargs)
+    if name == "muon" and not _native_bf16_for(model):
+        _newton_schulz_in_fp32(optimizer)
+    return optimizer
+
+
+def _native_bf16_for(model: nn.Module) -> bool:
+    p = next(model.parameters(), None)
+    return p is None or p.device.type != "cpu" or cpu_has_native_bf16()
+
+
+def _newton_schulz_in_fp32(optimizer: torch.optim.Optimizer) -> None:
+    """Run this Muon instance's Newton-Schulz iterations in fp32: timm's module-level function defaults to bf16,
+    which CPUs without AMX or AVX512-BF16 emulate. The swap lasts only for this optimizer's ``step``."""
+    import timm.optim.muon as muon
+
+    step, ns = type(optimizer).step, muon.zeropower_via_newtonschulz
+
+    def step_fp32(self: torch.optim.Optimizer, *args: Any, **kw: Any) -> Any:
+        muon.zeropower_via_newtonschulz = functools.partial(ns, dtype=torch.float32)
+        try:
+            return step(self, *args, **kw)
+        finally:
+            muon.zeropower_via_newtonschulz = ns
+
+    # a bound method, as torch's LR schedulers expect when they wrap ``step``
+    optimizer.step = types.MethodType(step_fp32, optimizer)  # type: ignore[method-assign]
+
+
+def _groups_with_norm_bias_scale(model: nn.Module, weight_decay: float, no_decay_1d: bool,
+                                 scale: float) -> List[Dict[str, Any]]:
+    from timm.optim import param_groups_weight_decay
+
+    norm_types = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
+    # the backbone's norms only: a block's own norms (a gate's BN, a residual block's output BN) keep lr
+    norm_biases = {id(m.bias) for m in backbone_modules(model) if isinstance(m, norm_types) and m.bias is not None}
+    skip = set(getattr(model, "no_weight_decay", lambda: set())())
+    if no_decay_1d:
+        groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=skip)
+    else:
+        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    out = []
+    for g in groups:
+        rest = [p for p in g["params"] if id(p) not in norm_biases]
+        fast = [p for p in g["params"] if id(p) in norm_biases]
+        out += [dict(g, params=rest)] if rest else []
+        out += [dict(g, params=fast, lr_scale=scale)] if fast else []
+    return out
+
+
+class StepScheduler:
+    """One interface, stepped once per optimizer step, over torch's OneCycleLR and timm's cosine schedule."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, name: str, lr: float, total_steps: int, warmup_steps: int,
+                 min_lr_ratio: float = 0.0, anneal: str = "linear", start_lr_ratio: float = 0.04):
+        self.name = name
+        self.num_updates = 0
+        self.inner: Any = None
+        if name == "onecycle":
+            # OneCycleLR divides by each phase's length in steps: keep both phases at least 1 step long
+            total = max(total_steps, 4)
+            pct = min(max(warmup_steps, 2), total - 2) / total
+            # each group peaks at lr times its "lr_scale" (e.g. BN biases at a higher rate), starting from
+            # start_lr_ratio of that, ending at min_lr_ratio of it (about 0 when min_lr_ratio is 0)
+            max_lr = [lr * g.get("lr_scale", 1.0) for g in optimizer.param_groups]
+            self.inner = torch.optim.lr_scheduler.OneCycleLR(
+                optimizer, max_lr=max_lr, total_steps=total, pct_start=pct, anneal_strategy=anneal,
+                cycle_momentum=False, div_factor=1.0 / start_lr_ratio,
+                final_div_factor=start_lr_ratio / max(min_lr_ratio, 1e-4) if min_lr_ratio else 1e4,
+            )
+        elif name == "cosine":
+            from timm.scheduler import CosineLRScheduler
+
+            self.inner = CosineLRScheduler(
+                optimizer, t_initial=max(total_steps - warmup_steps, 1), lr_min=lr * min_lr_ratio,
+                warmup_t=warmup_steps, warmup_lr_init=lr * 0.01, warmup_prefix=True, t_in_epochs=False,
+            )
+        elif name != "constant":
+            raise ConfigError(f"sched.name: unknown schedule {name!r}; valid: onecycle, cosine, constant")
+
+    def step(self) -> None:
+        self.num_updates += 1
+        if self.name == "onecycle":
+            if self.inner.last_epoch + 1 < self.inner.total_steps:
+                with warnings.catch_warnings():  # an fp16 step skipped by the scaler is not a misordered call
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
+                    self.inner.step()
+        elif self.name == "cosine":
+            self.inner.step_update(self.num_updates)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"num_updates": self.num_updates, "inner": self.inner.state_dict() if self.inner is not None else {}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.num_updates = int(state["num_updates"])
+        if self.inner is not None:
+            self.inner.load_state_dict(state["inner"])
+
+
+class Lookahead:
+    """Lookahead-style weight averaging on a cubic schedule (airbench94; Zhang et al. 2019, arXiv 1907.08610).
+
+    Every ``every`` steps the slow copy moves toward the fast weights, ``slow = a * slow + (1 - a) * fast``,
+    and the fast weights are reset to it, with ``a = decay ** every * (step / total_steps) ** power``: no
+    averaging early, strong averaging at the end. :meth:`finish` puts the slow weights into the model after
+    the last step. Float parameters and buffers (BN running statistics) take part; integer buffers do not.
+    """
+
+    def __init__(self, model: nn.Module, total_steps: int, every: int = 5, decay: float = 0.95, power: float = 3.0):
+        self.total_steps, self.every, self.decay, self.power = max(total_steps, 1), every, decay, power
+        self.fast = [t for t in model.state_dict().values() if t.is_floating_point()]  # share the model's storage
+        self.slow = [t.detach().clone() for t in self.fast]
+
+    @torch.no_grad()
+    def step(self, global_step: int) -> None:
+        if global_step % self.every:
+            return
+        a = self.decay ** self.every * min(global_step / self.total_steps, 1.0) ** self.power
+        torch._foreach_lerp_(self.slow, self.fast, 1.0 - a)
+        torch._foreach_copy_(self.fast, self.slow)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        torch._foreach_copy_(self.fast, self.slow)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"slow": [t.clone() for t in self.slow]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for t, saved in zip(self.slow, state["slow"]):
+            t.copy_(saved)
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, kind: str = "soft",
+                 temperature: float = 1.0) -> torch.Tensor:
+    """The distillation term: ``soft``, KL(teacher || student) of the softmaxes at ``temperature``, times
+    ``temperature**2`` so its gradients keep their size as the temperature changes (Hinton et al. 2015);
+    ``hard``, cross-entropy against the teacher's top class (DeiT). Both in fp32, mean over the batch."""
+    student, teacher = student.float(), teacher.float()
+    if kind == "hard":
+        return F.cross_entropy(student, teacher.argmax(1))
+    if kind != "soft":
+        raise ConfigError(f"train.distill.kind: unknown kind {kind!r}; valid: soft, hard")
+    t = temperature
+    return F.kl_div(F.log_softmax(student / t, 1), F.log_softmax(teacher / t, 1), reduction="batchmean",
+                    log_target=True) * t * t
+
+
+def training_loss(logits: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, policy: StepPolicy) -> torch.Tensor:
+    """Label-smoothed cross-entropy, mixed with the teacher's distillation term when ``policy.distill``."""
+    loss = F.cross_entropy(logits.float(), yb, label_smoothing=policy.label_smoothing)
+    d = policy.distill
+    if d is None or d.weight == 0:
+        return loss
+    with torch.no_grad(), autocast(policy.device, policy.precision):
+        target = d.teacher(xb)
+    return (1 - d.weight) * loss + d.weight * distill_loss(logits, target, d.kind, d.temperature)
+
+
+# ------------------------------------------------------------------------------------------ resume
 
 
 def resume(run: Run, path: Path) -> None:
@@ -453,7 +769,7 @@ def _check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None
                               "train with them)")
 
 
-# ---------------------------------------------------------------------------------------------------- fit
+# --------------------------------------------------------------------------------------------- fit
 
 
 def fit(run: Run) -> Dict[str, Any]:
@@ -476,18 +792,31 @@ def fit(run: Run) -> Dict[str, Any]:
         for epoch in range(run.epoch, cfg.train.epochs):
             if cfg.train.max_steps is not None and run.step >= cfg.train.max_steps:
                 break
-            ep = _train_epoch(run, train_model, epoch)
-            if not run.stop:  # (a signal's stop saves the state to resume from, whatever the steps were)
-                _check_learned(run, ep, epoch + 1)
-            if run.stop or 0 < run.train_loader.position < len(run.train_loader):  # stopped mid-epoch: saved
-                if run.stop:
-                    _close(run)
-                    raise Interrupted(run.stop.signum, run.run_dir / "last.pt", run.stop_saved, _kept(run))
+            loader = run.train_loader
+            loader.set_epoch(epoch)
+            if hasattr(run.model, "set_epoch"):  # e.g. the whitening stem's bias trains for its first epochs only
+                run.model.set_epoch(epoch)
+            if run.dist.is_main and cfg.log.progress:
+                from tqdm import tqdm
+
+                run.bar = tqdm(total=len(loader), initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
+                               leave=False, dynamic_ncols=True, file=sys.stderr)
+            run.live, run.carry = epoch_stats_tensor(run.carry, loader.position, run.device), None
+            try:
+                ep, run.step, _ = train_one_epoch(train_model, loader, run.opt, run.policy, global_step=run.step,
+                                                  carry=run.live, run=run)
+            finally:
+                if run.bar is not None:
+                    run.bar.close()
+                    run.bar = None
+            if run.stop:  # a signal: the step saved the state to resume from, whatever the steps were
+                raise _interrupted(run)
+            _check_learned(run, ep, epoch + 1)
+            if 0 < loader.position < len(loader):  # stopped mid-epoch by train.max_steps: saved
                 break
             _end_epoch(run, ep, epoch + 1)
             if run.stop:
-                _close(run)
-                raise Interrupted(run.stop.signum, run.run_dir / "last.pt", run.stop_saved, _kept(run))
+                raise _interrupted(run)
     if run.writer is not None:  # trained as asked: the HParams row's status is "success"
         finish_hparams(run.run_dir / "tb")
     _close(run)
@@ -500,6 +829,254 @@ def fit(run: Run) -> Dict[str, Any]:
             "init_from": run.init_from}
 
 
+def train_one_epoch(model: nn.Module, loader: Iterable, opt: Optimization, policy: StepPolicy, *, global_step: int = 0,
+                    carry: Optional[torch.Tensor] = None, run: Optional[Run] = None
+                    ) -> Tuple[EpochStats, int, torch.Tensor]:
+    """One pass of ``loader``: returns (its :class:`EpochStats`, the global step, the running totals tensor).
+
+    The totals (:class:`Stat`) stay on the device, updated in place (``carry``: a partly done epoch's, from a
+    mid-epoch checkpoint). A non-finite loss is counted, never learned from: on a CPU, where reading a finished
+    scalar is free, its step is skipped before it touches the weights; on a GPU the host reads only every
+    ``policy.check_every`` steps, where ``policy.max_nonfinite_steps`` consecutive ones stop the run. Under a
+    ``run``, every step ends in :func:`periodic_check` (stop, save), and the step's loss and lr go to TensorBoard.
+    """
+    model.train()
+    device, reduce = policy.device, policy.reduce
+    stats = epoch_stats_tensor(None, 0, device) if carry is None else carry
+    start = stats.clone()  # this call's own part is ``stats - start``
+    consecutive = torch.zeros((), dtype=torch.int64, device=device)  # the current run of non-finite losses
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    check_every = host_check_every(policy)
+    t0 = time.perf_counter()
+    for xb, yb in loader:
+        with autocast(device, policy.precision):
+            logits = model(xb)
+        loss = training_loss(logits, xb, yb, policy)
+        opt.optimizer.zero_grad(set_to_none=True)
+        finite = torch.isfinite(loss.detach())
+        skipped, applied = zero, True
+        if opt.scaler is not None:  # fp16: the scaler skips a step whose gradients hold inf/NaN, inside its step
+            opt.scaler.scale(loss).backward()
+            if opt.grad_clip:
+                opt.scaler.unscale_(opt.optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+            scale = opt.scaler._scale.clone() if getattr(opt.scaler, "_scale", None) is not None else None
+            opt.scaler.step(opt.optimizer)
+            opt.scaler.update()
+            if scale is not None:  # the scale backs off exactly when the step was skipped
+                skipped = (opt.scaler._scale < scale).double().sum()
+        elif check_every == 1 and not (bool(finite) if reduce is None else bool(reduce((~finite).float()) == 0)):
+            applied = False  # CPU: skipped before it touches the weights; under data parallelism by every rank
+        else:
+            loss.backward()
+            if opt.grad_clip:
+                nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+            opt.optimizer.step()
+        if applied:
+            opt.scheduler.step()
+            if opt.ema is not None:  # a warming-up EMA's decay follows the step count (from 1), kept in checkpoints
+                opt.ema.update(model, step=global_step + 1 if getattr(opt.ema, "use_warmup", False) else None)
+        global_step += 1
+        if opt.lookahead is not None:
+            opt.lookahead.step(global_step)
+        with torch.no_grad():
+            n = zero + yb.shape[0]
+            added = {Stat.loss_sum: torch.where(finite, loss.detach().double() * n, zero),
+                     Stat.correct: torch.where(finite, (logits.argmax(1) == yb).sum().double(), zero),
+                     Stat.images: n, Stat.nonfinite: (~finite).double(), Stat.scaler_skipped: skipped,
+                     Stat.steps: zero + 1, Stat.finite_images: torch.where(finite, n, zero)}
+            stats += torch.stack([added[k] for k in Stat])
+        consecutive = torch.where(finite, torch.zeros_like(consecutive), consecutive + 1)
+        if global_step % check_every == 0:  # the host read (on a GPU it waits for the queued steps)
+            if int(consecutive) >= policy.max_nonfinite_steps:
+                raise TrainingError(f"{int(consecutive)} consecutive non-finite losses at step {global_step}; stopping "
+                                    "(lower optim.lr, use precision=bf16/fp32, or set optim.grad_clip)"
+                                    + (f"; {_kept(run)}" if run is not None else ""))
+            if run is not None and run.writer is not None and global_step % max(check_every, 20) == 0:
+                run.writer.add_scalar("train/loss_step", float(stats[Stat.loss_sum] / stats[Stat.finite_images]),
+                                      global_step)
+                run.writer.add_scalar("train/lr", opt.optimizer.param_groups[0]["lr"], global_step)
+        if run is not None and periodic_check(run, global_step):
+            break
+    both = torch.cat([stats, stats - start])
+    total = (reduce(both) if reduce is not None else both).tolist()
+    seconds = time.perf_counter() - t0  # after the host read: on a GPU it waits for the epoch's queued steps
+    return EpochStats.of(total[: len(Stat)], total[len(Stat):], seconds), global_step, stats
+
+
+def host_check_every(policy: StepPolicy) -> int:
+    """Steps between the loop's host reads: ``policy.check_every`` on a GPU (a read waits for the queued steps),
+    every step on a CPU (reading a finished scalar is free there)."""
+    return 1 if policy.device.type == "cpu" else policy.check_every
+
+
+def epoch_stats_tensor(carry: Optional[torch.Tensor], position: int, device: torch.device) -> torch.Tensor:
+    """The statistics an epoch starts from: zeros, or ``carry`` (a mid-epoch checkpoint's) on ``device``.
+
+    A carry saved before the step count and the finite-image count were kept (5 values) gets them from the
+    loader's ``position`` (batches served), taking the non-finite steps' batches as full ones.
+    """
+    if carry is None:
+        return torch.zeros(len(Stat), dtype=torch.float64, device=device)
+    carry = carry.to(device).double().flatten()
+    if carry.numel() == 5:
+        images, nonfinite = float(carry[Stat.images]), float(carry[Stat.nonfinite])
+        finite = images * max(position - nonfinite, 0) / position if position else images
+        carry = torch.cat([carry, torch.tensor([float(position), finite], dtype=torch.float64, device=device)])
+    return carry
+
+
+def periodic_check(run: Run, step: int) -> bool:
+    """The end of every step of a run: progress, the stop decision (a signal, ``train.max_steps``; every rank stops
+    at the same step) and the checkpoint every ``train.ckpt_every_steps``. Returns whether the epoch stops here.
+
+    No save replaces the last good checkpoint with non-finite weights (on a GPU the loss is checked only every
+    ``train.check_every`` steps, after the weights took the step), and only a signal's stop saves an epoch whose
+    every step so far had a non-finite loss (nothing learned yet: a later finite step saves, or the run stops
+    with the last good checkpoint in place)."""
+    run.step = step
+    if run.bar is not None:
+        run.bar.update(1)
+    halt = bool(run.stop)
+    if run.dist.enabled:
+        halt = bool(run.dist.reduce(torch.tensor([1.0 if halt else 0.0], device=run.device)).item() > 0)
+        if halt and run.stop.signum is None:
+            run.stop.signum = signal.SIGTERM
+    if run.cfg.train.max_steps is not None and step >= run.cfg.train.max_steps:
+        halt = True
+    every = run.cfg.train.ckpt_every_steps
+    if halt or (every and step % every == 0):  # the same decision on every rank
+        live = run.live
+        if run.dist.enabled and live is not None:  # the partial epoch's totals over all ranks; rank 0 resumes them
+            live = run.dist.reduce(live.clone())
+        nothing = live is not None and 0 < float(live[Stat.steps]) <= float(live[Stat.nonfinite])
+        finite = not check_finite(run.model)
+        if run.dist.is_main and finite and (bool(run.stop) or not nothing):
+            save_checkpoint(_checkpoint_state(run, run.train_loader.epoch, live), run.run_dir / "last.pt")
+        run.stop_saved = finite  # what a signal's stop reports
+    return halt
+
+
+def _checkpoint_state(run: Run, epoch: int, position_stats: Optional[torch.Tensor]) -> Dict[str, Any]:
+    opt, cfg = run.opt, run.cfg
+    return {
+        "model": run.model.state_dict(), "optimizer": opt.optimizer.state_dict(), "scheduler": opt.scheduler.state_dict(),
+        "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
+        "ema": opt.ema.state_dict() if opt.ema is not None else None,
+        "lookahead": opt.lookahead.state_dict() if opt.lookahead is not None else None,
+        "rng": rng_state(), "loader": run.train_loader.state_dict(), "epoch": epoch, "step": run.step,
+        "epoch_stats": position_stats.cpu() if position_stats is not None else None,
+        "best_acc": run.best_acc, "config": cfg.to_dict(), "classes": list(run.splits.train.classes),
+        "eval_split": run.splits.eval_split, "versions": versions(), "git": git_revision(), "seed": cfg.seed,
+        "teacher_digest": run.teacher_digest,
+    }
+
+
+def _end_epoch(run: Run, ep: EpochStats, done: int) -> None:
+    """Evaluate (when due), then write the metrics row, checkpoints, TensorBoard scalars and maps."""
+    cfg = run.cfg
+    row: Dict[str, Any] = {"epoch": done, "step": run.step, "train_loss": ep.loss, "train_acc": ep.acc,
+                           "images_per_s": ep.images_per_s,  # ep.images is already summed over ranks
+                           "epoch_seconds": ep.seconds, "epoch_steps": ep.steps, "nonfinite_steps": ep.nonfinite_steps,
+                           "skipped_steps": ep.skipped_steps, "lr": run.opt.optimizer.param_groups[0]["lr"],
+                           "wall_seconds": time.perf_counter() - run.t_start}
+    if done == cfg.train.epochs and run.opt.lookahead is not None:
+        run.opt.lookahead.finish()  # the averaged weights are the ones evaluated and saved
+    if done % cfg.eval.every == 0 or done == cfg.train.epochs:
+        row.update(_evaluate(run))
+    _check_result(run, ep, row, done)
+    is_best = "val_acc" in row and not check_finite(row["val_loss"]) and row["val_acc"] > run.best_acc
+    if is_best:
+        run.best_acc = row["val_acc"]
+    row["best_val_acc"] = run.best_acc
+    run.history.append(row)
+    if not run.dist.is_main:
+        return
+    # last.pt goes last: it commits the epoch. A crash before it redoes the epoch on resume, which first drops
+    # the metrics rows past the checkpoint, so no row is lost or written twice.
+    with open(run.run_dir / "metrics.jsonl", "a") as f:
+        f.write(metrics_line(row, run.say) + "\n")
+    run.train_loader.set_epoch(done)
+    state = _checkpoint_state(run, done, None)
+    if is_best:
+        save_checkpoint(state, run.run_dir / "best.pt")
+    save_checkpoint(state, run.run_dir / "last.pt")
+    if run.writer is not None:
+        _log_scalars(run, row, done)
+    run.say(_epoch_line(run, ep, row, done))
+
+
+def _epoch_line(run: Run, ep: EpochStats, row: Dict[str, Any], done: int) -> str:
+    """The printed epoch summary; a mean over no steps (every loss non-finite) is "n/a", never 0."""
+    def num(x: float) -> str:
+        return f"{x:.4f}" if math.isfinite(x) else "n/a"
+
+    msg = f"epoch {done}/{run.cfg.train.epochs}: train loss {num(ep.loss)} acc {num(ep.acc)}"
+    if ep.nonfinite_steps:
+        msg += f" (non-finite loss: skipped {ep.nonfinite_steps}/{ep.steps} steps)"
+    if "val_acc" in row:
+        msg += f" | val loss {num(row['val_loss'])} acc {num(row['val_acc'])}"
+    wall = row.get("wall_seconds", time.perf_counter() - run.t_start)
+    return msg + f" | {ep.images_per_s:.0f} img/s | {wall:.0f}s"
+
+
+def _interrupted(run: Run) -> Interrupted:
+    _close(run)
+    return Interrupted(run.stop.signum, run.run_dir / "last.pt", run.stop_saved, _kept(run))
+
+
+def _kept(run: Run) -> str:
+    return "last good checkpoint kept" if (run.run_dir / "last.pt").is_file() else "no checkpoint was written"
+
+
+def _check_learned(run: Run, ep: EpochStats, done: int) -> None:
+    """An epoch (or the part of it run since a resume) whose every step had a non-finite loss learned nothing:
+    the run stops with :class:`TrainingError` before the epoch is evaluated or committed, however short it is
+    (``train.max_nonfinite_steps`` counts a run of such steps, which a short run never reaches)."""
+    if not ep.nothing_learned:
+        return
+    if 0 < ep.steps <= ep.nonfinite_steps:
+        what = f"all {ep.steps} training steps of epoch {done} had a non-finite loss"
+    else:
+        what = (f"all {ep.new_steps} training steps of epoch {done} run since the resume had a non-finite loss "
+                f"({ep.nonfinite_steps}/{ep.steps} in the epoch)")
+    _fail_epoch(run, ep, {}, done, f"{what}; nothing was learned")
+
+
+def _check_result(run: Run, ep: EpochStats, row: Dict[str, Any], done: int) -> None:
+    """Nothing non-finite is committed: weights that are not finite after an epoch, or a validation loss that is
+    not finite at the run's end, stop the run with :class:`TrainingError` before the row and checkpoints are
+    written (a non-finite validation loss before the end is written as null and the run goes on)."""
+    last = done == run.cfg.train.epochs or (run.cfg.train.max_steps is not None and run.step >= run.cfg.train.max_steps)
+    if check_finite([run.model, run.eval_model]):
+        what = (f"the weights or normalisation statistics are not finite after epoch {done} (non-finite steps "
+                "reached them: on a GPU the loss is checked every train.check_every steps)")
+    elif last and check_finite(row.get("val_loss", 0.0)):
+        what = f"the validation loss after the last epoch ({done}) is {row['val_loss']}, not a finite number"
+    else:
+        return
+    _fail_epoch(run, ep, row, done, what)
+
+
+def _fail_epoch(run: Run, ep: EpochStats, row: Dict[str, Any], done: int, what: str) -> None:
+    """Stop before the epoch is committed: its line printed, the writer closed, one :class:`TrainingError` line."""
+    run.say(_epoch_line(run, ep, row, done))
+    _close(run)
+    raise TrainingError(f"{what}; stopping ({NONFINITE_HINT}); {_kept(run)}")
+
+
+def _evaluate(run: Run) -> Dict[str, Any]:
+    eval_model = run.eval_model
+    if run.dist.enabled:  # BN running stats drift apart per rank: evaluate rank 0's, the ones it saves
+        with torch.no_grad():
+            for b in eval_model.buffers():
+                dist.broadcast(b, src=0)
+    ev = evaluate(eval_model, run.eval_loader, device=run.device, precision=run.policy.precision,
+                         tta=run.cfg.eval.tta, num_classes=run.num_classes, reduce=run.policy.reduce)
+    run.last_eval = ev
+    return {"val_loss": ev["loss"], "val_acc": ev["acc"], "eval_seconds": ev["seconds"]}
+
+
 def _evaluate_init(run: Run) -> None:
     """Step 0 of a ``model.init_from`` run: its validation score before any step, printed, kept in run_info.json
     and logged as the epoch-0 point of ``val/acc`` (with blocks that start as the identity it equals the
@@ -508,6 +1085,21 @@ def _evaluate_init(run: Run) -> None:
     run.init_from.update(val_acc=ev["val_acc"], val_loss=ev["val_loss"])
     run.say(f"step 0 (model.init_from, before training): val loss {ev['val_loss']:.4f} acc {ev['val_acc']:.4f} "
             f"(the checkpoint's best val acc: {run.init_from['best_acc']})")
+
+
+def _log_scalars(run: Run, row: Dict[str, Any], done: int) -> None:
+    writer, cfg = run.writer, run.cfg
+    for k in EPOCH_SCALARS:
+        if k in row:
+            tag = k.replace("_", "/", 1) if k.startswith(("train_", "val_")) else f"train/{k}"
+            writer.add_scalar("train/lr_epoch" if k == "lr" else tag, row[k], done)
+    log_hparam_metrics(writer, row, done)
+    if run.probe is not None and cfg.log.maps_every and done % cfg.log.maps_every == 0:
+        skipped = run.maps.log(writer, run.eval_model, run.probe, done, row.get("epoch_seconds"))
+        if skipped:
+            run.say(f"warning: epoch {done}: the attention maps of {', '.join(skipped)} on the probe batch are not "
+                    "finite; those pictures were skipped")
+    writer.flush()
 
 
 def run(cfg: Config, log: Callable[..., None] = print) -> Dict[str, Any]:
@@ -577,12 +1169,13 @@ def _open_outputs(run: Run) -> None:
         hparams = run_hparams(cfg, run.policy.precision, info["parameters"], run.dist.world_size)
         start_hparams(run_dir / "tb", hparams, run.say)  # the HParams dashboard's row of this run
         run.writer = SummaryWriter(str(run_dir / "tb"), purge_step=run.step if run.resume_from else None)
-    if cfg.log.maps_every and _has_taps(run.model):
+    if cfg.log.maps_every and find_taps(run.model):
         ev = run.splits.eval
         pick = spread_indices(ev.y, cfg.log.probe_size)  # fixed: one image per class in turn
         px = torch.from_numpy(ev.x[pick]).permute(0, 3, 1, 2)
         run.probe = (normalize(px, cfg.data.mean, cfg.data.std).to(run.device), torch.from_numpy(ev.y[pick]).to(run.device),
                      None if ev.boxes is None else torch.from_numpy(ev.boxes[pick]))  # placed objects: their boxes
+        run.maps = MapLogger(cfg, run.splits.train.classes, run.say)
 
 
 def _branched_from(run: Run) -> Optional[str]:
@@ -590,10 +1183,7 @@ def _branched_from(run: Run) -> Optional[str]:
     src = run.resume_from
     if src is not None and src.resolve().parent != run.run_dir.resolve():
         return str(src.resolve())
-    try:
-        return json.loads((run.run_dir / "run_info.json").read_text()).get("branched_from")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return _recorded(run, "branched_from")
 
 
 def _recorded(run: Run, key: str) -> Any:
@@ -608,233 +1198,3 @@ def _close(run: Run) -> None:
     if run.writer is not None:
         run.writer.close()
         run.writer = None
-
-
-def _train_epoch(run: Run, train_model: nn.Module, epoch: int) -> engine.EpochStats:
-    cfg, loader = run.cfg, run.train_loader
-    loader.set_epoch(epoch)
-    if hasattr(run.model, "set_epoch"):  # e.g. the whitening stem's bias trains for its first epochs only
-        run.model.set_epoch(epoch)
-    bar = None
-    if run.dist.is_main and cfg.log.progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(loader), initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
-                   leave=False, dynamic_ncols=True, file=sys.stderr)
-    device = run.device
-    run.live = engine.epoch_stats_tensor(run.carry, loader.position, device)
-    run.carry = None
-    hooks = engine.StepHooks(after_step=functools.partial(_after_step, run, bar),
-                             on_check=functools.partial(_on_check, run))
-    try:
-        ep, run.step, run.live = engine.train_one_epoch(train_model, loader, run.opt, run.policy, hooks=hooks,
-                                                        global_step=run.step, carry=run.live)
-    except TrainingError as e:  # the engine knows nothing of checkpoints: say whether one was kept
-        if bar is not None:
-            bar.close()
-        _close(run)
-        raise TrainingError(f"{e}; {_kept(run)}") from None
-    if bar is not None:
-        bar.close()
-    return ep
-
-
-def _after_step(run: Run, bar: Any, step: int) -> bool:
-    """After every step: progress, the stop decision (signals, max_steps), periodic checkpoints."""
-    run.step = step
-    if bar is not None:
-        bar.update(1)
-    halt = bool(run.stop)
-    if run.dist.enabled:  # every rank stops at the same step
-        t = torch.tensor([1.0 if halt else 0.0], device=run.device)
-        halt = bool(run.dist.reduce(t).item() > 0)
-        if halt and run.stop.signum is None:
-            run.stop.signum = signal.SIGTERM
-    if run.cfg.train.max_steps is not None and step >= run.cfg.train.max_steps:
-        halt = True
-    every = run.cfg.train.ckpt_every_steps
-    if halt or (every and step % every == 0):  # the same decision on every rank
-        live = run.live
-        if run.dist.enabled and live is not None:  # carry the partial epoch's totals over all ranks; rank 0 resumes
-            live = run.dist.reduce(live.clone())
-        # no save replaces the last good checkpoint with non-finite weights (on a GPU the loss is checked only
-        # every train.check_every steps, after the weights have taken the step), and only a signal's stop saves
-        # an epoch whose every step so far had a non-finite loss (nothing learned yet: either a later step is
-        # finite and a later save is made, or the run stops with the last good checkpoint in place)
-        nothing = live is not None and 0 < float(live[5]) <= float(live[3])
-        finite = all_finite(run.model)
-        if run.dist.is_main and finite and (bool(run.stop) or not nothing):
-            save_checkpoint(_checkpoint_state(run, run.train_loader.epoch, live), run.run_dir / "last.pt")
-        run.stop_saved = finite  # what a signal's stop reports
-    return halt
-
-
-def _on_check(run: Run, step: int, loss: float, lr: float) -> None:
-    if run.writer is not None:
-        run.writer.add_scalar("train/loss_step", loss, step)
-        run.writer.add_scalar("train/lr", lr, step)
-
-
-def _checkpoint_state(run: Run, epoch: int, position_stats: Optional[torch.Tensor]) -> Dict[str, Any]:
-    opt, cfg = run.opt, run.cfg
-    return {
-        "model": run.model.state_dict(), "optimizer": opt.optimizer.state_dict(), "scheduler": opt.scheduler.state_dict(),
-        "scaler": opt.scaler.state_dict() if opt.scaler is not None else None,
-        "ema": opt.ema.state_dict() if opt.ema is not None else None,
-        "lookahead": opt.lookahead.state_dict() if opt.lookahead is not None else None,
-        "rng": rng_state(), "loader": run.train_loader.state_dict(), "epoch": epoch, "step": run.step,
-        "epoch_stats": position_stats.cpu() if position_stats is not None else None,
-        "best_acc": run.best_acc, "config": cfg.to_dict(), "classes": list(run.splits.train.classes),
-        "eval_split": run.splits.eval_split, "versions": versions(), "git": git_revision(), "seed": cfg.seed,
-        "teacher_digest": run.teacher_digest,
-    }
-
-
-def _end_epoch(run: Run, ep: engine.EpochStats, done: int) -> None:
-    """Evaluate (when due), then write the metrics row, checkpoints, TensorBoard scalars and maps."""
-    cfg = run.cfg
-    row: Dict[str, Any] = {"epoch": done, "step": run.step, "train_loss": ep.loss, "train_acc": ep.acc,
-                           "images_per_s": ep.images_per_s,  # ep.images is already summed over ranks
-                           "epoch_seconds": ep.seconds, "epoch_steps": ep.steps, "nonfinite_steps": ep.nonfinite_steps,
-                           "skipped_steps": ep.skipped_steps, "lr": run.opt.optimizer.param_groups[0]["lr"],
-                           "wall_seconds": time.perf_counter() - run.t_start}
-    if done == cfg.train.epochs and run.opt.lookahead is not None:
-        run.opt.lookahead.finish()  # the averaged weights are the ones evaluated and saved
-    if done % cfg.eval.every == 0 or done == cfg.train.epochs:
-        row.update(_evaluate(run))
-    _check_result(run, ep, row, done)
-    is_best = "val_acc" in row and math.isfinite(row["val_loss"]) and row["val_acc"] > run.best_acc
-    if is_best:
-        run.best_acc = row["val_acc"]
-    row["best_val_acc"] = run.best_acc
-    run.history.append(row)
-    if not run.dist.is_main:
-        return
-    # last.pt goes last: it commits the epoch. A crash before it redoes the epoch on resume, which first drops
-    # the metrics rows past the checkpoint, so no row is lost or written twice.
-    with open(run.run_dir / "metrics.jsonl", "a") as f:
-        f.write(metrics_line(row, run.say) + "\n")
-    run.train_loader.set_epoch(done)
-    state = _checkpoint_state(run, done, None)
-    if is_best:
-        save_checkpoint(state, run.run_dir / "best.pt")
-    save_checkpoint(state, run.run_dir / "last.pt")
-    if run.writer is not None:
-        _log_scalars(run, row, done)
-    run.say(_epoch_line(run, ep, row, done))
-
-
-def _epoch_line(run: Run, ep: engine.EpochStats, row: Dict[str, Any], done: int) -> str:
-    """The printed epoch summary; a mean over no steps (every loss non-finite) is "n/a", never 0."""
-    def num(x: float) -> str:
-        return f"{x:.4f}" if math.isfinite(x) else "n/a"
-
-    msg = f"epoch {done}/{run.cfg.train.epochs}: train loss {num(ep.loss)} acc {num(ep.acc)}"
-    if ep.nonfinite_steps:
-        msg += f" (non-finite loss: skipped {ep.nonfinite_steps}/{ep.steps} steps)"
-    if "val_acc" in row:
-        msg += f" | val loss {num(row['val_loss'])} acc {num(row['val_acc'])}"
-    wall = row.get("wall_seconds", time.perf_counter() - run.t_start)
-    return msg + f" | {ep.images_per_s:.0f} img/s | {wall:.0f}s"
-
-
-def _kept(run: Run) -> str:
-    return "last good checkpoint kept" if (run.run_dir / "last.pt").is_file() else "no checkpoint was written"
-
-
-def _check_learned(run: Run, ep: engine.EpochStats, done: int) -> None:
-    """An epoch (or the part of it run since a resume) whose every step had a non-finite loss learned nothing:
-    the run stops with :class:`TrainingError` before the epoch is evaluated or committed, however short it is
-    (``train.max_nonfinite_steps`` counts a run of such steps, which a short run never reaches)."""
-    if not ep.nothing_learned:
-        return
-    if 0 < ep.steps <= ep.nonfinite_steps:
-        what = f"all {ep.steps} training steps of epoch {done} had a non-finite loss"
-    else:
-        what = (f"all {ep.new_steps} training steps of epoch {done} run since the resume had a non-finite loss "
-                f"({ep.nonfinite_steps}/{ep.steps} in the epoch)")
-    run.say(_epoch_line(run, ep, {}, done))
-    _close(run)
-    raise TrainingError(f"{what}; nothing was learned; stopping ({NONFINITE_HINT}); {_kept(run)}")
-
-
-def _check_result(run: Run, ep: engine.EpochStats, row: Dict[str, Any], done: int) -> None:
-    """Nothing non-finite is committed: weights that are not finite after an epoch, or a validation loss that is
-    not finite at the run's end, stop the run with :class:`TrainingError` before the row and checkpoints are
-    written (a non-finite validation loss before the end is written as null and the run goes on)."""
-    last = done == run.cfg.train.epochs or (run.cfg.train.max_steps is not None and run.step >= run.cfg.train.max_steps)
-    models = [run.model] + ([run.eval_model] if run.opt.ema is not None else [])
-    if not all(all_finite(m) for m in models):
-        what = (f"the weights or normalisation statistics are not finite after epoch {done} (non-finite steps "
-                "reached them: on a GPU the loss is checked every train.check_every steps)")
-    elif last and not math.isfinite(row.get("val_loss", 0.0)):
-        what = f"the validation loss after the last epoch ({done}) is {row['val_loss']}, not a finite number"
-    else:
-        return
-    run.say(_epoch_line(run, ep, row, done))
-    _close(run)
-    raise TrainingError(f"{what}; stopping ({NONFINITE_HINT}); {_kept(run)}")
-
-
-def _evaluate(run: Run) -> Dict[str, Any]:
-    eval_model = run.eval_model
-    if run.dist.enabled:  # BN running stats drift apart per rank: evaluate rank 0's, the ones it saves
-        with torch.no_grad():
-            for b in eval_model.buffers():
-                dist.broadcast(b, src=0)
-    ev = engine.evaluate(eval_model, run.eval_loader, device=run.device, precision=run.policy.precision,
-                         tta=run.cfg.eval.tta, num_classes=run.num_classes, reduce=run.policy.reduce)
-    run.last_eval = ev
-    return {"val_loss": ev["loss"], "val_acc": ev["acc"], "eval_seconds": ev["seconds"]}
-
-
-def _log_scalars(run: Run, row: Dict[str, Any], done: int) -> None:
-    writer, cfg = run.writer, run.cfg
-    for k in EPOCH_SCALARS:
-        if k in row:
-            tag = k.replace("_", "/", 1) if k.startswith(("train_", "val_")) else f"train/{k}"
-            writer.add_scalar("train/lr_epoch" if k == "lr" else tag, row[k], done)
-    log_hparam_metrics(writer, row, done)
-    if run.probe is not None and cfg.log.maps_every and done % cfg.log.maps_every == 0:
-        skipped = log_maps(writer, run.eval_model, run.probe, done, cfg, run.splits.train.classes, run, row)
-        if skipped:
-            run.say(f"warning: epoch {done}: the attention maps of {', '.join(skipped)} on the probe batch are not "
-                    "finite; those pictures were skipped")
-    writer.flush()
-
-
-def _has_taps(model: nn.Module) -> bool:
-    from .attention.tap import AttentionTap
-
-    return any(isinstance(m, AttentionTap) for m in model.modules())
-
-
-FAITHFULNESS_BUDGET = 0.05  # log.faithfulness=auto keeps the scores while they cost at most this share of an epoch
-
-
-def log_maps(writer: Any, model: nn.Module, probe: Any, step: int, cfg: Config, classes: Any,
-             run: Optional["Run"] = None, row: Optional[Dict[str, Any]] = None) -> List[str]:
-    """Log the attention maps of ``probe`` (images, labels) as the run's config says.
-
-    ``log.faithfulness="auto"`` (with ``run`` and its epoch ``row``): the scores are computed at the first
-    logging epoch and kept while they cost at most :data:`FAITHFULNESS_BUDGET` of the epoch's training time;
-    past that they are switched off for the rest of the run, with one line saying so.
-    Returns the maps that were not logged because they held NaN or inf (the logger skips those pictures)."""
-    from .maps.tensorboard import log_attention_maps
-
-    auto = cfg.log.faithfulness == "auto"
-    faith = (run is None or run.faithfulness_on) if auto else bool(cfg.log.faithfulness)
-    with warnings.catch_warnings():  # the skipped maps are reported once, by the caller
-        warnings.simplefilter("ignore", RuntimeWarning)
-        summary = log_attention_maps(writer, model, probe[0], probe[1], step, cfg.data.mean, cfg.data.std,
-                                     list(classes), scale=cfg.log.map_scale, head_maps=cfg.log.head_maps,
-                                     norm=cfg.log.map_norm, faithfulness=faith, gradient_maps=cfg.log.gradient_maps,
-                                     boxes=probe[2] if len(probe) > 2 else None, tolerance=cfg.data.placed.tolerance)
-    cost = summary.get("faithfulness_seconds")
-    epoch = (row or {}).get("epoch_seconds")
-    if auto and run is not None and cost and epoch and cost[0] > FAITHFULNESS_BUDGET * epoch:
-        run.faithfulness_on = False
-        run.say(f"log.faithfulness=auto: the faithfulness scores took {cost[0]:.1f} s, more than "
-                f"{FAITHFULNESS_BUDGET:.0%} of the {epoch:.0f} s epoch; not computed again in this run "
-                "(log.faithfulness=true keeps them)")
-    return list(summary.get("skipped", []))

@@ -1,41 +1,19 @@
 """``python -m visattn.visualize --checkpoint RUN/best.pt --images a.png b.jpg --out DIR``: a trained model's
 attention maps on your own pictures.
 
-Every image (any size; RGB, RGBA, greyscale, palette) is resized to the model's input size
-(``data.image_size`` of the checkpoint's run), all of them go through one eval forward pass under
-:func:`visattn.maps.record_attention`, and for each image the tool writes one PNG per attention layer that
-has a spatial map (spatial gates, token attention, pooling weights; plus ``rollout`` for the last run of
-token layers on one grid; and, from one backward pass for the predicted class, each layer's gradient-weighted
-map ``<layer>/grad``, the gradient-weighted rollout ``rollout_grad`` and, for a CNN, the layers' ``/grad`` maps
-joined on the pixels, ``layers_grad``, unless ``--no-gradient-maps``): the
-picture beside its overlay, at its own aspect ratio, upscaled by ``--scale``,
-with the predicted class and its confidence, the layer and the map's range and peakedness written above and
-the colour bar below. ``predictions.json`` lists every image's
-prediction and the files made from it. Channel attention (SE, ECA, CBAM's channel gate) has no spatial
-layout and draws nothing.
+``--images``: every image (any size; RGB, RGBA, greyscale, palette) is resized to the model's input size and
+all go through one recorded eval pass (and, unless ``--no-gradient-maps``, one backward pass for the predicted
+class); per image and map (spatial gates, token attention, pooling weights, ``rollout``, the ``/grad`` maps,
+``rollout_grad``, ``layers_grad``) one PNG, the picture beside its overlay at its own aspect ratio, with the
+prediction, the layer and the map's range above and the colour bar below, as
+``DIR/<image stem>__<layer>.png``; ``DIR/predictions.json`` lists every prediction and file. Channel
+attention has no spatial layout and draws nothing.
 
-    DIR/predictions.json
-    DIR/<image stem>__<layer>.png       e.g. dog__layers.0.units.0.attn.spatial.png, dog__rollout.png,
-                                        dog__layers.0.units.0.attn.spatial-grad.png, dog__rollout_grad.png
-
-``--validation N`` instead of ``--images`` draws N images of the checkpoint's held-out split (from its
-``data.root``, or ``--data``; one per class in turn, the trainer's probe batch, or the first N with
-``--pick first``) exactly as TensorBoard shows them: one grid per ``maps/`` or
-``matrix/`` tag, written by the same code as the training logger (``log_attention_maps``), with the true
-and predicted class above each image, and the tags' one-line descriptions (TensorBoard's text tab) in
-``descriptions.md``. The README's pictures are made this way.
-
-    DIR/maps__<layer>.png, DIR/maps__rollout.png, DIR/matrix__<layer>.png, DIR/descriptions.md
-
-``--faithfulness N`` prints the faithfulness table (:func:`visattn.faithfulness`) of N held-out images:
-per map, the deletion and insertion areas and scores against random orders with bootstrap intervals, the
-gradient-weighted maps (for the true class), the gradient baselines and the model-randomisation check; with
-``--out`` also ``faithfulness.json``. ``--maps NAME ...`` scores only those maps (e.g. ``rollout rollout_grad``).
-
-    python -m visattn.visualize --checkpoint RUN/best.pt --faithfulness 500 --data ../shared/data/...
-
-Maps are drawn on their kind's fixed colour scale with a colour bar (``--map-norm per_image`` stretches
-each map to its own range instead), each cell over the input pixels it sees.
+``--validation N``: N images of the checkpoint's held-out split exactly as TensorBoard shows them, written by
+the training logger's own code, one ``DIR/maps__<layer>.png`` / ``DIR/matrix__<layer>.png`` per tag, and the
+tags' descriptions in ``DIR/descriptions.md`` (the README's pictures are made this way). ``--faithfulness N``
+prints the faithfulness table (:func:`visattn.faithfulness`) of N held-out images (with ``--out`` also
+``faithfulness.json``); ``--maps NAME ...`` scores only those maps.
 
 Problems are one ``error: ...`` line and a non-zero exit status: 2 for a missing or unreadable image, a bad
 checkpoint or a bad option; 1 for a model without spatial attention (its ``predictions.json`` is still
@@ -58,11 +36,9 @@ import torch.nn.functional as F
 from .data import spread_indices
 from .data.sources import to_rgb
 from .errors import CheckpointError, ConfigError, DataError, VisattnError
-from .maps.draw import DIM, GAP, TEXT, cells_picture, colour_bar, fit_text
-from .maps.overlay import COLORMAPS, blend, to_uint8
 from .maps.readout import LayerMap, read_maps
 from .maps.record import find_taps, probe_pass
-from .maps.scale import NORMS, caption
+from .maps.render import COLORMAPS, NORMS, image_picture
 from .options import describe
 
 TOP_K = 3  # classes listed per image in predictions.json
@@ -151,16 +127,6 @@ def _stem_names(paths: Sequence[str]) -> List[str]:
     return out
 
 
-def _map_file(original: np.ndarray, base: torch.Tensor, lm: LayerMap, i: int, size: int, header: str,
-              norm: str, colormap: str, alpha: float) -> np.ndarray:
-    """One image's picture of one map: caption, the picture beside its overlay, colour bar."""
-    over = blend(base, lm.unit(norm)[i : i + 1].cpu(), lm.geometry, (size, size), alpha, colormap)
-    tile_w = 2 * original.shape[1] + GAP
-    lines = [(header, TEXT), (fit_text(lm.name, tile_w - 4), TEXT), (caption(lm.stats()[i], lm.scale, norm), DIM)]
-    cell = (lines, [original, over[0].permute(1, 2, 0).numpy()])
-    return cells_picture([cell], lambda w: colour_bar(w, lm.scale, norm, colormap))
-
-
 def visualize(checkpoint: str, images: Sequence[str], out_dir: str, alpha: float = 0.5, scale: int = 4,
               colormap: str = "jet", device: str = "auto", norm: str = "fixed",
               gradient_maps: bool = True) -> Dict[str, Any]:
@@ -201,12 +167,11 @@ def visualize(checkpoint: str, images: Sequence[str], out_dir: str, alpha: float
         # The maps cover the square model input; placed proportionally they lie on what they saw.
         base = F.interpolate(im.display[None].float() / 255.0, size=_display_hw(im.size, size * scale), mode="bilinear",
                              align_corners=False, antialias=True).clamp(0, 1)
-        original = to_uint8(base)[0].permute(1, 2, 0).numpy()
         files: Dict[str, str] = {}
         for lm in maps:
             fname = f"{stem}__{_safe(lm.name)}.png"
-            header = f"pred: {pred} ({float(conf[0]):.1%})"
-            _save_png(_map_file(original, base, lm, i, size, header, norm, colormap, alpha), out / fname)
+            picture = image_picture(base, lm, i, (size, size), pred, float(conf[0]), norm, colormap, alpha)
+            _save_png(picture, out / fname)
             files[lm.name] = fname
         entries.append({
             "image": im.path, "mode": im.mode, "size": list(im.size), "pred": pred, "class_index": int(idx[0]),
@@ -293,16 +258,17 @@ def validation_grids(checkpoint: str, count: int, out_dir: str, data: Optional[s
                      gradient_maps: bool = True) -> Dict[str, str]:
     """TensorBoard's ``maps/`` and ``matrix/`` pictures of ``count`` held-out images (:func:`heldout_batch`),
     as PNG files, drawn by the training logger's own code; returns ``{tag: file name}``."""
-    from .maps.tensorboard import log_attention_maps
+    from .maps.tensorboard import MapSettings, log_attention_maps
 
     _check_options(alpha, scale, colormap, norm)
     model, cfg, classes, x, y, boxes = heldout_batch(checkpoint, count, data, device, pick, with_boxes=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     writer = _PngWriter(out)
-    log_attention_maps(writer, model, x, y, 0, cfg.data.mean, cfg.data.std, classes, scale=scale,
-                       colormap=colormap, alpha=alpha, head_maps=head_maps, norm=norm, gradient_maps=gradient_maps,
-                       boxes=boxes, tolerance=cfg.data.placed.tolerance)  # placed objects: their boxes and scores
+    settings = MapSettings(cfg.data.mean, cfg.data.std, classes, scale=scale, colormap=colormap, alpha=alpha,
+                           head_maps=head_maps, norm=norm, gradient_maps=gradient_maps,
+                           tolerance=cfg.data.placed.tolerance)
+    log_attention_maps(writer, model, x, y, 0, settings, boxes=boxes)  # placed objects: their boxes and scores
     if not writer.files:
         why = "has no attention layers" if not find_taps(model) else "has no attention layer with a spatial map"
         raise VisattnError(f"model {cfg.model.name!r} {why}: no pictures written")
@@ -316,13 +282,13 @@ def faithfulness_table(checkpoint: str, count: int, data: Optional[str] = None, 
     precision (or ``precision``); ``options`` go to it (``steps``, ``regions``, ``fill``, ``draws``,
     ``batch_size``, ``seed``, ``names``, ``gradient_maps``). Writes ``faithfulness.json`` into ``out_dir``
     when given. Returns the report."""
-    from . import engine
+    from .evaluate import autocast, resolve_precision
     from .maps.faithful import faithfulness
 
     model, cfg, classes, x, y = heldout_batch(checkpoint, count, data, device, pick)
-    precision = engine.resolve_precision(precision or cfg.precision, x.device)
+    precision = resolve_precision(precision or cfg.precision, x.device)
     try:
-        with engine.autocast(x.device, precision):  # as the run evaluated: bf16 and channels-last are 2-3x faster
+        with autocast(x.device, precision):  # as the run evaluated: bf16 and channels-last are 2-3x faster
             report = faithfulness(model, x, y, **options)
     except ValueError as e:  # an unknown map name
         raise ConfigError(f"--maps: {e}") from None
@@ -355,10 +321,10 @@ def _check_options(alpha: float, scale: int, colormap: str, norm: str = "fixed")
 
 
 def _device(name: str) -> torch.device:
-    from . import engine
+    from .options import resolve_device
 
     try:
-        return engine.resolve_device(name)
+        return resolve_device(name)
     except RuntimeError as e:
         raise ConfigError(f"--device {name!r}: {str(e).splitlines()[0]}") from None
 

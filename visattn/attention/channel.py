@@ -6,23 +6,16 @@
 * ``gc``: Cao, Xu, Lin, Wei, Hu, 2019, "GCNet: Non-local Networks Meet Squeeze-Excitation Networks and
   Beyond", arXiv 1904.11492.
 
-**Initialisation** (``init``, the same rule for every feature-map block in visattn): ``"default"`` is the
-paper's block (and timm's, weight for weight); ``"identity"`` zero-initialises the layer that makes the
-block's last logits (a gate's) or its residual output, and reads a gate as ``gain * gate(z)`` with
-``gain = 1 / gate(0)`` (2 for a sigmoid), so the block returns its input exactly at initialisation and learns
-from there: the gradient of that zeroed layer is not zero. Its gates then span 0-2, 1 meaning "unchanged",
-and its taps carry that multiplier on the ``"gain"`` scale (:mod:`visattn.attention.tap`). Use it to put a
-block into a network tuned or trained without it.
+**Initialisation** (``init``, the same rule for every feature-map block): ``"default"`` is the paper's block
+(and timm's, weight for weight); ``"identity"`` zero-initialises the layer that makes the block's last logits
+(a gate's) or its residual output, and reads a gate as ``gain * gate(z)`` with ``gain = 1 / gate(0)`` (2 for
+a sigmoid), so the block returns its input exactly at initialisation and the zeroed layer still gets a
+gradient. Its gates then span 0-2, 1 meaning "unchanged", and its taps say so (scale ``"gain"``). Use it to
+put a block into a network trained without it.
 
-Every block here is plain differentiable PyTorch (no custom ``autograd.Function``), so it composes with
-``torch.compile(fullgraph=True)``, ``torch.export``, ONNX export, ``torch.jit.trace``, double backward and
-``torch.func`` transforms. Numerics: the pooled statistics are taken in fp32 (or the input's dtype if that
-is wider) and the small gate networks run with autocast off in their parameters' dtype, so an fp16 autocast
-pass cannot overflow inside a gate; only the final full-size multiply runs in the input's dtype.
-
-The helpers :func:`check_feature_map` and :func:`check_norm_batch` give every feature-map block the same
-one-line ``ValueError`` for a wrong input rank or channel count and for a training-mode BatchNorm that would
-see a single value per channel.
+Plain differentiable PyTorch (compile with ``fullgraph=True``, export, ONNX, trace, double backward,
+``torch.func``). Pooled statistics are taken in fp32 (or wider) and the small gate networks run with
+autocast off in their parameters' dtype, so fp16 autocast cannot overflow inside a gate.
 """
 from __future__ import annotations
 
@@ -39,18 +32,8 @@ from ..registry import register_attention
 from .functional import check_init, gate_gain, positive_int, zero_
 from .tap import AttentionTap
 
-__all__ = [
-    "SqueezeExcite",
-    "EfficientChannelAttention",
-    "GlobalContext",
-    "eca_kernel_size",
-    "check_feature_map",
-    "check_norm_batch",
-    "GC_MIN_HIDDEN",
-    "gain_scale",
-    "gained",
-    "IdentityGate",
-]
+__all__ = ["SqueezeExcite", "EfficientChannelAttention", "GlobalContext", "eca_kernel_size", "check_feature_map",
+           "check_norm_batch", "GC_MIN_HIDDEN", "gained", "IdentityGate", "BottleneckGate"]
 
 
 def check_channels(channels: int) -> int:
@@ -101,11 +84,6 @@ def autocast_off(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def gain_scale(init: str) -> Optional[str]:
-    """The value scale of a gate's tap: the kind's default (``"gate"``, 0-1) or ``"gain"`` (0-2, identity init)."""
-    return "gain" if init == "identity" else None
-
-
 def gained(gate: torch.Tensor, gain: float) -> torch.Tensor:
     """``gate * gain`` (no op for the paper's gain of 1; exact for the identity gain of 2)."""
     return gate if gain == 1.0 else gate * gain
@@ -121,7 +99,7 @@ class IdentityGate:
     def setup_gate(self, gate_layer: Type[nn.Module], init: str, kind: str) -> None:
         self.gate = gate_layer()
         self.gain = gate_gain(self.gate, init)
-        self.tap = AttentionTap(kind, scale=gain_scale(init))
+        self.tap = AttentionTap(kind, scale="gain" if init == "identity" else None)  # 0-2, or the kind's 0-1
         self.zero_init_last()
 
     def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
@@ -135,27 +113,12 @@ class IdentityGate:
             zero_(*self.identity_layers())
 
 
-@register_attention("se", layout="feature", kind="channel")
-class SqueezeExcite(IdentityGate, nn.Module):
-    """Squeeze-and-excitation (Hu, Shen, Sun, 2018, arXiv 1709.01507).
+class BottleneckGate(IdentityGate, nn.Module):
+    """What SE and CBAM's channel gate share: the bottleneck MLP ``fc1 -> act -> fc2`` of 1x1 convs
+    (``C -> C * rd_ratio -> C``) and the gate; ``init="identity"`` zeroes ``fc2``."""
 
-    Global average pool, bottleneck MLP ``C -> C * rd_ratio -> C`` (1x1 convs with bias, ReLU), sigmoid gate
-    per channel. The paper's reduction ratio is 16. Parameter names match timm's ``SEModule``, so its weights
-    load directly. Input ``(B, channels, H, W)``. Tap: the ``(B, C)`` gate. ``init="identity"``: ``fc2``
-    starts at zero and the gate is ``2 * sigmoid``, so the block starts as the identity (module docstring).
-    """
-
-    def __init__(
-        self,
-        channels: int,
-        rd_ratio: float = 1.0 / 16,
-        rd_channels: Optional[int] = None,
-        rd_divisor: int = 1,
-        act_layer: Type[nn.Module] = nn.ReLU,
-        gate_layer: Type[nn.Module] = nn.Sigmoid,
-        bias: bool = True,
-        init: str = "default",
-    ):
+    def __init__(self, channels: int, rd_ratio: float, rd_channels: Optional[int], rd_divisor: int,
+                 act_layer: Type[nn.Module], gate_layer: Type[nn.Module], bias: bool, init: str):
         super().__init__()
         self.channels = check_channels(channels)
         rd = reduced_channels(channels, rd_ratio, rd_channels, rd_divisor)
@@ -167,6 +130,21 @@ class SqueezeExcite(IdentityGate, nn.Module):
 
     def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
         return self.fc2.weight, self.fc2.bias
+
+
+@register_attention("se", layout="feature", kind="channel")
+class SqueezeExcite(BottleneckGate):
+    """Squeeze-and-excitation (Hu, Shen, Sun, 2018, arXiv 1709.01507).
+
+    Global average pool, bottleneck MLP ``C -> C * rd_ratio -> C`` (1x1 convs, ReLU; the paper's ratio is
+    1/16), sigmoid gate per channel; names match timm's ``SEModule``. Tap: the ``(B, C)`` gate.
+    ``init="identity"``: ``fc2`` starts at zero and the gate is ``2 * sigmoid``.
+    """
+
+    def __init__(self, channels: int, rd_ratio: float = 1.0 / 16, rd_channels: Optional[int] = None,
+                 rd_divisor: int = 1, act_layer: Type[nn.Module] = nn.ReLU, gate_layer: Type[nn.Module] = nn.Sigmoid,
+                 bias: bool = True, init: str = "default"):
+        super().__init__(channels, rd_ratio, rd_channels, rd_divisor, act_layer, gate_layer, bias, init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
@@ -189,24 +167,14 @@ def eca_kernel_size(channels: int, gamma: float = 2.0, b: float = 1.0) -> int:
 class EfficientChannelAttention(IdentityGate, nn.Module):
     """Efficient channel attention (Wang et al., 2020, arXiv 1910.03151).
 
-    Global average pool, then a 1D convolution across neighbouring channels (no dimensionality reduction)
-    with a kernel size chosen from ``log2(C)`` (``gamma=2``, ``b=1``, odd, at least 3; see
-    :func:`eca_kernel_size`) unless ``kernel_size`` is given, then a sigmoid gate. Parameter names and
-    kernel sizes match timm's ``EcaModule`` for every C. Works for any channel count: the 1D conv slides
-    over the channels, so ``channels`` only picks the kernel size and a block built for one width also
-    runs on another. Tap: the ``(B, C)`` gate. ``init="identity"``: the 1D conv starts at zero and the gate
-    is ``2 * sigmoid`` (module docstring).
+    Global average pool, a 1D convolution across neighbouring channels with a kernel size from ``log2(C)``
+    (:func:`eca_kernel_size`) unless ``kernel_size`` is given, then a sigmoid gate; names and kernel sizes
+    match timm's ``EcaModule``. Works for any channel count: ``channels`` only picks the kernel size. Tap: the
+    ``(B, C)`` gate. ``init="identity"``: the 1D conv starts at zero and the gate is ``2 * sigmoid``.
     """
 
-    def __init__(
-        self,
-        channels: int,
-        kernel_size: Optional[int] = None,
-        gamma: float = 2.0,
-        b: float = 1.0,
-        gate_layer: Type[nn.Module] = nn.Sigmoid,
-        init: str = "default",
-    ):
+    def __init__(self, channels: int, kernel_size: Optional[int] = None, gamma: float = 2.0, b: float = 1.0,
+                 gate_layer: Type[nn.Module] = nn.Sigmoid, init: str = "default"):
         super().__init__()
         self.channels = check_channels(channels)
         if kernel_size is None:
@@ -238,32 +206,18 @@ GC_MIN_HIDDEN = 4  # LayerNorm over 1 feature outputs only its bias, over 2 only
 class GlobalContext(nn.Module):
     """Global context block (Cao et al., 2019, arXiv 1904.11492).
 
-    Context modelling: a 1x1 conv (``conv_attn``, applied through its weights, so its hooks do not fire)
-    scores every position, a softmax over the H*W positions (in fp32) turns the scores into pooling weights,
-    and the weighted sum of features is one ``(B, C)`` context vector (the non-local block's
-    query-independent simplification). Transform: bottleneck ``C -> hidden -> C`` with LayerNorm and ReLU,
-    ``hidden = C * rd_ratio`` (the paper uses ratio 1/16) rounded, but at least ``GC_MIN_HIDDEN`` (4):
-    LayerNorm over a single feature outputs only its bias, so at the default ratio every C <= 23 would
-    otherwise have a dead context path. An explicit ``rd_channels`` below 3 is kept but warned about.
-    Fusion: broadcast add (the paper's default), a sigmoid scale, or both. As in the paper's code the last
-    transform layer of the add branch is zero-initialised, so with ``fusion="add"`` the block starts as the
-    identity in either ``init``; ``init="identity"`` also zero-initialises the scale branch's last layer and
-    reads its gate as ``2 * sigmoid`` (module docstring), so every fusion starts as the identity. Input
-    ``(B, channels, H, W)``. Tap (kind ``"spatial"``): the context softmax as a ``(B, 1, H, W)`` map (it
-    sums to one over H, W).
+    A 1x1 conv (``conv_attn``) scores every position, an fp32 softmax over the H*W positions pools the
+    features into one ``(B, C)`` context vector, and a bottleneck ``C -> hidden -> C`` (LayerNorm, ReLU;
+    ``hidden = C * rd_ratio``, at least ``GC_MIN_HIDDEN`` = 4, since a LayerNorm over one feature outputs only
+    its bias) transforms it. Fusion: broadcast add (the paper's default), a sigmoid scale, or both. The add
+    branch's last layer starts at zero as in the paper's code, so ``fusion="add"`` starts as the identity in
+    either ``init``; ``init="identity"`` also zeroes the scale branch's last layer and reads its gate as
+    ``2 * sigmoid``. Tap (kind ``"spatial"``): the context softmax as a ``(B, 1, H, W)`` map.
     """
 
-    def __init__(
-        self,
-        channels: int,
-        rd_ratio: float = 1.0 / 16,
-        rd_channels: Optional[int] = None,
-        rd_divisor: int = 1,
-        fusion: str = "add",
-        act_layer: Type[nn.Module] = nn.ReLU,
-        gate_layer: Type[nn.Module] = nn.Sigmoid,
-        init: str = "default",
-    ):
+    def __init__(self, channels: int, rd_ratio: float = 1.0 / 16, rd_channels: Optional[int] = None,
+                 rd_divisor: int = 1, fusion: str = "add", act_layer: Type[nn.Module] = nn.ReLU,
+                 gate_layer: Type[nn.Module] = nn.Sigmoid, init: str = "default"):
         super().__init__()
         self.channels = check_channels(channels)
         self.init = check_init(init)

@@ -21,17 +21,10 @@ def positive_int(name: str, value: object, *, odd: bool = False, divides: Option
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
          dropout_p: float = 0.0, scale: Optional[float] = None, is_causal: bool = False) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``; on CPU, half-precision inputs run in fp32 and come back cast.
-
-    PyTorch's CPU flash-attention kernel is several times slower in bf16 than in fp32, above all in the
-    backward pass (measured here on ``(64, 12, 65, 16)`` q/k/v: 369 ms bf16 against 56 ms fp32 for forward +
-    backward), and an fp32 softmax is what the blocks want numerically anyway. Autocast is switched off for
-    the call so it does not cast the inputs back down. GPUs keep their native half-precision kernels.
-
-    The fused kernels (flash, memory-efficient, cuDNN) have no double backward: for a gradient penalty or
-    other second-order use, run under ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``, whose composite
-    ops are twice differentiable.
-    """
+    """``F.scaled_dot_product_attention``; on CPU, half-precision inputs run in fp32 (autocast off) and come
+    back cast: the CPU flash kernel is several times slower in bf16 (``(64, 12, 65, 16)`` q/k/v, forward +
+    backward: 369 ms bf16, 56 ms fp32), and an fp32 softmax is what the blocks want anyway. The fused kernels
+    have no double backward: run second-order uses under ``sdpa_kernel(SDPBackend.MATH)``."""
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.float()

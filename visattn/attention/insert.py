@@ -1,37 +1,13 @@
 """Reuse visattn's feature-map blocks in other people's CNNs.
 
-* :func:`attn_layer` gives a callable for timm ResNet's ``attn_layer`` slot:
-  ``timm.create_model("resnet18", block_args=dict(attn_layer=attn_layer("cbam")))``. timm calls it as
-  ``attn_layer(channels, device=..., dtype=...)`` (``timm/layers/create_attn.py`` passes any non-string
-  callable through) and applies the block after the residual branch's last BN, before the add. Only timm's
-  ResNet family (``timm.models.resnet``) has that argument.
-* :func:`insert_attention` puts a block into an already built torchvision or timm model of the families
-  below: one block per residual block, after the residual branch's last norm (before the residual add). A
-  model's own squeeze-and-excitation modules are kept, trained weights and all, so a trained network computes
-  exactly what it computed before (the blocks start as the identity). ``replace_se=True`` instead puts the
-  block in each SE's place, which drops the SE's trained weights. With ``at=`` it puts one after each named
-  module of any model, your own included.
-
-Where each block goes (the model's own parameter names are kept everywhere except torchvision ResNets):
-
-=============================  ============================================================================
-torchvision ResNet             last BN of the branch becomes ``bnX = Sequential(norm=<BN>, attn=<block>)``
-timm ResNet                    the block's ``se`` slot (timm's own ``attn_layer`` place, after the last BN);
-                               a timm SE-ResNet keeps its SE and the block follows it (``drop_path.attn``)
-torchvision RegNet-X/Y         appended to ``f.c`` (the branch's last conv-BN, after RegNet-Y's SE): ``f.c.2``
-timm RegNet-X/Y                ``conv3.aa``, the empty slot ``ConvNormAct`` applies right after its norm
-torchvision ConvNeXt           appended to ``block`` after its last permute (``block.7``): the branch end
-timm ConvNeXt                  after ``mlp`` (in ``mlp.drop2``): the branch end, before the layer scale
-torchvision EfficientNet       appended to the projection's conv-BN (after the SE): ``block.N.2``
-torchvision MobileNetV3        the same, in every inverted residual block (with an SE or not)
-timm EfficientNet/MobileNetV3  after the projection's norm, in its (identity) activation slot: ``bn3.act``
-                               (``bn2.act`` in depthwise-separable and edge-residual blocks)
-=============================  ============================================================================
-
-ConvNeXt's only norm sits before its MLP, in channels-last layout, so "after the last norm" is read there
-as the end of the residual branch (after the MLP, before the layer scale and the add), where the block
-sees the branch output as in a ResNet. With ``replace_se=True`` a replaced SE's block is built with
-visattn's defaults for the SE's input width (pass options such as ``rd_ratio=0.25`` to mirror the original).
+* :func:`attn_layer`: a callable for timm ResNet's ``attn_layer`` slot
+  (``timm.create_model("resnet18", block_args=dict(attn_layer=attn_layer("cbam")))``); timm calls it as
+  ``attn_layer(channels, device=..., dtype=...)`` and applies the block after the branch's last BN.
+* :func:`insert_attention`: one block per residual block of a built torchvision or timm model, after the
+  residual branch's last norm, before the add; the model's own SE modules are kept (``replace_se=True``
+  replaces them). ``at=`` puts one after each named module of any model. The slot per family is tabled in
+  docs/blocks.md; ConvNeXt's only norm sits mid-branch, channels-last, so there the block goes at the end of
+  the branch, before the layer scale.
 """
 from __future__ import annotations
 
@@ -61,16 +37,7 @@ def _check_feature_block(name: str, kwargs: Dict[str, Any]) -> None:
         raise ValueError(
             f"{name!r} is a token block; a CNN needs a feature-map block: {', '.join(list_attention('feature'))}"
         )
-    builder = ATTENTION.get(name)
-    target = builder.__init__ if inspect.isclass(builder) else builder
-    if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(target).parameters.values()):
-        return  # the block takes any keyword (the "none" identity)
-    options = [o for o in attention_options(name) if o != "channels"]
-    bad = sorted(k for k in kwargs if k not in options)
-    if bad:
-        raise ValueError(
-            f"attention block {name!r} got unknown option(s) {', '.join(bad)}; valid: {', '.join(options)}"
-        )
+    ATTENTION.check_options(name, kwargs)
 
 
 class AttnLayer:
@@ -326,33 +293,26 @@ def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], 
     """Put block ``name`` (built with ``kwargs``) into a torchvision or timm CNN, or after the modules ``at``
     names in any model; returns how many were put.
 
-    Supported: torchvision and timm ResNet, RegNet (X and Y), ConvNeXt, EfficientNet and MobileNetV3. One
-    block goes into every residual block, after the residual branch's last norm and before the residual add
-    (see the module docstring for the exact slot per family; the model's parameter names are kept except in
-    torchvision ResNets, whose last BN becomes ``bnX.norm``, so load pretrained weights before inserting).
-    The model's own squeeze-and-excitation modules (RegNet-Y, EfficientNet, MobileNetV3, timm SE-ResNets)
-    are kept, with their trained weights; the block goes after them.
+    Supported: torchvision and timm ResNet, RegNet (X and Y), ConvNeXt, EfficientNet and MobileNetV3: one
+    block per residual block, after the branch's last norm, before the add (the slot per family: docs/blocks.md;
+    parameter names are kept except in torchvision ResNets, whose last BN becomes ``bnX.norm``, so load
+    pretrained weights first). The model's own SE modules are kept, trained weights and all; the block follows.
 
-    Blocks are built with ``init="identity"`` unless ``kwargs`` say otherwise: each starts by returning its
-    input unchanged, so a trained network computes exactly what it computed before (in eval mode the
-    outputs are bit-identical) and training moves the blocks from there (``init="default"`` gives the
-    paper's block, whose sigmoid gates start near 0.5 and halve the signal they gate).
+    Blocks are built with ``init="identity"`` unless ``kwargs`` say otherwise, so a trained network computes
+    exactly what it did before (bit-identical in eval mode) and training moves the blocks from there.
 
-    ``replace_se``: put the block in the place of each of the model's own SE modules instead, built for the
-    SE's input width. This **drops the SEs' trained weights**: a trained model no longer computes what it did
-    (for a model built to be trained from scratch with another channel attention in the SE's place).
+    ``replace_se``: put the block in each SE's place instead, built for the SE's input width; this **drops the
+    SEs' trained weights** (for a model trained from scratch).
 
-    ``at``: a module name of ``model.named_modules()`` or a list of them, each may be an ``fnmatch`` pattern
-    (``"body.*.bn2"``): one block after each module named, in any model (your own included), instead of the
-    family rule. Each named module must output a ``(B, C, H, W)`` map and be a ``Conv2d``, a ``BatchNorm2d``,
-    ``GroupNorm`` or timm ``LayerNorm2d``, or a ``Sequential`` ending in one (that gives ``C``); it becomes
-    ``AttnAfter(inner=<module>, attn=<block>)``, so its parameters move to ``<name>.inner.*``: load weights
-    before inserting. Unlike the family rule, ``at`` may add blocks to a model that already holds some.
+    ``at``: module names of ``model.named_modules()`` (or ``fnmatch`` patterns, ``"body.*.bn2"``): one block
+    after each, in any model, instead of the family rule. Each must output ``(B, C, H, W)`` and be a
+    ``Conv2d``, ``BatchNorm2d``, ``GroupNorm``, timm ``LayerNorm2d`` or a ``Sequential`` ending in one; it
+    becomes ``AttnAfter(inner=<module>, attn=<block>)`` (its parameters move to ``<name>.inner.*``). ``at`` may
+    add blocks to a model that already holds some.
 
-    New blocks are trainable, on the device and dtype of the layer they follow or replace, in the host
-    block's train/eval mode. Raises ``ValueError`` (and leaves the model unchanged) if the model holds none
-    of these blocks (or ``at`` names no module, or one whose width it cannot tell), or already holds a visattn
-    block or another attention block in the slot.
+    New blocks are trainable, on the device and dtype of the layer they follow, in the host block's train/eval
+    mode. Raises ``ValueError``, leaving the model unchanged, if there is no site, a name it cannot use, or a
+    slot that already holds an attention block.
     """
     _check_feature_block(name, kwargs)
     if replace_se and at is not None:

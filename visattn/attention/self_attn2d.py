@@ -5,19 +5,13 @@
 * ``mhsa2d``: multi-head self-attention with BoTNet's 2D relative-position logits (Srinivas, Lin, Parmar,
   Shlens, Abbeel, Vaswani, 2021, "Bottleneck Transformers for Visual Recognition", arXiv 2101.11605).
 
-Both are residual blocks whose output path ends in a BatchNorm with zero-initialised scale, so they start
-as the identity and can be dropped into a trained network: ``init="default"`` and ``init="identity"`` (the
-rule of :mod:`visattn.attention.channel`) are the same here, except that with a ``norm_layer`` that has no
-scale (``nn.Identity``) ``"identity"`` zero-initialises the output projection instead. Both attend over all ``N = H * W`` positions:
-time and (on the explicit paths) memory grow as ``N**2``, so they suit the later, smaller stages.
-
-Composability: plain PyTorch (compile with ``fullgraph=True``, ``torch.export``, ONNX, ``torch.jit.trace``,
-``torch.func``); double backward under ``sdpa_kernel(SDPBackend.MATH)`` (the fused kernels have none).
-
-Observation: the tap (kind ``"token"``) carries ``(B, heads, N, N)`` row-stochastic weights with
-``grid=(H, W)`` and no prefix tokens. The training path is fused ``F.scaled_dot_product_attention``; on
-recording passes (``tap.active``) the softmax is computed explicitly in fp32 with autocast off, passed through
-the tap, and that same tensor multiplies the values.
+Both are residual blocks whose output path ends in a BatchNorm with zero-initialised scale, so they start as
+the identity in either ``init``; with a scale-free ``norm_layer`` (``nn.Identity``) ``init="identity"`` zeroes
+the output projection instead. Both attend over all ``N = H * W`` positions (cost grows as ``N**2``), so they
+suit the later, smaller stages. Plain PyTorch (compile, export, ONNX, trace, ``torch.func``); double backward
+under ``sdpa_kernel(SDPBackend.MATH)``. The tap (kind ``"token"``) carries ``(B, heads, N, N)`` weights with
+``grid=(H, W)``: on recording passes the softmax is computed explicitly in fp32 and that same tensor
+multiplies the values; otherwise the path is fused ``F.scaled_dot_product_attention``.
 """
 from __future__ import annotations
 
@@ -35,11 +29,6 @@ from .tap import AttentionTap
 __all__ = ["NonLocal2d", "MHSA2d", "rel_pos_embed"]
 
 
-def _tokens(x: torch.Tensor) -> torch.Tensor:
-    """``(B, C, H, W) -> (B, N, C)`` view (contiguous for channels_last input)."""
-    return x.flatten(2).transpose(1, 2)
-
-
 def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``(B, heads, N, d)`` attention output -> ``(B, heads * d, H, W)`` in the memory format of ``like``
     (mixing formats would send the BN that follows down a slow path).
@@ -55,54 +44,56 @@ def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return y.transpose(2, 3).clone(memory_format=torch.contiguous_format).view(B, n * d, H, W)
 
 
-def zero_output(block: nn.Module) -> None:
-    """The residual output path starts at zero: the norm's scale and shift where it has them (both inits),
-    else, with ``init="identity"``, the output projection."""
-    if getattr(block.norm, "weight", None) is not None:
-        zero_(block.norm.weight, getattr(block.norm, "bias", None))  # the block starts as the identity
-    elif block.init == "identity":
-        zero_(block.proj.weight, block.proj.bias)
+class ResidualSelfAttention2d(nn.Module):
+    """What both blocks share: the input checks, the attention and its tap, and the output path
+    ``x + norm(proj(y))`` that starts at zero."""
 
+    def zero_init_last(self) -> None:
+        """The output path starts at zero: the norm's scale and shift where it has them (both inits), else, with
+        ``init="identity"``, the output projection. Also timm's hook."""
+        if getattr(self.norm, "weight", None) is not None:
+            zero_(self.norm.weight, getattr(self.norm, "bias", None))  # the block starts as the identity
+        elif self.init == "identity":
+            zero_(self.proj.weight, self.proj.bias)
 
-def _attend(block: nn.Module, q, k, v, H: int, W: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Softmax attention ``(B, n, N, d)`` -> ``(B, n, N, d)``, scores ``q k^T * block.scale (+ bias)``."""
-    if block.tap.active:  # autocast off: under bf16/fp16 autocast the matmuls would otherwise run (and round) in it
-        with torch.autocast(device_type=q.device.type, enabled=False):
-            acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 input
-            logits = (q.to(acc) * block.scale) @ k.to(acc).transpose(-2, -1)  # (B, n, N, N)
-            if bias is not None:
-                logits = logits + bias.to(acc)
-            attn = block.tap(logits.softmax(dim=-1), grid=(H, W), num_prefix_tokens=0)
-            return (attn @ v.to(acc)).to(v.dtype)
-    mask = None if bias is None else bias.to(q.dtype)
-    return sdpa(q, k, v, attn_mask=mask, scale=block.scale)
+    def qkv_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """The checked ``(B, C, H, W)`` input's ``qkv`` projection per position, ``(B, N, 3 * width)``."""
+        check_feature_map(self, x, self.channels)
+        check_norm_batch(self, self.norm, x.shape[0] * x.shape[2] * x.shape[3], x)
+        return self.qkv(x.flatten(2).transpose(1, 2))  # tokens: a view, contiguous for channels_last input
+
+    def attend(self, q, k, v, H: int, W: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Softmax attention ``(B, n, N, d)`` -> ``(B, n, N, d)``, scores ``q k^T * self.scale (+ bias)``."""
+        if self.tap.active:  # autocast off: under bf16/fp16 autocast the matmuls would run (and round) in it
+            with torch.autocast(device_type=q.device.type, enabled=False):
+                acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 input
+                logits = (q.to(acc) * self.scale) @ k.to(acc).transpose(-2, -1)  # (B, n, N, N)
+                if bias is not None:
+                    logits = logits + bias.to(acc)
+                attn = self.tap(logits.softmax(dim=-1), grid=(H, W), num_prefix_tokens=0)
+                return (attn @ v.to(acc)).to(v.dtype)
+        mask = None if bias is None else bias.to(q.dtype)
+        return sdpa(q, k, v, attn_mask=mask, scale=self.scale)
+
+    def output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + self.norm(self.proj(_to_map(y, x)))
 
 
 @register_attention("nonlocal", layout="feature", kind="token")
-class NonLocal2d(nn.Module):
+class NonLocal2d(ResidualSelfAttention2d):
     """Non-local block, embedded Gaussian (Wang, Girshick, Gupta, He, 2018, arXiv 1711.07971).
 
-    ``theta``, ``phi``, ``g``: 1x1 convs ``C -> C * rd_ratio`` (the paper halves the width), computed as
-    one linear map ``qkv`` over the position tokens, which gives the fused attention its preferred layout;
-    ``softmax(theta^T phi)`` over all positions weights ``g``; a 1x1 conv ``W_z`` back to ``C`` and
-    BatchNorm whose scale is zero-initialised, added to the input: ``z = BN(W_z y) + x`` starts as the
-    identity. ``use_scale`` divides the logits by ``sqrt(C * rd_ratio)`` as the paper's code does.
-    Input ``(B, channels, H, W)``; training mode needs more than one value for the BN (not batch 1 with a
-    1x1 map).
+    ``theta``, ``phi``, ``g``: 1x1 convs ``C -> C * rd_ratio`` (the paper halves the width), one linear map
+    ``qkv`` over the position tokens; ``softmax(theta^T phi)`` weights ``g``; ``z = BN(W_z y) + x`` with the
+    BN scale zero-initialised, so the block starts as the identity. ``use_scale`` divides the logits by
+    ``sqrt(C * rd_ratio)`` as the paper's code does.
 
     Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
     ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
     """
 
-    def __init__(
-        self,
-        channels: int,
-        rd_ratio: float = 1.0 / 2,
-        rd_channels: Optional[int] = None,
-        use_scale: bool = True,
-        norm_layer: Type[nn.Module] = nn.BatchNorm2d,
-        init: str = "default",
-    ):
+    def __init__(self, channels: int, rd_ratio: float = 1.0 / 2, rd_channels: Optional[int] = None,
+                 use_scale: bool = True, norm_layer: Type[nn.Module] = nn.BatchNorm2d, init: str = "default"):
         super().__init__()
         check_channels(channels)
         self.init = check_init(init)
@@ -122,19 +113,12 @@ class NonLocal2d(nn.Module):
             nn.init.zeros_(layer.bias)
         self.zero_init_last()
 
-    def zero_init_last(self) -> None:
-        """The residual output path starts at zero (:func:`zero_output`); timm's hook too."""
-        zero_output(self)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_feature_map(self, x, self.channels)
+        qkv = self.qkv_tokens(x)  # (B, N, 3d)
         B, C, H, W = x.shape
-        check_norm_batch(self, self.norm, B * H * W, x)
         d = self.inter_channels
-        qkv = self.qkv(_tokens(x))  # (B, N, 3d)
         q, k, v = qkv.view(B, 1, H * W, 3 * d).split(d, dim=-1)  # (B, 1, N, d) each
-        y = _attend(self, q, k, v, H, W)  # (B, 1, N, d)
-        return x + self.norm(self.proj(_to_map(y, x)))
+        return self.output(x, self.attend(q, k, v, H, W))  # attention output (B, 1, N, d)
 
 
 def _rel_table(table: torch.Tensor, size: int) -> torch.Tensor:
@@ -154,33 +138,22 @@ def rel_pos_embed(table: torch.Tensor, size: int) -> torch.Tensor:
 
 
 @register_attention("mhsa2d", layout="feature", kind="token")
-class MHSA2d(nn.Module):
+class MHSA2d(ResidualSelfAttention2d):
     """Multi-head self-attention over H x W with relative-position logits (BoTNet: Srinivas et al., 2021,
     arXiv 2101.11605).
 
-    ``q, k, v``: one 1x1 projection per position (no bias, as in BoTNet), ``num_heads`` heads (BoTNet
-    uses 4). Logits ``q k^T + q r^T`` where ``r`` are relative-position embeddings, one table per axis
-    (height and width offsets, shared by the heads; the content-position logits of Bello et al., 2019,
-    arXiv 1904.09925): the 2D relative logits go into the fused attention as a float ``attn_mask``. The
-    tables cover offsets up to ``max_size - 1``; larger maps use a linearly resampled table, so any H, W
-    works. BoTNet puts this layer in place of a 3x3 conv; as a drop-in block it is wrapped like the
-    non-local block, ``x + BN(proj(y))`` with the BN scale zero-initialised. Input ``(B, channels, H, W)``;
-    training mode needs more than one value for the BN (not batch 1 with a 1x1 map).
+    ``q, k, v``: a 1x1 projection per position (no bias, as in BoTNet), ``num_heads`` heads. Logits
+    ``q k^T + q r^T`` with ``r`` relative-position embeddings, one table per axis shared by the heads (Bello
+    et al., 2019, arXiv 1904.09925), passed to the fused attention as a float ``attn_mask``; maps larger than
+    ``max_size`` use a linearly resampled table. Wrapped as ``x + BN(proj(y))`` with the BN scale
+    zero-initialised, so the block starts as the identity.
 
-    Double backward (gradient penalties): run under ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
-    The fused SDPA kernels have no double backward (on CPU the float ``attn_mask`` that carries the
-    relative logits already selects the math kernel, on GPUs it need not).
+    Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
+    ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
     """
 
-    def __init__(
-        self,
-        channels: int,
-        num_heads: int = 4,
-        qkv_bias: bool = False,
-        max_size: int = 32,
-        norm_layer: Type[nn.Module] = nn.BatchNorm2d,
-        init: str = "default",
-    ):
+    def __init__(self, channels: int, num_heads: int = 4, qkv_bias: bool = False, max_size: int = 32,
+                 norm_layer: Type[nn.Module] = nn.BatchNorm2d, init: str = "default"):
         super().__init__()
         check_channels(channels)
         self.init = check_init(init)
@@ -203,10 +176,6 @@ class MHSA2d(nn.Module):
         nn.init.normal_(self.rel_w, std=self.scale)
         self.zero_init_last()
 
-    def zero_init_last(self) -> None:
-        """The residual output path starts at zero (:func:`zero_output`); timm's hook too."""
-        zero_output(self)
-
     def rel_logits(self, q: torch.Tensor, H: int, W: int) -> torch.Tensor:
         """``(B, n, N, d)`` scaled queries -> ``(B, n, N, N)`` relative-position logits."""
         B, n, N, d = q.shape
@@ -219,12 +188,9 @@ class MHSA2d(nn.Module):
         return (lh[..., :, None] + lw[..., None, :]).reshape(B, n, N, N)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_feature_map(self, x, self.channels)
+        qkv = self.qkv_tokens(x)  # (B, N, 3C)
         B, C, H, W = x.shape
-        check_norm_batch(self, self.norm, B * H * W, x)
         n, d = self.num_heads, self.head_dim
-        qkv = self.qkv(_tokens(x))  # (B, N, 3C)
         q, k, v = qkv.view(B, H * W, 3, n, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, n, N, d) each
         bias = self.rel_logits(q * self.scale, H, W)  # (B, n, N, N)
-        y = _attend(self, q, k, v, H, W, bias=bias)  # (B, n, N, d)
-        return x + self.norm(self.proj(_to_map(y, x)))
+        return self.output(x, self.attend(q, k, v, H, W, bias=bias))  # attention output (B, n, N, d)

@@ -7,16 +7,14 @@
 * ``coord``: coordinate attention (Hou, Zhou, Feng, 2021, "Coordinate Attention for Efficient Mobile
   Network Design", arXiv 2103.02907).
 
-Plain differentiable PyTorch, like :mod:`~visattn.attention.channel` (compile, export, ONNX, trace, double
-backward and ``torch.func`` all work). Compared with the straightforward version (timm's ``CbamModule``)
-CBAM runs the shared MLP once on the stacked avg/max vectors (and ``fc2`` once, on the sum of the two hidden
-vectors: ``fc2`` is linear) and feeds the 2-channel 7x7 conv a channels-last map, the layout in which
-oneDNN runs that conv (forward and backward) far faster on CPU.
+Plain differentiable PyTorch, like :mod:`~visattn.attention.channel`. Unlike timm's ``CbamModule``, CBAM runs
+the shared MLP once on the stacked avg/max vectors (``fc2`` once, on the sum of the hidden vectors: it is
+linear) and feeds the 2-channel 7x7 conv a channels-last map, the layout oneDNN runs far faster on CPU.
 
-``init="identity"`` follows the rule of :mod:`visattn.attention.channel`: the layer that makes each gate's
-logits starts at zero (the spatial gate's BatchNorm scale and shift, or its conv without a norm; the channel
-gate's ``fc2``; coordinate attention's ``conv_h`` and ``conv_w``) and each gate is read as ``2 * sigmoid``, so
-the block returns its input exactly at initialisation; taps then carry the 0-2 multiplier (scale ``"gain"``).
+``init="identity"`` (the rule of :mod:`visattn.attention.channel`): the layer that makes each gate's logits
+starts at zero (the spatial gate's BN scale and shift, or its conv without a norm; the channel gate's ``fc2``;
+coordinate attention's ``conv_h`` and ``conv_w``) and each gate is ``2 * sigmoid``: the block starts as the
+identity and its taps carry the 0-2 multiplier (scale ``"gain"``).
 """
 from __future__ import annotations
 
@@ -27,6 +25,7 @@ from torch import nn
 
 from ..registry import register_attention
 from .channel import (
+    BottleneckGate,
     IdentityGate,
     autocast_off,
     check_channels,
@@ -34,40 +33,20 @@ from .channel import (
     check_norm_batch,
     compute_dtype,
     gained,
-    reduced_channels,
 )
 from .functional import check_init, positive_int
 
 __all__ = ["ChannelGate", "SpatialGate", "CBAM", "CoordAttention", "coord_mip"]
 
 
-class ChannelGate(IdentityGate, nn.Module):
-    """CBAM's channel gate: ``sigmoid(MLP(avgpool(x)) + MLP(maxpool(x)))`` with one shared bottleneck MLP
-    (1x1 convs, ReLU, no bias as in the paper's equation; names match timm's ``ChannelAttn``).
-    Input ``(B, channels, H, W)``. Tap: the ``(B, C)`` gate."""
+class ChannelGate(BottleneckGate):
+    """CBAM's channel gate: ``sigmoid(MLP(avgpool(x)) + MLP(maxpool(x)))`` with SE's bottleneck MLP shared by
+    both (no bias, as in the paper's equation; names match timm's ``ChannelAttn``). Tap: the ``(B, C)`` gate."""
 
-    def __init__(
-        self,
-        channels: int,
-        rd_ratio: float = 1.0 / 16,
-        rd_channels: Optional[int] = None,
-        rd_divisor: int = 1,
-        act_layer: Type[nn.Module] = nn.ReLU,
-        gate_layer: Type[nn.Module] = nn.Sigmoid,
-        mlp_bias: bool = False,
-        init: str = "default",
-    ):
-        super().__init__()
-        self.channels = check_channels(channels)
-        rd = reduced_channels(channels, rd_ratio, rd_channels, rd_divisor)
-        self.init = check_init(init)
-        self.fc1 = nn.Conv2d(channels, rd, kernel_size=1, bias=mlp_bias)
-        self.act = act_layer()
-        self.fc2 = nn.Conv2d(rd, channels, kernel_size=1, bias=mlp_bias)
-        self.setup_gate(gate_layer, init, "channel")
-
-    def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
-        return self.fc2.weight, self.fc2.bias
+    def __init__(self, channels: int, rd_ratio: float = 1.0 / 16, rd_channels: Optional[int] = None,
+                 rd_divisor: int = 1, act_layer: Type[nn.Module] = nn.ReLU, gate_layer: Type[nn.Module] = nn.Sigmoid,
+                 mlp_bias: bool = False, init: str = "default"):
+        super().__init__(channels, rd_ratio, rd_channels, rd_divisor, act_layer, gate_layer, mlp_bias, init)
 
     def channel_weights(self, x: torch.Tensor) -> torch.Tensor:
         """The ``(B, C)`` gate of ``x`` (in the parameters' dtype; call with autocast off)."""
@@ -93,20 +72,12 @@ class SpatialGate(IdentityGate, nn.Module):
     """CBAM's spatial gate (Woo et al., 2018, arXiv 1807.06521).
 
     ``sigmoid(BN(conv7x7([mean_c(x); max_c(x)])))`` multiplies every position. Works for any channel count:
-    the gate pools over the channels, so its parameters are the same for every width and ``channels`` is
-    only checked to be a positive int. Training mode needs more than one value for the BN (not batch 1
-    with a 1x1 map). Tap: the ``(B, 1, H, W)`` gate. ``init="identity"``: the BN's scale and shift (or the
-    conv, without a norm) start at zero and the gate is ``2 * sigmoid`` (module docstring).
+    the gate pools over the channels. Tap: the ``(B, 1, H, W)`` gate. ``init="identity"``: the BN's scale and
+    shift (or the conv, without a norm) start at zero and the gate is ``2 * sigmoid``.
     """
 
-    def __init__(
-        self,
-        channels: int,
-        kernel_size: int = 7,
-        gate_layer: Type[nn.Module] = nn.Sigmoid,
-        norm_layer: Optional[Type[nn.Module]] = nn.BatchNorm2d,
-        init: str = "default",
-    ):
+    def __init__(self, channels: int, kernel_size: int = 7, gate_layer: Type[nn.Module] = nn.Sigmoid,
+                 norm_layer: Optional[Type[nn.Module]] = nn.BatchNorm2d, init: str = "default"):
         super().__init__()
         check_channels(channels)
         positive_int("kernel_size", kernel_size, odd=True)
@@ -142,27 +113,15 @@ class SpatialGate(IdentityGate, nn.Module):
 class CBAM(nn.Module):
     """Convolutional block attention module (Woo, Park, Lee, Kweon, 2018, arXiv 1807.06521).
 
-    :class:`ChannelGate` (reduction 16) then :class:`SpatialGate` (7x7), applied in sequence. Numerically
-    equal to timm's ``CbamModule`` with the same weights (parameters in the same order; the spatial
-    gate's conv is ``spatial.conv`` here, ``spatial.conv.conv`` there). Input ``(B, channels, H, W)``;
-    training mode needs more than one value for the spatial gate's BN (not batch 1 with a 1x1 map). Two
-    taps: ``channel.tap`` with the ``(B, C)`` gate and ``spatial.tap`` with the ``(B, 1, H, W)`` gate.
-    Forward hooks on the sub-gates do not fire (the block calls their gate functions directly); their taps do.
-    ``init`` goes to both gates (module docstring).
+    :class:`ChannelGate` (reduction 16) then :class:`SpatialGate` (7x7), in sequence; equal to timm's
+    ``CbamModule`` with the same weights (its ``spatial.conv.conv`` is ``spatial.conv`` here). Two taps:
+    ``channel.tap`` (the ``(B, C)`` gate) and ``spatial.tap`` (the ``(B, 1, H, W)`` gate); forward hooks on
+    the sub-gates do not fire. ``init`` goes to both gates.
     """
 
-    def __init__(
-        self,
-        channels: int,
-        rd_ratio: float = 1.0 / 16,
-        rd_channels: Optional[int] = None,
-        rd_divisor: int = 1,
-        spatial_kernel_size: int = 7,
-        act_layer: Type[nn.Module] = nn.ReLU,
-        gate_layer: Type[nn.Module] = nn.Sigmoid,
-        mlp_bias: bool = False,
-        init: str = "default",
-    ):
+    def __init__(self, channels: int, rd_ratio: float = 1.0 / 16, rd_channels: Optional[int] = None,
+                 rd_divisor: int = 1, spatial_kernel_size: int = 7, act_layer: Type[nn.Module] = nn.ReLU,
+                 gate_layer: Type[nn.Module] = nn.Sigmoid, mlp_bias: bool = False, init: str = "default"):
         super().__init__()
         self.init = check_init(init)
         self.channel = ChannelGate(channels, rd_ratio, rd_channels, rd_divisor, act_layer, gate_layer, mlp_bias, init)
@@ -193,25 +152,18 @@ def coord_mip(channels: int, reduction: int = 32) -> int:
 class CoordAttention(IdentityGate, nn.Module):
     """Coordinate attention (Hou, Zhou, Feng, 2021, arXiv 2103.02907).
 
-    Pools along each axis separately (``(B, C, H)`` over the width, ``(B, C, W)`` over the height), encodes
-    both strips with one shared 1x1 conv ``C -> mip`` + BN + h-swish (``mip = max(8, C // 32)``), then splits
-    them into two sigmoid gates ``a_h (B, C, H, 1)`` and ``a_w (B, C, 1, W)``; ``out = x * a_h * a_w``.
-    Input ``(B, channels, H, W)``. Tap (kind ``"spatial"``): the channel mean of ``a_h * a_w`` as a
-    ``(B, 1, H, W)`` map, computed only on recording passes. ``init="identity"``: ``conv_h`` and ``conv_w``
-    start at zero and both gates are ``2 * sigmoid`` (module docstring); the tap then carries the channel
-    mean of the 0-4 product ``a_h * a_w`` on the 0-2 ``"gain"`` scale (values above 2 saturate).
+    Pools along each axis (``(B, C, H)`` and ``(B, C, W)``), encodes both strips with one shared 1x1 conv
+    ``C -> mip`` + BN + h-swish (``mip = max(8, C // 32)``), then splits them into sigmoid gates
+    ``a_h (B, C, H, 1)`` and ``a_w (B, C, 1, W)``; ``out = x * a_h * a_w``. Tap (kind ``"spatial"``): the
+    channel mean of ``a_h * a_w``, ``(B, 1, H, W)``, on recording passes only. ``init="identity"``: ``conv_h``
+    and ``conv_w`` start at zero and both gates are ``2 * sigmoid`` (the 0-4 product saturates the tap's 0-2
+    ``"gain"`` scale).
     """
 
-    def __init__(
-        self,
-        channels: int,
-        reduction: int = 32,
-        mip: Optional[int] = None,
-        act_layer: Type[nn.Module] = nn.Hardswish,  # the paper's h_swish
-        norm_layer: Optional[Type[nn.Module]] = nn.BatchNorm2d,
-        gate_layer: Type[nn.Module] = nn.Sigmoid,
-        init: str = "default",
-    ):
+    def __init__(self, channels: int, reduction: int = 32, mip: Optional[int] = None,
+                 act_layer: Type[nn.Module] = nn.Hardswish,  # the paper's h_swish
+                 norm_layer: Optional[Type[nn.Module]] = nn.BatchNorm2d, gate_layer: Type[nn.Module] = nn.Sigmoid,
+                 init: str = "default"):
         super().__init__()
         self.channels = check_channels(channels)
         self.init = check_init(init)

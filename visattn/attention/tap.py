@@ -1,35 +1,23 @@
 """The observation contract every visattn block follows.
 
-Each block owns one :class:`AttentionTap` (attribute ``tap``) and passes its attention weights through it:
+Each block owns one :class:`AttentionTap` (attribute ``tap``; CBAM has two) and passes its attention weights
+through it; a record is named by the tap's module path less a trailing ``.tap``. Kinds and shapes:
 
-* ``"channel"`` weights: ``(B, C)`` gates in [0, 1] (SE, ECA, GC's transform, CBAM's channel gate);
-* ``"spatial"`` weights: ``(B, 1, H, W)`` maps: sigmoid gates in [0, 1] (CBAM's / the spatial gate,
-  coordinate attention's product), or a softmax over the H*W positions (GC's context pooling);
-* ``"token"`` weights: ``(B, heads, N, N)`` row-stochastic attention (mhsa, lsa, non-local, mhsa2d), where
-  ``grid=(H, W)`` says which spatial grid the last ``H*W`` tokens lie on and ``num_prefix_tokens`` how many
-  tokens (a class token) come before them;
-* ``"pool"`` weights: ``(B, N)`` attention-pooling weights over the tokens (CCT's sequence pooling), with
-  ``grid`` and ``num_prefix_tokens`` as for ``"token"``.
+* ``"channel"``: ``(B, C)`` gates (SE, ECA, CBAM's channel gate);
+* ``"spatial"``: ``(B, 1, H, W)`` maps, sigmoid gates (CBAM, coordinate attention) or a softmax over positions (GC);
+* ``"token"``: ``(B, heads, N, N)`` row-stochastic attention; ``grid=(H, W)`` says which grid the last ``H*W``
+  tokens lie on and ``num_prefix_tokens`` how many (a class token) come before them;
+* ``"pool"``: ``(B, N)`` attention-pooling weights (CCT's sequence pooling), ``grid`` as for ``"token"``.
 
-A block may hold several taps (CBAM: one for its channel gate, one for its spatial gate); a record is named
-by the tap's module path with a trailing ``.tap`` removed.
+**Value scale** (``AttentionRecord.scale``): ``"gate"`` (absolute, [0, 1]), ``"gain"`` (a multiplier in
+[0, 2], 1 = unchanged: gates of ``init="identity"`` blocks) or ``"relative"`` (weights summing to one over
+their keys, read as weight x number of keys). The default follows the kind (channel, spatial: ``"gate"``;
+token, pool: ``"relative"``); a spatial softmax declares ``AttentionTap("spatial", scale="relative")``.
 
-**Value scale.** Every record says how its values are to be read (``AttentionRecord.scale``):
-``"gate"`` (an absolute value in [0, 1], drawn on that fixed range), ``"gain"`` (a multiplier in [0, 2] where
-1 leaves the input unchanged: the gates of blocks built with ``init="identity"``) or ``"relative"`` (weights that sum to
-one over their keys, drawn relative to uniform attention: weight x number of keys). The default follows the
-kind (channel and spatial: ``"gate"``; token and pool: ``"relative"``); a block whose spatial map is a
-softmax declares ``AttentionTap("spatial", scale="relative")`` (or sets ``tap.scale`` after construction).
-
-The tap is an identity: ``forward`` never changes because of it. When a recorder (``visattn.record_attention``)
-sets a sink, the tap appends a detached fp32 copy of the weights to it (on the sink's ``device`` when it has
-one, e.g. the CPU). Blocks whose training path uses fused attention (``F.scaled_dot_product_attention``
-returns no weights) check ``tap.active`` and compute the weights explicitly, in fp32, only on a recording
-pass. With no recorder attached the cost is one attribute check per block.
-
-The check reads a plain bool (``recording``) and the append runs outside any compiled graph
-(``torch.compiler.disable``), so a graph compiled with taps in it never guards on a recorder's list;
-``visattn.record_attention`` runs compiled code eagerly while it records, so recording does not recompile.
+The tap is an identity. When a recorder sets a sink, it appends a detached fp32 copy of the weights (on the
+sink's ``device`` if it has one); blocks on fused attention check ``tap.active`` and compute the weights
+explicitly only then. The check reads a plain bool and the append runs outside any compiled graph
+(``torch.compiler.disable``), so compiled graphs never guard on a recorder's list.
 """
 from __future__ import annotations
 

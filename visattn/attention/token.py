@@ -1,25 +1,17 @@
-"""Token self-attention blocks: ``(B, N, D) -> (B, N, D)``, plus CCT's sequence-pooling head.
+"""Token self-attention blocks, ``(B, N, D) -> (B, N, D)``, and CCT's sequence-pooling head.
 
 * ``mhsa``: multi-head self-attention (Vaswani et al., 2017, "Attention Is All You Need", arXiv 1706.03762)
-  with a choice of score function: scaled dot product (default), unscaled dot product, Luong's bilinear
-  "general" score (Luong, Pham, Manning, 2015, arXiv 1508.04025) or Bahdanau's additive score (Bahdanau,
-  Cho, Bengio, 2014, arXiv 1409.0473), and an optional inference-time hard (top-k / argmax) attention.
+  with a choice of score function and an optional inference-time hard (top-k / argmax) attention.
 * ``lsa``: locality self-attention (Lee, Lee, Song, 2021, "Vision Transformer for Small-Size Datasets",
-  arXiv 2112.13492): no token attends to itself and the softmax temperature is learned.
+  arXiv 2112.13492).
 * ``seqpool``: sequence pooling (Hassani et al., 2021, "Escaping the Big Data Paradigm with Compact
-  Transformers", arXiv 2104.05704). This one is a pooling head, ``(B, N, D) -> (B, D)``, not a same-shape
-  block; it is registered with ``layout="token", kind="pool"`` and its tap carries ``(B, N)`` weights.
+  Transformers", arXiv 2104.05704), ``(B, N, D) -> (B, D)``, registered as ``layout="token", kind="pool"``.
 
-Observation: every block owns ``tap`` (:class:`~visattn.attention.tap.AttentionTap`). The attention blocks
-carry ``tap_grid`` (``(H, W)`` of the grid the last ``H*W`` tokens lie on, or ``None``) and
-``num_prefix_tokens`` (class tokens before them) as attributes, set by the model at construction, so
-``forward(x)`` alone always works. The default path is fused ``F.scaled_dot_product_attention``; when
-``tap.active`` the weights are computed explicitly in fp32, passed through the tap and the *same* tensor
-multiplies ``V``, so what is recorded is exactly what was applied (before attention dropout).
-
-Composability: the blocks are plain PyTorch (``torch.compile(fullgraph=True)``, ``torch.export``, ONNX,
-``torch.jit.trace``, ``torch.func``). The fused SDPA kernels have no double backward, so second-order uses
-(gradient penalties) of ``mhsa`` and ``lsa`` run under ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
+The blocks carry ``tap_grid`` (``(H, W)`` of the last ``H*W`` tokens, or ``None``) and ``num_prefix_tokens``,
+set by the model at construction, so ``forward(x)`` alone always works. The default path is fused SDPA; when
+``tap.active`` the weights are computed explicitly in fp32 and the *same* tensor multiplies ``V``, so what is
+recorded is what was applied (before attention dropout). Plain PyTorch (compile, export, ONNX, trace,
+``torch.func``); double backward under ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
 """
 from __future__ import annotations
 
@@ -106,12 +98,9 @@ def top_k_softmax(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                      dropout_p: float = 0.0, scale: Optional[float] = None, is_causal: bool = False) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` written out: ``softmax(q k^T * scale + mask) v`` as two batched
-    matmuls and a softmax, all in the inputs' (or autocast's) precision: under bf16 autocast the logits and
-    the weights are rounded to bf16 (the CPU softmax kernel accumulates in fp32; the flash kernels keep the
-    logits in fp32 and round only the weights). Same arguments and mask semantics as SDPA; the scale is
-    folded into ``q``. Not fused: it materialises the ``(B, heads, N, N)`` weights, in exchange for one
-    batched matmul per product instead of the CPU flash kernel's many tiny per-head ones."""
+    """``F.scaled_dot_product_attention`` written out, ``softmax(q k^T * scale + mask) v``, in the inputs' (or
+    autocast's) precision, with SDPA's arguments and mask semantics. It materialises the ``(B, heads, N, N)``
+    weights, in exchange for one batched matmul per product instead of the CPU flash kernel's tiny per-head ones."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     logits = mask_logits(torch.matmul(q * scale, k.transpose(-2, -1)), attn_mask, is_causal)
     attn = torch.softmax(logits, dim=-1)
@@ -122,11 +111,9 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mas
 
 @contextlib.contextmanager
 def sdpa_cpu_mode(mode: str) -> Iterator[None]:
-    """Within the context, every ``mhsa``/``lsa`` block on the fast path computes its attention on a CPU with
-    the flash kernel in fp32 (``"fp32"``, the default: half-precision inputs are cast up, as
-    ``functional.sdpa`` does), the flash kernel in the inputs' precision (``"native"``), or
-    :func:`matmul_attention` (``"matmul"``). A switch for benchmarks (``bench/throughput.py --sdpa``); a
-    block's own ``sdpa_cpu`` attribute, where set, wins. Other devices always run their native SDPA."""
+    """Within the context, ``mhsa``/``lsa`` fast paths on a CPU run the flash kernel in fp32 (``"fp32"``, the
+    default), in the inputs' precision (``"native"``), or :func:`matmul_attention` (``"matmul"``); a benchmark
+    switch (``bench/throughput.py --sdpa``). A block's own ``sdpa_cpu`` wins; other devices run native SDPA."""
     if mode not in SDPA_CPU_MODES:
         raise ValueError(f"unknown sdpa_cpu mode {mode!r}; valid: {', '.join(SDPA_CPU_MODES)}")
     old = MultiHeadSelfAttention.sdpa_cpu
@@ -141,69 +128,41 @@ def sdpa_cpu_mode(mode: str) -> Iterator[None]:
 class MultiHeadSelfAttention(nn.Module):
     """Multi-head self-attention over tokens, ``(B, N, D) -> (B, N, D)`` (Vaswani et al., 2017, arXiv 1706.03762).
 
-    ``score`` picks the score function ``s(q_i, k_j)`` per head (``d`` = head dim):
+    ``score`` picks the score function per head (``d`` = head dim): ``"scaled_dot"`` ``q k^T / sqrt(d)``
+    (default) and ``"dot"`` ``q k^T``, both fused; ``"general"`` (Luong et al. 2015, arXiv 1508.04025)
+    ``q W k^T`` with a learned per-head ``general_weight`` ``(heads, d, d)`` initialised to ``I / sqrt(d)``,
+    fused by computing ``q W`` first; ``"additive"`` (Bahdanau et al. 2014, arXiv 1409.0473)
+    ``v^T tanh(W q + U k)`` with learned ``additive_v`` ``(heads, d)``, always explicit: it materialises
+    ``(B, heads, N, N, d)``.
 
-    * ``"scaled_dot"``: ``q k^T / sqrt(d)`` (default; fused);
-    * ``"dot"``: ``q k^T`` (unscaled; fused with ``scale=1``);
-    * ``"general"``: Luong et al. 2015 (arXiv 1508.04025) bilinear ``q W k^T`` with a learned per-head
-      ``W`` (``general_weight``, ``(heads, d, d)``), initialised to ``I / sqrt(d)`` so training starts from
-      the scaled dot product; fused by computing ``q W`` first;
-    * ``"additive"``: Bahdanau et al. 2014 (arXiv 1409.0473) ``v^T tanh(W q + U k)``; the q and k projections
-      play the roles of ``W`` and ``U``, ``v`` (``additive_v``, ``(heads, d)``) is learned. Always explicit:
-      it materialises a ``(B, heads, N, N, d)`` tensor, so memory grows with ``d * N^2``.
+    ``hard`` (``None``, ``"argmax"`` or an int ``k``): in eval mode each row keeps only its ``k`` largest
+    weights, renormalised; ignored in training, so a model trains soft and can be evaluated hard. Explicit
+    paths (tap active, hard, additive) compute the logits and softmax in fp32 with autocast off.
 
-    ``hard`` (``None``, ``"argmax"`` or an int ``k``) is an inference-time option: in eval mode each row keeps
-    only its ``k`` largest weights, renormalised to sum to 1 (``"argmax"`` is ``k=1``), computed explicitly.
-    It is ignored in training mode (soft attention is trained), so one model can train soft and be
-    evaluated hard; it can also be set on a trained block (``block.hard = 4``).
+    Drop-in for timm's ``Attention``: the same ``forward(x, attn_mask=None, is_causal=False)`` with SDPA's
+    mask semantics and the same parameter names (``qkv``, ``proj``), so its state dict loads strictly (set
+    ``qkv_bias`` and ``proj_bias`` as the timm module has them).
 
-    Explicit paths (tap active, hard, additive) compute the logits and softmax in fp32 with autocast off,
-    so fp16 inputs whose ``q k^T`` overflows fp16 still give finite weights.
-
-    Drop-in for timm's ViT ``Attention`` (``timm.layers.Attention``): the same call,
-    ``forward(x, attn_mask=None, is_causal=False)`` with SDPA's mask semantics (a bool mask keeps ``True``
-    entries, a float mask is added to the logits; broadcastable to ``(B, heads, N, N)``), and the same
-    parameter names (``qkv``, ``proj``), so ``Attention(dim, num_heads, qkv_bias=True)``'s state dict loads
-    strictly into ``create_attention("mhsa", dim, num_heads=num_heads)`` (set ``qkv_bias`` and
-    ``proj_bias`` as the timm module has them; timm's ``qk_norm``, ``scale_norm`` and ``gated`` options
-    have no counterpart here).
-
-    ``pos_bias="local"`` adds a learned relative-position bias to every head's logits that starts as a local
-    kernel: ``b_h(i, j) = -a_h * |p_j - p_i - c_h|^2`` on the token grid (``grid`` is needed; prefix tokens
-    get no bias), with a per-head strength ``a_h = exp(pos_log_strength)`` (1 at init) and centre ``c_h``
-    (``pos_center``; the heads' centres start on a grid one token apart around the query, 2x2 for 4 heads and
-    3x3 for 9 (a 3x3 convolution's taps), so each head starts attending to its own neighbourhood). With the projections near zero at
-    init, every head starts as that local average; ``q k^T`` and the learned bias take it from there, and a
-    strength going to 0 makes a head global. A convolution-like start for attention in the spirit of
-    d'Ascoli et al. 2021 ("ConViT", arXiv 2103.10697), as an additive bias so the fused kernel still runs. The
-    bias is part of the logits, so recorded weights are the ones applied. ``"none"`` (the default): no bias.
+    ``pos_bias="local"`` adds a learned relative-position bias ``b_h(i, j) = -a_h * |p_j - p_i - c_h|^2`` on
+    the token grid (``grid`` is needed; prefix tokens get none), ``a_h = exp(pos_log_strength)`` (1 at init),
+    the centres ``pos_center`` starting one token apart around the query (2x2 for 4 heads, 3x3 for 9), so
+    each head starts as a local average (ConViT's convolution-like start, d'Ascoli et al. 2021, arXiv
+    2103.10697, as an additive bias so the fused kernel still runs). ``"none"`` (the default): no bias.
 
     Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
     ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
 
-    Speed: the fused path splits the packed ``qkv`` projection into heads without copies
-    (:meth:`_fused_packed`); ``block.fast_path = False`` runs the baseline split (kept to measure against and
-    pinned equal by the tests). ``sdpa_cpu`` (class default ``"fp32"``; :func:`sdpa_cpu_mode`) picks the
-    fast path's CPU attention kernel.
+    Speed: the fast path (:meth:`_fused_packed`) splits the packed ``qkv`` into heads without copies;
+    ``block.fast_path = False`` runs the baseline split (pinned equal by the tests). ``sdpa_cpu`` (class
+    default ``"fp32"``; :func:`sdpa_cpu_mode`) picks the fast path's CPU kernel.
     """
 
     fast_path = True  # False (per block): the baseline fused path, functional.sdpa on a permuted split of qkv
     sdpa_cpu = "fp32"
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        qkv_bias: bool = True,
-        score: str = "scaled_dot",
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        hard: Hard = None,
-        grid: Grid = None,
-        num_prefix_tokens: int = 0,
-        proj_bias: bool = True,
-        pos_bias: str = "none",
-    ):
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, score: str = "scaled_dot",
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, hard: Hard = None, grid: Grid = None,
+                 num_prefix_tokens: int = 0, proj_bias: bool = True, pos_bias: str = "none"):
         super().__init__()
         positive_int("dim", dim)
         positive_int("num_heads", num_heads, divides=dim)
@@ -286,9 +245,7 @@ class MultiHeadSelfAttention(nn.Module):
 
     def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                is_causal: bool = False, attend: Callable[..., torch.Tensor] = sdpa) -> torch.Tensor:
-        """``(B, heads, N, d)`` output of fused SDPA (the kernel ``attend``: ``functional.sdpa`` on the
-        baseline path, ``F.scaled_dot_product_attention`` on the fast path); only called for scores that have
-        a fused form."""
+        """``(B, heads, N, d)`` output of the fused kernel ``attend``, for the scores that have a fused form."""
         p = self.attn_drop.p if self.training else 0.0
         if attn_mask is not None and attn_mask.is_floating_point():
             attn_mask = attn_mask.to(q.dtype)  # the fused kernels want a float mask in the query's dtype (as lsa's)
@@ -300,14 +257,9 @@ class MultiHeadSelfAttention(nn.Module):
 
     def _fused_packed(self, qkv: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
                       is_causal: bool = False) -> torch.Tensor:
-        """The fast path: fused attention from the packed ``(B, N, 3*dim)`` projections to ``(B, N, dim)``.
-
-        ``q``, ``k``, ``v`` are ``(B, heads, N, d)`` views of ``qkv`` split on its ``3`` axis, so the backward
-        pass gathers their gradients with one stack straight into ``qkv``'s layout (the baseline's split after
-        a permute costs a second, transposing copy); the CPU kernel writes its output as ``(B, N, heads, d)``
-        in memory, so merging the heads is a view. On a CPU, ``sdpa_cpu`` picks the kernel
-        (:func:`sdpa_cpu_mode`): by default the flash kernel in fp32, as ``functional.sdpa`` runs it.
-        """
+        """The fast path, packed ``(B, N, 3*dim)`` -> ``(B, N, dim)``: ``q, k, v`` are views of ``qkv`` split on
+        its ``3`` axis, so the backward stacks their gradients straight into ``qkv``'s layout (the baseline's
+        permuted split costs a transposing copy). On a CPU ``sdpa_cpu`` picks the kernel (:func:`sdpa_cpu_mode`)."""
         B, N, _ = qkv.shape
         parts = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(2)  # 3 x (B, N, heads, d) views
         mode = self.sdpa_cpu if qkv.device.type == "cpu" else "native"
@@ -388,43 +340,18 @@ class MultiHeadSelfAttention(nn.Module):
 class LocalitySelfAttention(MultiHeadSelfAttention):
     """Locality self-attention, ``(B, N, D) -> (B, N, D)`` (Lee, Lee, Song, 2021, arXiv 2112.13492).
 
-    Two changes to scaled dot-product attention that sharpen the attention of ViTs trained on small data:
-
-    * diagonal masking: a token never attends to itself (the diagonal logits are ``-inf``), so its weight
-      goes to the other tokens;
-    * learned temperature: logits are ``q k^T / T`` with a learnable per-head ``temperature`` ``T``,
-      initialised at ``sqrt(head_dim)`` (the usual scale, as in the paper's code).
-
-    The training path stays fused: ``q`` is multiplied by ``1/T`` and SDPA runs with ``scale=1`` and a
-    boolean mask that is False on the diagonal. ``hard`` works as for ``mhsa`` (masked entries keep weight 0).
-    Needs at least 2 tokens (a lone token would have nothing to attend to). An ``attn_mask`` passed to
-    ``forward`` is combined with the diagonal mask; ``is_causal`` is refused (the first token would have
-    nothing left to attend to). Double backward: as for ``mhsa``, under ``sdpa_kernel(SDPBackend.MATH)``.
+    Scaled dot-product attention with the diagonal masked (no token attends to itself) and a learned
+    per-head ``temperature`` ``T`` (logits ``q k^T / T``, ``T`` starting at ``sqrt(head_dim)``). Fused: ``q``
+    times ``1/T``, SDPA with ``scale=1`` and a diagonal mask (combined with any ``attn_mask``). Needs at
+    least 2 tokens; ``is_causal`` is refused (the first token would attend to nothing). ``hard`` as for
+    ``mhsa``. Double backward: as for ``mhsa``, under ``sdpa_kernel(SDPBackend.MATH)``.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        qkv_bias: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        hard: Hard = None,
-        grid: Grid = None,
-        num_prefix_tokens: int = 0,
-        proj_bias: bool = True,
-    ):
-        super().__init__(
-            dim,
-            num_heads=num_heads,
-            qkv_bias=qkv_bias,
-            attn_drop=attn_drop,
-            proj_drop=proj_drop,
-            hard=hard,
-            grid=grid,
-            num_prefix_tokens=num_prefix_tokens,
-            proj_bias=proj_bias,
-        )
+    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
+                 proj_drop: float = 0.0, hard: Hard = None, grid: Grid = None, num_prefix_tokens: int = 0,
+                 proj_bias: bool = True):
+        super().__init__(dim, num_heads=num_heads, qkv_bias=qkv_bias, attn_drop=attn_drop, proj_drop=proj_drop,
+                         hard=hard, grid=grid, num_prefix_tokens=num_prefix_tokens, proj_bias=proj_bias)
         self.score = "lsa"
         self.temperature = nn.Parameter(torch.full((num_heads,), math.sqrt(self.head_dim)))  # (heads,)
 

@@ -1,16 +1,11 @@
 """CIFAR-10 (and any small image-folder dataset): sources, a decoded uint8 cache, splits and batch loaders.
 
-* :mod:`.sources`: ``data.source`` — an image folder ``train/<class>/*`` (optional ``test/<class>/``) or its
-  ``.tar.gz``; the official CIFAR-10 python batches; torchvision's download; synthetic class patterns.
-* :mod:`.cache`: every source is decoded once into a uint8 ``(N, H, W, 3)`` array cached as ``.npz`` under
-  ``data.cache_dir`` (default ``$XDG_CACHE_HOME/visattn``), so later runs start in seconds.
+* :mod:`.sources`: an image folder ``train/<class>/*`` (optional ``test/``) or its ``.tar.gz``, the official
+  CIFAR-10 python batches, torchvision's download, synthetic class patterns.
+* :mod:`.cache`: each source decoded once into uint8 ``(N, H, W, 3)`` arrays cached as ``.npz``.
 * :mod:`.splits`: the test split where there is one, else a stratified, seeded hold-out; an optional subset.
-* :mod:`.augment`: whole-batch tensor augmentation (pad-crop, flip, cutout) and the albumentations pipeline.
-* :mod:`.loaders`: :class:`TensorLoader` keeps the images in one tensor on the device and augments whole
-  batches (no per-sample Python on the hot path); :class:`AlbumentationsLoader` runs per-sample
-  albumentations in a DataLoader. Both resume mid-epoch from their ``state_dict``.
-
-The functions that read the config take its typed ``data`` section (:class:`visattn.config.DataConfig`).
+* :mod:`.augment`, :mod:`.loaders`: whole-batch tensor augmentation on the device (:class:`TensorLoader`) or
+  per-sample albumentations (:class:`AlbumentationsLoader`); both resume mid-epoch from their ``state_dict``.
 """
 from .augment import (
     albumentations_pipeline,

@@ -1,9 +1,8 @@
 """The decoded-image cache: each source is decoded once into a ``.npz`` under ``data.cache_dir``.
 
-The cache knows nothing of the sources: :func:`cached_read` is handed the reader to call on a miss. Its key
-is :func:`~visattn.data.sources.fingerprint` of the source (every file's path, size and times, or an
-archive's bytes) and the decode settings, so an edited, added or removed image is a miss. A cache file that
-is truncated, corrupt or unreadable is rebuilt with a warning naming it, never trusted and never fatal.
+:func:`cached_read` is handed the reader to call on a miss; its key is the source's
+:func:`~visattn.data.sources.fingerprint` and the decode settings, so an edited, added or removed image is a
+miss. A truncated, corrupt or unreadable cache file is rebuilt with a warning, never trusted, never fatal.
 """
 from __future__ import annotations
 

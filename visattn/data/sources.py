@@ -216,37 +216,31 @@ def _escapes(name: str) -> bool:
 
 
 def _iter_tar(path: Path, max_pixels: int = DEFAULT_MAX_PIXELS) -> Iterator[Item]:
+    max_bytes = max_file_bytes(max_pixels)
     try:
         with tarfile.open(path, "r:*") as tf:
             for m in tf:
-                if not (m.isfile() or m.issym() or m.islnk()):
-                    continue
-                if not m.isfile() and m.name.lower().endswith(IMAGE_EXTS):  # a link: read its target in the archive
-                    yield m.name, _read_tar_link(tf, m, path, max_file_bytes(max_pixels))
-                    continue
-                if _escapes(m.name):
+                if not (m.isfile() or m.issym() or m.islnk()) or not m.name.lower().endswith(IMAGE_EXTS):
+                    continue  # other members are never read
+                if m.isfile() and _escapes(m.name):
                     yield m.name, DataError(f"archive {path}: member {m.name!r} refused: escapes the dataset folder")
-                    continue
-                if m.size > max_file_bytes(max_pixels) and m.name.lower().endswith(IMAGE_EXTS):
+                elif m.isfile() and m.size > max_bytes:
                     yield m.name, DataError(f"image {path}:{m.name} refused: {m.size:,} bytes, more than any image "
                                             "within data.max_image_pixels")
-                    continue
-                f = tf.extractfile(m)
-                if f is None:
-                    continue
-                yield m.name, f.read()
+                else:
+                    yield m.name, _read_tar_member(tf, m, path, max_bytes)
     except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
         raise DataError(f"archive {path} is truncated or corrupt ({e.__class__.__name__}: {e})") from None
 
 
-def _read_tar_link(tf: tarfile.TarFile, m: tarfile.TarInfo, path: Path, max_bytes: int) -> Union[bytes, DataError]:
-    """The bytes of the archive member a link member points at (never a file outside the archive)."""
-    kind = "symbolic link" if m.issym() else "hard link"
+def _read_tar_member(tf: tarfile.TarFile, m: tarfile.TarInfo, path: Path, max_bytes: int) -> Union[bytes, DataError]:
+    """An image member's bytes; a link's are those of the member it points at (never a file outside the archive)."""
     try:
         f = tf.extractfile(m)
     except KeyError:
         f = None
     if f is None:
+        kind = "symbolic link" if m.issym() else "hard link"
         return DataError(f"image {path}:{m.name} refused: a {kind} to {m.linkname!r}, which the archive does not hold")
     data = f.read(max_bytes + 1)
     if len(data) > max_bytes:

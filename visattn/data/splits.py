@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Tuple
+from typing import TYPE_CHECKING, Tuple
 
 import numpy as np
 
@@ -84,15 +84,11 @@ def load_splits(cfg: DataConfig, seed: int, eval_only: bool = False) -> Splits:
 
 def spread_indices(y: np.ndarray, k: int) -> np.ndarray:
     """``k`` indices taking the first image of each class in turn (class 0, 1, ..., then the second of each)."""
-    per_class = [np.nonzero(y == c)[0] for c in np.unique(y)]
-    out: List[int] = []
-    j = 0
-    while len(out) < min(k, len(y)):
-        for idx in per_class:
-            if j < len(idx) and len(out) < k:
-                out.append(int(idx[j]))
-        j += 1
-    return np.asarray(out, dtype=np.int64)
+    rank = np.empty(len(y), dtype=np.int64)  # each image's place within its class
+    for c in np.unique(y):
+        idx = np.nonzero(y == c)[0]
+        rank[idx] = np.arange(len(idx))
+    return np.lexsort((y, rank))[: max(k, 0)].astype(np.int64)  # by rank, then class
 
 
 def stratified_split(y: np.ndarray, n_out: int, seed: int) -> Tuple[np.ndarray, np.ndarray]:

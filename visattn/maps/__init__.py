@@ -1,24 +1,32 @@
-"""Attention maps: record any model's attention, read it out into maps with an honest scale and true
-placement, overlay them on images, log them to TensorBoard and measure how faithful they are."""
-from .adapters import add_taps, remove_taps
+"""Attention maps: record any model's attention (:mod:`.record`), place its cells on the input (:mod:`.geometry`),
+read it out into maps (:mod:`.readout`), draw them on honest scales (:mod:`.render`), measure how faithful they
+are (:mod:`.faithful`) and log them to TensorBoard (:mod:`.tensorboard`)."""
 from .faithful import FaithfulnessReport, faithfulness
 from .geometry import ConvGeometry, GridGeometry, trace_geometry
-from .overlay import COLORMAPS, colorize, images_to_float, normalize_maps, overlay
-from .readout import GRADIENT_KINDS, LayerMap, fuse_layers, read_maps
+from .readout import (
+    GRADIENT_KINDS,
+    LayerMap,
+    attention_rollout,
+    fuse_layers,
+    gradient_heatmap,
+    gradient_rollout,
+    infer_grid,
+    read_maps,
+    spatial_heatmap,
+)
 from .record import (
     AttentionRecorder,
     GradientRecord,
+    add_taps,
     find_taps,
-    gradient_heatmap,
-    infer_grid,
     probe_mode,
     probe_pass,
     record_attention,
-    spatial_heatmap,
+    remove_taps,
     unwrap_model,
 )
-from .rollout import attention_rollout, gradient_rollout
-from .tensorboard import log_attention_maps
+from .render import COLORMAPS, colorize, images_to_float, overlay
+from .tensorboard import MapLogger, MapSettings, log_attention_maps
 
 __all__ = [
     "AttentionRecorder",
@@ -29,6 +37,8 @@ __all__ = [
     "GradientRecord",
     "GridGeometry",
     "LayerMap",
+    "MapLogger",
+    "MapSettings",
     "add_taps",
     "attention_rollout",
     "colorize",
@@ -40,7 +50,6 @@ __all__ = [
     "images_to_float",
     "infer_grid",
     "log_attention_maps",
-    "normalize_maps",
     "overlay",
     "probe_mode",
     "probe_pass",

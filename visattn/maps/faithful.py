@@ -1,38 +1,24 @@
-"""Are the maps faithful? Deletion and insertion curves, random baselines, gradient and centre baselines and
-the model-randomisation sanity check.
+"""Are the maps faithful, and do they point at the object? (docs/maps.md has the method and the results.)
 
     report = visattn.faithfulness(model, images, labels)
     print(report.table())
 
-For each map (every recorded layer and the rollout, :func:`~visattn.maps.readout.read_maps`) the input is cut
-into ``regions x regions`` squares, ranked by the map's mean over each square (the map placed where its cells
-lie, :mod:`visattn.maps.geometry`). **Deletion** replaces the squares in that order, most attended first,
-with a fill (the images' mean colour, or a blurred copy of the image) and reads the true class's
-probability after each of ``steps`` equal steps; **insertion** starts from the filled image and puts the
-squares back in the same order (Petsiuk, Das, Saenko, 2018, "RISE", arXiv 1806.07421). The areas under the
-curves (x from 0 to 1) are compared with those of ``draws`` random orders per image: the **deletion score**
-is random area - map area (a faithful map destroys the prediction sooner), the **insertion score** map area
-- random area; both come with a bootstrap confidence interval over images. A map that is no better than
-random has scores whose interval contains zero.
+**Deletion / insertion** (Petsiuk, Das, Saenko 2018, "RISE", arXiv 1806.07421): the input is cut into
+``regions x regions`` squares ranked by each map's mean over them (the map placed where its cells lie);
+deletion fills them in that order, most attended first, insertion puts them back, and the true class's
+probability is read after each of ``steps`` steps. Against ``draws`` random orders per image: **deletion
+score** = random area - map area, **insertion score** = map area - random area, each with a bootstrap
+interval over images (an interval containing zero: no better than random). Baselines scored the same way:
+``input_x_gradient``, ``gradcam`` (Selvaraju et al. 2017, arXiv 1610.02391) and the ``centre`` prior (a
+Gaussian on the image centre, sigma a quarter of the shorter side: what a map must beat to say more than "the
+object is in the middle"). **Sanity check** (Adebayo et al. 2018, arXiv 1810.03292): Spearman rank correlation
+with the maps of a copy of the model whose weights are re-initialised (rho near 1: the map ignores training).
 
-Maps from gradients (``gradient_maps=True``, the default): every layer's ``<layer>/grad`` (its gate or
-attention weighted by its gradient for the scored class), ``rollout_grad`` (Chefer et al.'s
-gradient-weighted rollout) and, where the layers lie on more than one grid (a CNN), ``layers_grad`` (their
-``/grad`` maps joined on the pixels, :func:`~visattn.maps.readout.fuse_layers`), from one backward pass over
-the images (:func:`~visattn.maps.record.probe_pass`).
-
-Baselines, scored the same way: ``input_x_gradient`` (the input times the gradient of the true class's
-logit, summed over channels), ``gradcam`` (Selvaraju et al. 2017, arXiv 1610.02391: the last
-convolution's activations weighted by their mean gradient, rectified) and ``centre``, a prior that looks at
-neither the model nor the image: a Gaussian centred on the image, sigma a quarter of its shorter side. Where
-objects sit near the middle (CIFAR-10's do), ranking the central squares first beats random orders on both
-curves; a map earns credit for what it adds to that. **Sanity check** (Adebayo et al.
-2018, "Sanity Checks for Saliency Maps", arXiv 1810.03292): the maps of a copy of the model with all its
-weights re-initialised are compared with the trained model's by Spearman rank correlation (mean over
-images); a map that barely changes (rho near 1) does not depend on what the model learned.
-
-The command ``python -m visattn.visualize --checkpoint RUN/best.pt --faithfulness 500`` prints the table
-for a checkpoint's held-out images.
+**Localization** (:func:`localization`, ``data.source=placed``): the **pointing game** (Zhang et al. 2016,
+arXiv 1608.00507: a hit when the map's maximum over the pixels its cells cover, ties broken at random, lies
+within ``tolerance`` px of the box; chance: :func:`visattn.data.placed.box_share`) and the **energy in the
+box** (the share of the map's positive mass inside it, against the box's share of the canvas), for every map,
+the baselines and a ``random`` map, with 95% bootstrap intervals over canvases.
 """
 from __future__ import annotations
 
@@ -44,6 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchvision.transforms.functional import gaussian_blur
 
 from .geometry import GridGeometry, place, trace_geometry
 from .readout import GRADIENT_KINDS, LayerMap, read_maps
@@ -178,12 +165,8 @@ def _ranks(scores: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 def _blur(x: torch.Tensor) -> torch.Tensor:
     sigma = max(x.shape[-2:]) / 16
-    r = max(1, math.ceil(2 * sigma))
-    k = torch.exp(-(torch.arange(-r, r + 1, device=x.device, dtype=torch.float32) ** 2) / (2 * sigma**2))
-    k = (k / k.sum()).to(x.dtype)
-    c = x.shape[1]
-    y = F.conv2d(F.pad(x, (r, r, 0, 0), mode="reflect"), k.view(1, 1, 1, -1).expand(c, 1, 1, -1), groups=c)
-    return F.conv2d(F.pad(y, (0, 0, r, r), mode="reflect"), k.view(1, 1, -1, 1).expand(c, 1, -1, 1), groups=c)
+    size = 2 * max(1, math.ceil(2 * sigma)) + 1
+    return gaussian_blur(x, [size, size], [sigma, sigma])  # reflect-padded, as the image's own edges
 
 
 def _fill(images: torch.Tensor, fill: str) -> torch.Tensor:
@@ -471,5 +454,104 @@ def _sanity(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, maps: Seque
     return out
 
 
-__all__ = ["BASELINES", "FILLS", "FaithfulnessReport", "FaithfulnessRow", "Interval", "attention_maps", "auc",
-           "baseline_map", "bootstrap", "centre_prior", "faithfulness", "gradient_map"]
+# --------------------------------------------------------------------------------------------- localization
+
+
+RANDOM = "random"
+
+
+@dataclass
+class LocalizationRow:
+    name: str
+    kind: str
+    pointing: Interval  # share of canvases whose map peaks within the tolerance of the box
+    energy: Interval  # share of the map's positive mass inside the box
+
+
+@dataclass
+class LocalizationReport:
+    rows: List[LocalizationRow]
+    images: int
+    canvas: Tuple[int, int]
+    tolerance: int
+    pointing_chance: float  # a uniformly random point's hit rate, mean over canvases
+    energy_chance: float  # the box's share of the canvas, mean over canvases
+    confidence: float
+    bootstrap_draws: int
+    seed: int
+    per_image: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    def row(self, name: str) -> LocalizationRow:
+        return next(r for r in self.rows if r.name == name)
+
+
+def random_map(batch: int, image_hw: Sequence[int], seed: int = 0, device=None) -> LayerMap:
+    """Uniform noise, one value per pixel: the map that knows nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    heat = torch.rand(batch, *image_hw, generator=gen).to(device)
+    return LayerMap(RANDOM, RANDOM, heat, "gate", 0, GridGeometry.image(image_hw), "uniform noise per pixel")
+
+
+def box_scores(lm: LayerMap, boxes: torch.Tensor, tolerance: int, image_hw: Sequence[int],
+               gen: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(hit, energy)`` per image ``(B,)`` of one map against ``boxes`` ``(B, 4)`` (x0, y0, x1, y1 in input px)."""
+    values = torch.nan_to_num(lm.heat.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    v, covered = place(values, lm.geometry, image_hw, image_hw)  # (B, H, W) on the input's pixels
+    v, covered = v.cpu(), covered.cpu()
+    b = v.shape[0]
+    flat = v.flatten(1).masked_fill(~covered.flatten()[None], float("-inf"))
+    top = flat.max(1, keepdim=True).values
+    tie = torch.rand(flat.shape, generator=gen)  # a flat map's peak is any of its maxima, not the first pixel
+    peak = torch.where(flat >= top, tie, torch.full_like(tie, -1.0)).argmax(1)
+    h, w = image_hw
+    py, px = (peak // w).double() + 0.5, (peak % w).double() + 0.5  # pixel centres
+    bx = boxes.cpu().double()
+    hit = ((px >= bx[:, 0] - tolerance) & (px <= bx[:, 2] + tolerance)
+           & (py >= bx[:, 1] - tolerance) & (py <= bx[:, 3] + tolerance))
+    ys, xs = torch.arange(h)[None, :, None], torch.arange(w)[None, None, :]
+    inbox = ((xs >= bx[:, 0, None, None]) & (xs < bx[:, 2, None, None])
+             & (ys >= bx[:, 1, None, None]) & (ys < bx[:, 3, None, None]))  # (B, H, W)
+    mass = v.clamp(min=0) * covered
+    total = mass.flatten(1).sum(1)
+    flat_share = (inbox & covered).flatten(1).sum(1) / covered.sum().clamp(min=1)  # a map with no mass: no preference
+    energy = torch.where(total > 0, (mass * inbox).flatten(1).sum(1) / total.clamp(min=1e-30), flat_share)
+    return hit.double().reshape(b), energy.double()
+
+
+def localization(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, boxes: torch.Tensor, tolerance: int,
+                 maps: Optional[Sequence[LayerMap]] = None, baselines: Sequence[str] = BASELINES,
+                 batch_size: int = 250, bootstrap_draws: int = 1000, confidence: float = 0.95, seed: int = 0,
+                 gradient_maps: bool = True) -> LocalizationReport:
+    """Pointing game and energy in the box of every map of ``model`` on ``images`` (normalised ``(B, 3, H, W)``),
+    explaining ``labels``, against ``boxes`` ``(B, 4)``; ``maps``: score these instead of the model's own
+    (one batch: ``batch_size`` is then ignored). The baselines and a ``random`` map are scored beside them."""
+    from ..data.placed import box_share
+
+    param = next(model.parameters(), None)
+    x = images.to(param.device) if param is not None else images
+    labels, boxes = labels.to(x.device).long(), torch.as_tensor(boxes)
+    image_hw = tuple(x.shape[-2:])
+    gen = torch.Generator().manual_seed(seed)
+    kinds: Dict[str, str] = {}
+    scores: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+    step = len(x) if maps is not None else batch_size
+    for lo in range(0, len(x), step):
+        xb, yb, bb = x[lo:lo + step], labels[lo:lo + step], boxes[lo:lo + step]
+        found = list(maps) if maps is not None else attention_maps(model, xb, labels=yb, gradients=gradient_maps)
+        found += [g for g in (baseline_map(model, xb, yb, b) for b in baselines) if g is not None]
+        found.append(random_map(len(xb), image_hw, seed + lo, xb.device))
+        for lm in found:
+            if lm.kind == "head":
+                continue
+            kinds[lm.name] = lm.kind
+            scores.setdefault(lm.name, []).append(box_scores(lm, bb, tolerance, image_hw, gen))
+    rows, per_image = [], {}
+    for name, parts in scores.items():
+        hit, energy = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        per_image[name] = (hit, energy)
+        rows.append(LocalizationRow(name, kinds[name], bootstrap(hit, bootstrap_draws, confidence, seed),
+                                    bootstrap(energy, bootstrap_draws, confidence, seed)))
+    b = boxes.cpu().numpy()
+    area = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1]) / (image_hw[0] * image_hw[1])
+    return LocalizationReport(rows, len(x), image_hw, tolerance, float(box_share(b, image_hw[0], tolerance).mean()),
+                              float(area.mean()), confidence, bootstrap_draws, seed, per_image)

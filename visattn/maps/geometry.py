@@ -291,8 +291,7 @@ def trace_geometry(model: nn.Module, input_shape: Sequence[int]) -> GeometryTrac
 
     The result is cached per model and input shape.
     """
-    from .adapters import add_taps
-    from .record import probe_mode, tap_sinks, unwrap_model
+    from .record import add_taps, probe_mode, tap_sinks, unwrap_model
 
     base = unwrap_model(model)
     add_taps(base)
@@ -341,6 +340,3 @@ def place(values: torch.Tensor, geometry: GridGeometry, out_hw: Sequence[int],
     grid = torch.stack([gx, gy], -1)[None].expand(b, -1, -1, -1)
     out = torch.nn.functional.grid_sample(values.float()[:, None], grid, mode="bilinear", align_corners=True)
     return out[:, 0], inside[0][:, None] & inside[1][None, :]
-
-
-__all__ = ["ConvGeometry", "GridGeometry", "GeometryTrace", "declared_geometry", "place", "trace_geometry"]

@@ -1,47 +1,44 @@
-"""The one readout from records to drawable maps, shared by the TensorBoard logger, ``visualize``,
+"""From records to drawable maps: the one readout shared by the TensorBoard logger, ``visualize``,
 ``faithfulness`` and the benches.
 
-    with record_attention(model) as rec:
-        model(images)
     for m in read_maps(rec.records, model, images.shape):
         m.name, m.kind, m.heat, m.scale, m.keys, m.geometry, m.description
 
-Each :class:`LayerMap` is one map per image, ``(B, h, w)``, on the record's grid, with what is needed to draw
-it honestly: its value scale (``"gate"``, ``"gain"`` or ``"relative"``, :mod:`visattn.maps.scale`), the number of keys its
-weights are spread over (uniform = 1 / keys), where its cells lie on the input (:mod:`visattn.maps.geometry`)
-and a one-line description. Names are the TensorBoard tags without ``maps/``: the block's module path, ``@1``,
-``@2`` for its later calls in one pass, ``<layer>/cls_head<i>`` for single heads, ``rollout`` for the attention
-rollout through the last run of token layers on one grid, read out the way the model pools (class token,
-mean, or its sequence-pooling weights).
+Each :class:`LayerMap` is one map per image, ``(B, h, w)`` on the record's grid, with what drawing it honestly
+needs: its value scale (``"gate"``, ``"gain"`` or ``"relative"``, :mod:`.render`), the keys its weights are
+spread over (uniform = 1 / keys) and where its cells lie on the input (:mod:`.geometry`). Names are the
+TensorBoard tags without ``maps/``: the block's module path (``@1``, ``@2`` for later calls in one pass),
+``<layer>/cls_head<i>`` for single heads, ``rollout`` through the last run of token layers on one grid.
+A gradient recording also gives ``<layer>/grad`` (:func:`gradient_heatmap`), ``rollout_grad`` and, for a CNN
+whose blocks lie on several grids, ``layers_grad`` (:func:`fuse_layers`): shares of the positive evidence
+(sum 1), on the ``"relative"`` scale.
 
-Records of a gradient recording (:class:`~visattn.maps.record.GradientRecord`, ``record_attention(...,
-gradients=True)``) also give ``<layer>/grad`` (kind ``"attention_gradient"``: the gate or attention weighted by
-its gradient for the target class, :func:`~visattn.maps.record.gradient_heatmap`) and ``rollout_grad`` (kind
-``"gradient_rollout"``: Chefer et al.'s gradient-weighted rollout, :func:`~visattn.maps.rollout.gradient_rollout`).
-They are shares of the positive evidence (sum 1 over positions), on the ``"relative"`` scale: x the uniform
-share. A model whose gradient maps lie on more than one grid (a CNN with a block in each stage, where no
-rollout can join them) also gets ``layers_grad`` (kind ``"layers_gradient"``, :func:`fuse_layers`): the mean
-of those maps' shares, each placed on the input's pixels where its cells lie.
+:func:`attention_rollout` (Abnar & Zuidema 2020, arXiv 2005.00928): each layer fused over heads, optionally
+thinned (as in Gildenblat's vit-explain), plus the identity for the residual path, rows renormalised, and
+multiplied in order, ``R = A_L @ ... @ A_1``. :func:`gradient_rollout` (Chefer, Gur, Wolf 2021, arXiv
+2103.15679): ``R = I; R = R + A_bar R`` with ``A_bar = E_h[(grad * A)^+]``. Both are read out as the model
+pools: the class token's row, the mean over tokens, or its own pooling weights.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from ..attention.tap import AttentionRecord
+from ..attention.tap import KINDS, AttentionRecord
 from .geometry import GeometryTrace, GridGeometry, place, trace_geometry
-from .record import gradient_heatmap, spatial_heatmap, unwrap_model
-from .rollout import attention_rollout, gradient_rollout
-from .scale import Stats, map_stats, scale_title, to_unit
+from .record import unwrap_model
+from .render import Stats, describe, map_stats, to_unit
 
 HEAD_MAPS = ("all", "last", "none")
 GRADIENT_KINDS = ("attention_gradient", "gradient_rollout", "layers_gradient")  # LayerMap kinds made from gradients
 _POOL_CLS = {"cls", "token"}
 _POOL_MEAN = {"mean", "avg", "gap"}
 _POOL_SEQ = {"seq", "sequence", "attn", "attention"}
+HEAD_FUSIONS = ("mean", "max", "min")
 
 
 @dataclass
@@ -52,12 +49,18 @@ class LayerMap:
     scale: str  # "gate" | "gain" | "relative"
     keys: int  # tokens / positions the weights are spread over (uniform weight = 1 / keys); 0 for gates
     geometry: GridGeometry
-    description: str
+    note: str = ""  # the description of a map made outside read_maps (a baseline, a caller's own map)
     record: Optional[AttentionRecord] = None
+    info: Dict[str, Any] = field(default_factory=dict)  # facts for the description: owner, layers, readout
 
     @property
     def tag(self) -> str:
         return f"maps/{self.name}"
+
+    @property
+    def description(self) -> str:
+        """One line: what the map is, its scale and where its cells lie (:func:`~visattn.maps.render.describe`)."""
+        return describe(self)
 
     def unit(self, norm: str = "fixed") -> torch.Tensor:
         """Colour-map positions in [0, 1], ``(B, h, w)``."""
@@ -68,6 +71,284 @@ class LayerMap:
 
     def finite(self) -> bool:
         return bool(torch.isfinite(self.heat).all())
+
+
+# ----------------------------------------------------------------------------- a record as a 2-D map
+
+
+def infer_grid(num_tokens: int, image_hw: Optional[Sequence[int]] = None) -> Tuple[int, int]:
+    """A grid ``(h, w)`` with ``h * w == num_tokens``: square, or with ``image_hw``'s aspect ratio if given."""
+    if image_hw is None:
+        side = math.isqrt(num_tokens)
+        if side * side != num_tokens:
+            raise ValueError(
+                f"cannot infer a grid for {num_tokens} tokens: not a square; pass grid=(H, W) or image_hw"
+            )
+        return side, side
+    target = float(image_hw[0]) / float(image_hw[1])
+    best = None
+    for h in range(1, num_tokens + 1):
+        if num_tokens % h == 0:
+            err = abs(math.log((h / (num_tokens // h)) / target))
+            if best is None or err < best[0]:
+                best = (err, h)
+    h = best[1]
+    return h, num_tokens // h
+
+
+def _token_grid(rec: AttentionRecord, num_grid_tokens: int, image_hw) -> Tuple[int, int]:
+    if rec.grid is None:
+        return infer_grid(num_grid_tokens, image_hw)
+    h, w = rec.grid
+    if h * w != num_grid_tokens:
+        raise ValueError(
+            f"record {rec.name!r}: grid {h}x{w} does not hold the {num_grid_tokens} tokens after "
+            f"{rec.num_prefix_tokens} prefix token(s)"
+        )
+    return h, w
+
+
+def spatial_heatmap(
+    record: AttentionRecord, image_hw: Optional[Sequence[int]] = None, query: str = "auto"
+) -> torch.Tensor:
+    """A per-image 2-D map ``(B, h, w)`` on the record's grid (fp32, the weights' device).
+
+    * ``spatial``: the gate itself.
+    * ``token``: ``query="cls"``: the class token's row (mean over heads) over the grid tokens;
+      ``query="mean"``: the attention each grid token receives, averaged over heads and over the grid
+      queries (prefix rows and columns dropped); ``"auto"`` picks ``"cls"`` when the record has a prefix
+      token, else ``"mean"``.
+    * ``pool``: the pooling weights of the grid tokens (prefix tokens dropped).
+    * ``channel``: raises ValueError (channel weights have no spatial layout).
+
+    ``image_hw`` only matters for a token/pool record that carries no grid: the grid is then the
+    factorisation of its token count closest to the image's aspect ratio (square when not given).
+    """
+    if query not in ("auto", "cls", "mean"):
+        raise ValueError(f"unknown query {query!r}; valid: auto, cls, mean")
+    w = record.weights.float()
+    p = int(record.num_prefix_tokens)
+    if record.kind == "channel":
+        raise ValueError(f"record {record.name!r} holds channel weights: there is no spatial map")
+    if record.kind == "spatial":
+        if w.dim() == 4 and w.shape[1] == 1:
+            return w[:, 0]
+        if w.dim() == 3:
+            return w
+        raise ValueError(f"record {record.name!r}: spatial weights must be (B, 1, H, W), got {tuple(w.shape)}")
+    if record.kind == "pool":
+        if w.dim() != 2:
+            raise ValueError(f"record {record.name!r}: pool weights must be (B, N), got {tuple(w.shape)}")
+        h, gw = _token_grid(record, w.shape[1] - p, image_hw)
+        return w[:, p:].reshape(w.shape[0], h, gw)
+    if record.kind == "token":
+        return _token_heatmap(record, w, p, image_hw, query)
+    raise ValueError(f"record {record.name!r} has unknown kind {record.kind!r}; valid: {', '.join(KINDS)}")
+
+
+def _token_heatmap(record: AttentionRecord, w: torch.Tensor, p: int, image_hw, query: str) -> torch.Tensor:
+    if w.dim() != 4:
+        raise ValueError(f"record {record.name!r}: token weights must be (B, heads, N, N), got {tuple(w.shape)}")
+    b, _, nq, nk = w.shape
+    h, gw = _token_grid(record, nk - p, image_hw)
+    mode = ("cls" if p > 0 else "mean") if query == "auto" else query
+    if mode == "cls":
+        if p == 0:
+            raise ValueError(f"record {record.name!r} has no class token; use query='mean'")
+        row = w[:, :, 0, p:].mean(1)  # (B, h*w): what the class token reads from each grid token
+    else:
+        # Queries: the grid rows when queries and keys are the same tokens, else every query row.
+        rows = w[:, :, p:, p:] if nq == nk else w[:, :, :, p:]
+        row = rows.mean(dim=(1, 2))  # (B, h*w): attention received, averaged over heads and queries
+    return row.reshape(b, h, gw)
+
+
+def gradient_heatmap(record: AttentionRecord, image_hw: Optional[Sequence[int]] = None,
+                     query: str = "auto") -> torch.Tensor:
+    """The map ``(B, h, w)`` of a :class:`GradientRecord`'s relevance: each image's positive evidence for the
+    target class, normalised to sum to 1 over the positions (all zeros where there is none).
+
+    * ``spatial`` (a gate, GC's context softmax): Grad-CAM's rule on the gate: ``gate * d logit / d gate``
+      summed over the gate's channels, positive part.
+    * ``token``: Chefer, Gur, Wolf 2021 (arXiv 2103.15679): ``E_h[(grad * A)^+]``, the positive part per head
+      averaged over heads, read out like :func:`spatial_heatmap` (the class token's row, or what each grid
+      position receives averaged over the grid queries).
+    * ``pool``: ``(w * d logit / d w)^+`` over the grid tokens.
+
+    The values are shares, not gates: a product with a gradient has no fixed range, so the map is drawn on
+    the ``"relative"`` scale (x the uniform share, 1 / positions), like the rollout.
+    """
+    rel = getattr(record, "relevance", None)
+    if rel is None:
+        raise ValueError(f"record {record.name!r} carries no relevance (record with gradients=True)")
+    rel = rel.float()
+    if record.kind == "spatial" and rel.dim() == 4:
+        rel = rel.sum(1, keepdim=True)
+    heat = spatial_heatmap(replace(record, weights=rel.clamp_min(0)), image_hw, query)
+    total = heat.flatten(1).sum(1).clamp_min(torch.finfo(torch.float32).tiny)
+    return heat / total[:, None, None]
+
+
+# ----------------------------------------------------------------------------- rollout
+
+
+def _as_weights(layer: Union[torch.Tensor, AttentionRecord], i: int, attr: str = "weights") -> torch.Tensor:
+    if isinstance(layer, AttentionRecord):
+        if layer.kind != "token":
+            raise ValueError(f"layer {i} ({layer.name!r}) is a {layer.kind!r} record; rollout needs token records")
+        if getattr(layer, attr, None) is None:
+            raise ValueError(f"layer {i} ({layer.name!r}) carries no {attr} (record with gradients=True)")
+        layer = getattr(layer, attr)
+    if not isinstance(layer, torch.Tensor):
+        raise TypeError(f"layer {i}: expected a tensor or an AttentionRecord, got {type(layer).__name__}")
+    if layer.dim() != 4 or layer.shape[-1] != layer.shape[-2]:
+        raise ValueError(f"layer {i}: attention must be (B, heads, N, N), got {tuple(layer.shape)}")
+    return layer.float()
+
+
+def _from_records(attentions, attr: str):
+    values = {getattr(a, attr) for a in attentions if isinstance(a, AttentionRecord)} - {None}
+    if len(values) > 1:
+        raise ValueError(f"the records disagree on {attr}: {sorted(values, key=str)}")
+    return values.pop() if values else None
+
+
+def _layout(attentions, layers: List[torch.Tensor], num_prefix_tokens: Optional[int], grid) -> Tuple[int, int, int]:
+    """``(p, gh, gw)``: prefix-token count and grid, from the arguments or the records, checked."""
+    n = layers[0].shape[-1]
+    rec_prefix = _from_records(attentions, "num_prefix_tokens")
+    if num_prefix_tokens is None:
+        num_prefix_tokens = 1 if rec_prefix is None else rec_prefix
+    elif rec_prefix is not None and rec_prefix != num_prefix_tokens:
+        raise ValueError(f"num_prefix_tokens={num_prefix_tokens} but the records say {rec_prefix}")
+    p = int(num_prefix_tokens)
+    if not 0 <= p < n:
+        raise ValueError(f"num_prefix_tokens must be in [0, {n}) for {n} tokens, got {p}")
+    if grid is None:
+        grid = _from_records(attentions, "grid")
+    gh, gw = infer_grid(n - p) if grid is None else (int(grid[0]), int(grid[1]))
+    if gh * gw != n - p:
+        raise ValueError(f"grid {gh}x{gw} does not hold the {n - p} tokens after {p} prefix token(s)")
+    return p, gh, gw
+
+
+def _fused(a: torch.Tensor, head_fusion: str, num_discard: int, protected: torch.Tensor) -> torch.Tensor:
+    """One layer ``(B, heads, N, N)`` -> fused over heads, thinned, plus the identity, rows renormalised."""
+    b, _, n, _ = a.shape
+    fused = {"mean": lambda: a.mean(1), "max": lambda: a.amax(1), "min": lambda: a.amin(1)}[head_fusion]()
+    if num_discard > 0:
+        flat = fused.reshape(b, n * n)
+        candidates = flat.masked_fill(protected, float("inf"))
+        drop = candidates.topk(num_discard, dim=1, largest=False).indices  # (B, k)
+        fused = flat.scatter(1, drop, 0.0).reshape(b, n, n)
+    fused = fused + torch.eye(n, device=a.device)  # the residual connection carries each token to itself
+    return fused / fused.sum(-1, keepdim=True)
+
+
+def _read_out(result: torch.Tensor, readout, p: int) -> torch.Tensor:
+    """``(B, N)`` flow into what the classifier reads, from the rolled-out ``(B, N, N)`` matrix."""
+    b, n, _ = result.shape
+    if isinstance(readout, AttentionRecord):
+        if readout.kind != "pool":
+            raise ValueError(f"readout record {readout.name!r} is {readout.kind!r}; expected a pool record")
+        readout = readout.weights
+    if isinstance(readout, torch.Tensor):
+        if tuple(readout.shape) != (b, n):
+            raise ValueError(f"pooling weights must be (B, N) = {(b, n)}, got {tuple(readout.shape)}")
+        return torch.einsum("bi,bij->bj", readout.float().to(result.device), result)
+    if readout == "cls":
+        if p == 0:
+            raise ValueError("readout='cls' needs a class token (num_prefix_tokens >= 1); use readout='mean'")
+        return result[:, 0]  # what the class token's output draws from each input token
+    if readout == "mean":
+        return result[:, p:].mean(1)  # averaged over the grid tokens' outputs, as global pooling does
+    raise ValueError(f"unknown readout {readout!r}; valid: cls, mean, or a (B, N) tensor of pooling weights")
+
+
+def _checked(attentions, attr: str, num_prefix_tokens, grid) -> Tuple[List[torch.Tensor], Tuple[int, int, int]]:
+    """The layers as ``(B, heads, N, N)`` fp32 tensors (``attr`` of records), checked, and ``(p, gh, gw)``."""
+    if isinstance(attentions, (torch.Tensor, AttentionRecord)) or len(attentions) == 0:
+        raise ValueError("attentions must be a non-empty list of (B, heads, N, N) tensors or token records")
+    layers = [_as_weights(a, i, attr) for i, a in enumerate(attentions)]
+    b, _, n, _ = layers[0].shape
+    for i, a in enumerate(layers[1:], start=1):
+        if a.shape[0] != b or a.shape[-1] != n:
+            raise ValueError(
+                f"layer {i}: attention shape {tuple(a.shape)} does not match layer 0's {tuple(layers[0].shape)} "
+                "(batch and token count must agree)"
+            )
+    return layers, _layout(attentions, layers, num_prefix_tokens, grid)
+
+
+def attention_rollout(
+    attentions: Sequence[Union[torch.Tensor, AttentionRecord]],
+    head_fusion: str = "mean",
+    discard_ratio: float = 0.0,
+    num_prefix_tokens: Optional[int] = None,
+    readout: Union[str, torch.Tensor, AttentionRecord] = "cls",
+    grid: Optional[Tuple[int, int]] = None,
+) -> torch.Tensor:
+    """Roll attention out through the layers and return a map ``(B, H, W)`` over the grid tokens (fp32).
+
+    ``attentions``: per layer, first to last, ``(B, heads, N, N)`` tensors or token ``AttentionRecord``s
+    (the whole batch at once; heads may differ between layers, ``B`` and ``N`` may not).
+    ``head_fusion``: ``"mean"``, ``"max"`` or ``"min"`` over heads.
+    ``discard_ratio``: per image and layer, the fraction of the fused ``N*N`` weights set to zero, lowest
+    first. Kept always: each prefix (class) token's attention to itself, the diagonal entries
+    ``(p, p)`` for ``p < num_prefix_tokens``, so the class token's path to itself survives thinning; the
+    count discarded is ``floor(discard_ratio * (N*N - num_prefix_tokens))``. Rows stay positive because
+    the identity is added afterwards.
+    ``num_prefix_tokens``: tokens before the grid tokens; default: the records' value, else 1.
+    ``readout``: ``"cls"`` (row of token 0, the class token), ``"mean"`` (uniform mean over the grid
+    tokens' rows, for models that average-pool without a class token), or pooling weights ``(B, N)`` over
+    all tokens (a tensor or a pool ``AttentionRecord``; CCT's sequence pooling). Prefix columns are dropped.
+    ``grid``: ``(H, W)`` of the grid tokens; default: the records' grid, else a square.
+    """
+    if head_fusion not in HEAD_FUSIONS:
+        raise ValueError(f"unknown head_fusion {head_fusion!r}; valid: {', '.join(HEAD_FUSIONS)}")
+    if not 0.0 <= float(discard_ratio) < 1.0:
+        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
+    layers, (p, gh, gw) = _checked(attentions, "weights", num_prefix_tokens, grid)
+    b, _, n, _ = layers[0].shape
+    device = layers[0].device
+    # Discarding never touches the prefix tokens' self-attention entries (p, p).
+    protected = torch.zeros(n * n, dtype=torch.bool, device=device)
+    protected[torch.arange(p, device=device) * (n + 1)] = True
+    num_discard = int(float(discard_ratio) * (n * n - p))
+    result = torch.eye(n, device=device).expand(b, n, n)
+    for a in layers:
+        result = _fused(a.to(device), head_fusion, num_discard, protected) @ result
+    return _read_out(result, readout, p)[:, p:].reshape(b, gh, gw)
+
+
+def gradient_rollout(
+    relevances: Sequence[Union[torch.Tensor, AttentionRecord]],
+    num_prefix_tokens: Optional[int] = None,
+    readout: Union[str, torch.Tensor, AttentionRecord] = "cls",
+    grid: Optional[Tuple[int, int]] = None,
+) -> torch.Tensor:
+    """Chefer et al.'s gradient-weighted rollout: a map ``(B, H, W)`` over the grid tokens (fp32, >= 0).
+
+    ``relevances``: per layer, first to last, ``A * d logit / d A`` ``(B, heads, N, N)`` as tensors or the
+    ``relevance`` of token :class:`~visattn.maps.record.GradientRecord`s (``record_attention(...,
+    gradients=True)``). Each layer gives ``A_bar = E_h[(grad * A)^+]`` and ``R = I; R = R + A_bar @ R``.
+    ``readout``, ``num_prefix_tokens`` and ``grid`` as for :func:`attention_rollout`. Under ``"mean"`` the
+    identity's share (the same for every position) is left out, so the map shows what attention
+    carried; under ``"cls"`` it never reaches the grid columns anyway.
+    """
+    layers, (p, gh, gw) = _checked(relevances, "relevance", num_prefix_tokens, grid)
+    b, _, n, _ = layers[0].shape
+    device = layers[0].device
+    eye = torch.eye(n, device=device)
+    result = eye.expand(b, n, n)
+    for a in layers:
+        result = result + a.to(device).clamp_min(0).mean(1) @ result
+    if isinstance(readout, str) and readout == "mean":
+        result = result - eye
+    return _read_out(result, readout, p)[:, p:].reshape(b, gh, gw)
+
+
+# ----------------------------------------------------------------------------- records -> maps
 
 
 def pool_mode(model: Optional[nn.Module]) -> Optional[str]:
@@ -105,23 +386,6 @@ def _owner(model: Optional[nn.Module], name: str) -> str:
         return "block"
 
 
-def _describe(kind: str, owner: str, scale: str, geometry: GridGeometry, extra: str = "") -> str:
-    share = "share of the positive evidence per position (sum 1)"
-    what = {
-        "attention_gradient": f"{extra} of {owner} for the target class's logit; {share}",
-        "gradient_rollout": f"gradient-weighted attention rollout (Chefer, Gur, Wolf 2021){extra}; {share}",
-        "layers_gradient": f"mean of the layers' gate or attention x gradient shares{extra}; {share}",
-        "spatial": f"spatial map of {owner}"
-        + {"relative": " (softmax over positions)", "gain": " (gain per position, 2 x sigmoid: 1 = unchanged)"}.get(
-            scale, " (sigmoid gate per position)"),
-        "token": f"attention of {owner}{extra}",
-        "pool": f"attention-pooling weights of {owner} over the tokens",
-        "head": f"class-token attention of one head of {owner}",
-        "rollout": f"attention rollout (Abnar & Zuidema 2020){extra}",
-    }.get(kind, f"{kind} map{extra}")
-    return f"{what}; scale: {scale_title(scale)}; {geometry.describe()}"
-
-
 class _Reader:
     """Turns records into :class:`LayerMap`s; holds the model, input size and geometry trace."""
 
@@ -145,42 +409,27 @@ class _Reader:
         heat = spatial_heatmap(r, image_hw=self.image_hw)  # (B, h, w)
         name = record_tag(r.name, k)
         geo = self.geometry(heat.shape[-2:], r.name, k)
-        owner = _owner(self.model, r.name)
+        info = {"owner": _owner(self.model, r.name)}
         scale = r.value_scale
         keys = int(r.weights.shape[-1]) if r.kind in ("token", "pool") else int(heat.shape[-1] * heat.shape[-2])
-        extra = ""
-        if r.kind == "token":
-            n_heads = r.weights.shape[1]
-            extra = (f": the class token's row, mean of {n_heads} heads" if r.num_prefix_tokens > 0
-                     else f": attention each position receives, mean of {n_heads} heads and all queries")
-        out = [LayerMap(name, r.kind, heat, scale, keys if scale == "relative" else 0, geo,
-                        _describe(r.kind, owner, scale, geo, extra), r)]
+        out = [LayerMap(name, r.kind, heat, scale, keys if scale == "relative" else 0, geo, record=r, info=info)]
         if heads and r.kind == "token" and r.num_prefix_tokens > 0:
             p = r.num_prefix_tokens
             for h in range(r.weights.shape[1]):
                 hm = r.weights[:, h, 0, p:].reshape(heat.shape)
-                out.append(LayerMap(f"{name}/cls_head{h}", "head", hm, "relative", keys, geo,
-                                    _describe("head", owner, "relative", geo), r))
+                out.append(LayerMap(f"{name}/cls_head{h}", "head", hm, "relative", keys, geo, record=r, info=info))
         if self.gradients and getattr(r, "relevance", None) is not None:
             try:
-                out.append(self.gradient_map(r, name, geo, owner))
+                grad = gradient_heatmap(r, image_hw=self.image_hw)
             except ValueError:
-                pass  # a relevance with no map: the record's own maps stand
+                return out  # a relevance with no map: the record's own maps stand
+            cells = int(grad.shape[-1] * grad.shape[-2])
+            out.append(LayerMap(f"{name}/grad", "attention_gradient", grad, "relative", cells, geo, record=r,
+                                info=info))
         return out
 
-    def gradient_map(self, r: AttentionRecord, name: str, geo: GridGeometry, owner: str) -> LayerMap:
-        heat = gradient_heatmap(r, image_hw=self.image_hw)
-        what = {"spatial": "gate x gradient (Grad-CAM's rule: positive part of gate * d logit / d gate, summed over "
-                           "the gate's channels)" + (" through the block's output" if getattr(r, "via", "") == "output" else ""),
-                "pool": "pooling weights x gradient (positive part of w * d logit / d w)"}.get(
-            r.kind, "attention x gradient (Chefer et al. 2021: E_h[(grad * A)^+], "
-            + ("the class token's row)" if r.num_prefix_tokens > 0 else "received per position, mean of the queries)"))
-        cells = int(heat.shape[-1] * heat.shape[-2])
-        return LayerMap(f"{name}/grad", "attention_gradient", heat, "relative", cells, geo,
-                        _describe("attention_gradient", owner, "relative", geo, what), r)
-
     def readout(self, records: Sequence[AttentionRecord], layers: Sequence[AttentionRecord]) -> Tuple[Any, str]:
-        """How the rollout through ``layers`` is read out, as the model pools: ``(readout, words)``."""
+        """How the rollout through ``layers`` is read out, as the model pools: ``(readout, mode)``."""
         p, n = layers[0].num_prefix_tokens, layers[0].weights.shape[-1]
         pools = [r for r in records if r.kind == "pool" and r.weights.shape[-1] == n]
         mode = pool_mode(unwrap_model(self.model) if self.model is not None else None)
@@ -188,23 +437,20 @@ class _Reader:
             mode = "cls" if p > 0 else ("seq" if pools else "mean")
         if mode == "cls" and p == 0:
             mode = "mean"
-        readout: Any = pools[-1] if mode == "seq" and pools else ("mean" if mode == "seq" else mode)
-        how = {"cls": "the class token", "mean": "the mean over tokens"}.get(
-            readout if isinstance(readout, str) else "", "the sequence-pooling weights")
-        return readout, how
+        if mode == "seq":
+            return (pools[-1], "seq") if pools else ("mean", "mean")
+        return mode, mode
 
     def rollout(self, records: Sequence[AttentionRecord], gradient: bool = False) -> Optional[LayerMap]:
         layers = rollout_layers([r for r in records if r.kind == "token"])
         if not layers or (gradient and any(getattr(r, "relevance", None) is None for r in layers)):
             return None
         p = layers[0].num_prefix_tokens
-        readout, how = self.readout(records, layers)
+        readout, mode = self.readout(records, layers)
         try:
             grid = layers[0].grid or tuple(spatial_heatmap(layers[0], image_hw=self.image_hw).shape[-2:])
-            if gradient:
-                heat = gradient_rollout(layers, num_prefix_tokens=p, readout=readout, grid=grid)
-            else:
-                heat = attention_rollout(layers, num_prefix_tokens=p, readout=readout, grid=grid)
+            roll = gradient_rollout if gradient else attention_rollout
+            heat = roll(layers, num_prefix_tokens=p, readout=readout, grid=grid)
         except ValueError:
             return None
         geo = self.geometry(heat.shape[-2:], layers[0].name, 0)
@@ -212,20 +458,14 @@ class _Reader:
         # model that attends uniformly gives exactly x1 everywhere
         heat = heat / heat.flatten(1).sum(1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
         cells = int(heat.shape[-1] * heat.shape[-2])
-        if gradient:
-            return LayerMap("rollout_grad", "gradient_rollout", heat, "relative", cells, geo,
-                            _describe("gradient_rollout", "", "relative", geo,
-                                      f": R = I + A_bar R with A_bar = E_h[(grad * A)^+] through {len(layers)} "
-                                      f"layer(s), read out by {how}"))
-        return LayerMap("rollout", "rollout", heat, "relative", cells, geo,
-                        _describe("rollout", "", "relative", geo,
-                                  f" through {len(layers)} layer(s), read out by {how}; the grid's share of the flow"))
+        name, kind = ("rollout_grad", "gradient_rollout") if gradient else ("rollout", "rollout")
+        return LayerMap(name, kind, heat, "relative", cells, geo, info={"layers": len(layers), "readout": mode})
 
 
 def fuse_layers(maps: Sequence[LayerMap], image_hw: Sequence[int]) -> Optional[LayerMap]:
     """``layers_grad``: the per-layer gradient maps (kind ``"attention_gradient"``) of ``maps`` joined into one
     map on the input's pixels, or None when they lie on fewer than two grids (one grid: a transformer trunk,
-    which :func:`~visattn.maps.rollout.gradient_rollout` joins instead).
+    which :func:`gradient_rollout` joins instead).
 
     Each layer's map is placed on an ``image_hw`` picture where its cells lie
     (:func:`~visattn.maps.geometry.place`; 0 where no cell reaches), re-normalised to sum 1 over the pixels,
@@ -246,10 +486,8 @@ def fuse_layers(maps: Sequence[LayerMap], image_hw: Sequence[int]) -> Optional[L
         shares.append(values / values.flatten(1).sum(1).clamp_min(tiny)[:, None, None])
     heat = torch.stack(shares).mean(0)
     geo = GridGeometry.image(hw)
-    names = ", ".join(m.name.removesuffix("/grad") for m in grads)
-    return LayerMap("layers_grad", "layers_gradient", heat, "relative", hw[0] * hw[1], geo,
-                    _describe("layers_gradient", "", "relative", geo,
-                              f" ({len(grads)} layers, equal weight, on the input's pixels: {names})"))
+    names = [m.name.removesuffix("/grad") for m in grads]
+    return LayerMap("layers_grad", "layers_gradient", heat, "relative", hw[0] * hw[1], geo, info={"layers": names})
 
 
 def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = None,
@@ -265,7 +503,7 @@ def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = N
     ``(C, H, W)`` (needed when ``geometry`` is not given). ``head_maps``: token layers with a class token
     that also get one map per head: ``"all"``, ``"last"`` or ``"none"``. ``gradients``: also the gradient
     maps of records that carry a relevance (a gradient recording). Channel records have no map
-    (see :func:`channel_records`); records whose map cannot be formed are left out.
+    (TensorBoard draws them as histograms); records whose map cannot be formed are left out.
     """
     if head_maps not in HEAD_MAPS:
         raise ValueError(f"unknown head_maps {head_maps!r}; valid: {', '.join(HEAD_MAPS)}")
@@ -309,12 +547,3 @@ def named_records(records: Sequence[AttentionRecord], kind: str, dims: Optional[
         if r.kind == kind and (dims is None or r.weights.dim() == dims):
             out.append((record_tag(r.name, k), r))
     return out
-
-
-def channel_records(records: Sequence[AttentionRecord]) -> List[tuple]:
-    """``(tag, record)`` for the channel gates (no spatial layout: drawn as histograms)."""
-    return named_records(records, "channel")
-
-
-__all__ = ["GRADIENT_KINDS", "HEAD_MAPS", "LayerMap", "channel_records", "fuse_layers", "named_records", "pool_mode",
-           "read_maps", "record_tag", "rollout_layers"]

@@ -1,58 +1,46 @@
-"""Record the attention weights of every block in a model, and turn a record into a 2-D map.
+"""Record the attention weights of every block in a model (the maps are read out in :mod:`.readout`).
 
-``record_attention(model)`` attaches a recorder to every :class:`~visattn.attention.tap.AttentionTap` in the
-model (and, through :func:`~visattn.maps.adapters.add_taps`, to every timm ``Attention`` and
-``nn.MultiheadAttention``) for the duration of a ``with`` block; each tap then appends an
-:class:`AttentionRecord` per call. Outside the block the taps hold ``sink=None`` again, so recording costs
-nothing when it is off.
-
-    with record_attention(model) as rec:
+    with record_attention(model) as rec:   # every tap appends an AttentionRecord per call, in call order
         model(images)
-    for r in rec.records:          # call order
-        heat = spatial_heatmap(r)  # (B, h, w), or ValueError for a channel record
+    heat = spatial_heatmap(rec.records[0])  # (B, h, w), or ValueError for a channel record
 
-**Memory bound.** Records are copied off the accelerator (``device="cpu"`` by default) as they are made,
-and the recorder keeps the last ``max_passes`` forward passes of the model (default 64; a pass is one
-call of the model given to ``record_attention``), dropping older ones with one warning. Its memory is at
-most ``max_passes`` times one pass's weights (fp32): ``bytes_per_pass`` and ``nbytes`` report both.
+Outside the ``with`` block the taps hold ``sink=None`` again, so recording costs nothing when it is off.
+**Memory bound**: records are copied off the accelerator (``device="cpu"``) as they are made, and the recorder
+keeps the last ``max_passes`` passes of the model (default 64), dropping older ones with one warning.
 
-**Gradients.** ``record_attention(model, gradients=True)`` also keeps, for every spatial, token and pool record,
-the very tensor the block used (the tap's input, still in the autograd graph) until
-:meth:`AttentionRecorder.backward` differentiates the target class's logit once for the whole batch; each record
-is then a :class:`GradientRecord` carrying its ``relevance``, ``weights * d logit / d weights``:
+**Gradients** (``record_attention(model, gradients=True)``): the tensor each spatial, token and pool tap passes
+on is kept in the autograd graph until :meth:`AttentionRecorder.backward` differentiates the target class's
+logit once for the batch; each record then becomes a :class:`GradientRecord` with ``relevance = weights * d
+logit / d weights``. A tap handed a reshaped view (GC's softmax) gets the gradient of the tensor it views; a
+spatial tap handed an unused summary (coordinate attention) gets its block's ``output * d logit / d output``
+summed over channels (equal to the gate's for a gate that multiplies its input). Parameters' ``.grad`` are
+never touched. :func:`probe_pass` does the whole eval pass (mode, RNG and flags restored after).
 
-    with record_attention(model, gradients=True) as rec:
-        logits = model(images.clone().requires_grad_())  # grad enabled, eval mode
-        rec.backward(logits, labels)              # one backward pass; None: the predicted classes
-
-The taps are not changed for this: forward hooks on them see the tensor they pass on. Blocks whose weights
-feed their output (every token block, the spatial gate and CBAM's, sequence pooling) get the gradient of that
-tensor; a tap handed a reshaped view of the weights (GC's softmax) gets the gradient of the tensor it views;
-a spatial tap handed a summary that is not used (coordinate attention's channel mean of ``a_h * a_w``) gets
-its block's ``output * d logit / d output`` summed over channels, which for a gate that multiplies its input
-equals ``gate * d logit / d gate`` summed over channels. timm ``Attention`` runs unfused and
-``nn.MultiheadAttention`` returns per-head weights for the pass (:func:`~visattn.maps.adapters.own_attention`),
-so their taps too see the weights on the path to the output. Fused attention is switched off for that pass
-only: the taps already compute explicit weights on every recording pass. Parameters' ``.grad`` are never
-touched (``torch.autograd.grad`` with the recorded tensors as the only inputs). :func:`probe_pass` does the
-whole eval pass (mode, RNG and flags restored after).
+**Other models**: :func:`add_taps` gives every timm ``Attention`` and ``nn.MultiheadAttention`` a tap (held
+here, not registered, so ``state_dict`` and ``print(model)`` do not change) fed by forward hooks that
+recompute the weights in fp32 on recording passes only (timm: from the ``q`` and ``k`` its ``q_norm`` /
+``k_norm`` see, so fused attention stays on; MHA: from its projections and masks). The grid and class-token
+count come from the model around the module (timm's ``patch_embed.grid_size``, torchvision's ``image_size //
+patch_size``; else a square after 0 or 1 prefix tokens). For gradients :func:`own_attention` makes the
+taps see the weights the output is computed from, for one recording: timm's unfused path, MHA's per-head
+weights (its caller still gets what it asked for).
 """
 from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields, replace
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..attention.tap import KINDS, AttentionRecord, AttentionTap
-from .adapters import SEARCHED, adapter_taps, add_taps, own_attention
 
 DEFAULT_MAX_PASSES = 64
-VIA = ("weights", "view", "output")  # how a GradientRecord's relevance was found (GradientRecord.via)
 
 
 @dataclass
@@ -256,7 +244,7 @@ def _record_name(path: str) -> str:
 
 def find_taps(model: nn.Module) -> List[Tuple[str, AttentionTap]]:
     """``(record name, tap)`` for every tap in ``model`` (and every foreign attention module already given a
-    tap by :func:`~visattn.maps.adapters.add_taps`), in module-definition order."""
+    tap by :func:`add_taps`), in module-definition order."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"record_attention expects an nn.Module, got {type(model).__name__}")
     base = unwrap_model(model)
@@ -385,114 +373,283 @@ def probe_pass(model: nn.Module, images: torch.Tensor, target: Optional[torch.Te
     return rec, logits.detach()
 
 
-def infer_grid(num_tokens: int, image_hw: Optional[Sequence[int]] = None) -> Tuple[int, int]:
-    """A grid ``(h, w)`` with ``h * w == num_tokens``: square, or with ``image_hw``'s aspect ratio if given."""
-    if image_hw is None:
-        side = math.isqrt(num_tokens)
-        if side * side != num_tokens:
-            raise ValueError(
-                f"cannot infer a grid for {num_tokens} tokens: not a square; pass grid=(H, W) or image_hw"
-            )
-        return side, side
-    target = float(image_hw[0]) / float(image_hw[1])
-    best = None
-    for h in range(1, num_tokens + 1):
-        if num_tokens % h == 0:
-            err = abs(math.log((h / (num_tokens // h)) / target))
-            if best is None or err < best[0]:
-                best = (err, h)
-    h = best[1]
-    return h, num_tokens // h
+# ----------------------------------------------------------------------------- other models' attention
 
 
-def _token_grid(rec: AttentionRecord, num_grid_tokens: int, image_hw) -> Tuple[int, int]:
-    if rec.grid is None:
-        return infer_grid(num_grid_tokens, image_hw)
-    h, w = rec.grid
-    if h * w != num_grid_tokens:
-        raise ValueError(
-            f"record {rec.name!r}: grid {h}x{w} does not hold the {num_grid_tokens} tokens after "
-            f"{rec.num_prefix_tokens} prefix token(s)"
-        )
-    return h, w
+SEARCHED = (
+    "visattn AttentionTap modules",
+    "timm Attention (timm.layers.Attention = timm.models.vision_transformer.Attention)",
+    "torch.nn.MultiheadAttention",
+)
 
 
-def spatial_heatmap(
-    record: AttentionRecord, image_hw: Optional[Sequence[int]] = None, query: str = "auto"
-) -> torch.Tensor:
-    """A per-image 2-D map ``(B, h, w)`` on the record's grid (fp32, the weights' device).
+class _Adapter:
+    """One foreign module's tap, its hooks and the state a recording pass passes between them."""
 
-    * ``spatial``: the gate itself.
-    * ``token``: ``query="cls"``: the class token's row (mean over heads) over the grid tokens;
-      ``query="mean"``: the attention each grid token receives, averaged over heads and over the grid
-      queries (prefix rows and columns dropped); ``"auto"`` picks ``"cls"`` when the record has a prefix
-      token, else ``"mean"``.
-    * ``pool``: the pooling weights of the grid tokens (prefix tokens dropped).
-    * ``channel``: raises ValueError (channel weights have no spatial layout).
+    def __init__(self, tap: AttentionTap, prefix: Optional[int], grid: Optional[Tuple[int, int]]):
+        self.tap = tap
+        self.prefix = prefix  # class tokens before the grid tokens (None: infer from N)
+        self.grid = grid  # (h, w) when the model says
+        self.handles: List[Any] = []
+        self.q: Optional[torch.Tensor] = None
+        self.mask: Optional[torch.Tensor] = None
+        self.causal = False
+        self.own = False  # own_attention(): the module hands its tap the weights it uses itself
+        self.asked: Optional[Tuple[bool, bool]] = None  # MultiheadAttention: what its caller asked for
+        self.pending: Optional[torch.Tensor] = None  # timm, own_attention(): recomputed weights not yet emitted
 
-    ``image_hw`` only matters for a token/pool record that carries no grid: the grid is then the
-    factorisation of its token count closest to the image's aspect ratio (square when not given).
-    """
-    if query not in ("auto", "cls", "mean"):
-        raise ValueError(f"unknown query {query!r}; valid: auto, cls, mean")
-    w = record.weights.float()
-    p = int(record.num_prefix_tokens)
-    if record.kind == "channel":
-        raise ValueError(f"record {record.name!r} holds channel weights: there is no spatial map")
-    if record.kind == "spatial":
-        if w.dim() == 4 and w.shape[1] == 1:
-            return w[:, 0]
-        if w.dim() == 3:
-            return w
-        raise ValueError(f"record {record.name!r}: spatial weights must be (B, 1, H, W), got {tuple(w.shape)}")
-    if record.kind == "pool":
-        if w.dim() != 2:
-            raise ValueError(f"record {record.name!r}: pool weights must be (B, N), got {tuple(w.shape)}")
-        h, gw = _token_grid(record, w.shape[1] - p, image_hw)
-        return w[:, p:].reshape(w.shape[0], h, gw)
-    if record.kind == "token":
-        return _token_heatmap(record, w, p, image_hw, query)
-    raise ValueError(f"record {record.name!r} has unknown kind {record.kind!r}; valid: {', '.join(KINDS)}")
+    def layout(self, n: int) -> Tuple[Optional[Tuple[int, int]], int]:
+        """``(grid, num_prefix_tokens)`` for ``n`` tokens."""
+        if self.grid is not None and self.prefix is not None and self.grid[0] * self.grid[1] + self.prefix == n:
+            return self.grid, self.prefix
+        for p in ([self.prefix] if self.prefix is not None else []) + [0, 1]:
+            side = math.isqrt(max(n - p, 0))
+            if side * side == n - p and side > 0:
+                return (side, side), p
+        return None, self.prefix or 0
+
+    def emit(self, weights: torch.Tensor) -> None:
+        grid, p = self.layout(weights.shape[-1])
+        self.tap(weights, grid=grid, num_prefix_tokens=p)
 
 
-def _token_heatmap(record: AttentionRecord, w: torch.Tensor, p: int, image_hw, query: str) -> torch.Tensor:
-    if w.dim() != 4:
-        raise ValueError(f"record {record.name!r}: token weights must be (B, heads, N, N), got {tuple(w.shape)}")
-    b, _, nq, nk = w.shape
-    h, gw = _token_grid(record, nk - p, image_hw)
-    mode = ("cls" if p > 0 else "mean") if query == "auto" else query
-    if mode == "cls":
-        if p == 0:
-            raise ValueError(f"record {record.name!r} has no class token; use query='mean'")
-        row = w[:, :, 0, p:].mean(1)  # (B, h*w): what the class token reads from each grid token
+_ADAPTERS: "weakref.WeakKeyDictionary[nn.Module, _Adapter]" = weakref.WeakKeyDictionary()
+
+
+def _context(model: nn.Module, path: str) -> Tuple[Optional[int], Optional[Tuple[int, int]]]:
+    """Prefix-token count and grid from the nearest enclosing module that declares them."""
+    parts = path.split(".") if path else []
+    for cut in range(len(parts), -1, -1):
+        m = model.get_submodule(".".join(parts[:cut])) if cut else model
+        pe = getattr(m, "patch_embed", None)
+        if pe is not None and getattr(pe, "grid_size", None) is not None:  # timm
+            return int(getattr(m, "num_prefix_tokens", 1)), tuple(int(g) for g in pe.grid_size)
+        if isinstance(getattr(m, "conv_proj", None), nn.Module) and hasattr(m, "patch_size"):  # torchvision
+            size = int(getattr(m, "image_size"))
+            g = size // int(m.patch_size)
+            return (1 if getattr(m, "class_token", None) is not None else 0), (g, g)
+        if isinstance(getattr(m, "num_prefix_tokens", None), int) and cut < len(parts):
+            return int(m.num_prefix_tokens), None
+    return None, None
+
+
+def _masked(logits: torch.Tensor, mask: Optional[torch.Tensor], allow_true: bool) -> torch.Tensor:
+    """Add an attention mask: boolean (``allow_true``: True = may attend, SDPA/timm; else True = blocked,
+    ``nn.MultiheadAttention``) or additive float."""
+    if mask is None:
+        return logits
+    if mask.dtype == torch.bool:
+        blocked = ~mask if allow_true else mask
+        return logits.masked_fill(blocked, float("-inf"))
+    return logits + mask.float()
+
+
+def _timm_hooks(module: nn.Module, ad: _Adapter) -> None:
+    def pre(m, args, kwargs):
+        if ad.tap.recording:
+            ad.mask = args[1] if len(args) > 1 else kwargs.get("attn_mask")
+            ad.causal = bool(args[2] if len(args) > 2 else kwargs.get("is_causal", False))
+
+    def on_q(m, args, out):
+        if ad.tap.recording:
+            ad.q = out
+
+    def on_k(m, args, out):
+        if not ad.tap.recording or ad.q is None:
+            ad.q = None
+            return
+        q, k = ad.q, out  # (B, heads, N, d), after q_norm / k_norm: what the forward attends with
+        ad.q = None
+        with torch.autocast(q.device.type, enabled=False):
+            logits = (q.float() * float(module.scale)) @ k.float().transpose(-2, -1)
+            if ad.causal:
+                n = logits.shape[-1]
+                logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+            else:
+                logits = _masked(logits, ad.mask, allow_true=True)
+            weights = logits.softmax(-1)
+        if ad.own:  # own_attention(): the module's own softmax is emitted instead, when its forward reaches it
+            ad.pending = weights
+        else:
+            ad.emit(weights)
+        ad.mask = None
+
+    ad.handles += [module.register_forward_pre_hook(pre, with_kwargs=True),
+                   module.q_norm.register_forward_hook(on_q), module.k_norm.register_forward_hook(on_k)]
+
+
+def _mha_inputs(m: nn.MultiheadAttention, args: tuple, kwargs: dict):
+    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
+    got = {n: (args[i] if len(args) > i else kwargs.get(n)) for i, n in enumerate(names)}
+    q, k = got["query"], got["key"]
+    if m.batch_first:
+        q, k = q.transpose(0, 1), k.transpose(0, 1)  # (L, B, E)
+    return q, k, got["key_padding_mask"], got["attn_mask"]
+
+
+def _mha_weights(m: nn.MultiheadAttention, args: tuple, kwargs: dict) -> torch.Tensor:
+    q_in, k_in, key_padding, mask = _mha_inputs(m, args, kwargs)
+    e, h = m.embed_dim, m.num_heads
+    if m._qkv_same_embed_dim:
+        w_q, w_k = m.in_proj_weight[:e], m.in_proj_weight[e : 2 * e]
     else:
-        # Queries: the grid rows when queries and keys are the same tokens, else every query row.
-        rows = w[:, :, p:, p:] if nq == nk else w[:, :, :, p:]
-        row = rows.mean(dim=(1, 2))  # (B, h*w): attention received, averaged over heads and queries
-    return row.reshape(b, h, gw)
+        w_q, w_k = m.q_proj_weight, m.k_proj_weight
+    b_q, b_k = (m.in_proj_bias[:e], m.in_proj_bias[e : 2 * e]) if m.in_proj_bias is not None else (None, None)
+    with torch.autocast(q_in.device.type, enabled=False):
+        q = F.linear(q_in.float(), w_q.float(), None if b_q is None else b_q.float())  # (L, B, E)
+        k = F.linear(k_in.float(), w_k.float(), None if b_k is None else b_k.float())  # (S, B, E)
+        b = q.shape[1]
+        if m.bias_k is not None:
+            k = torch.cat([k, m.bias_k.float().expand(1, b, e)])
+        if m.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(1, b, e)])
+        q = q.reshape(q.shape[0], b, h, e // h).permute(1, 2, 0, 3)  # (B, h, L, d)
+        k = k.reshape(k.shape[0], b, h, e // h).permute(1, 2, 0, 3)
+        logits = (q / math.sqrt(e // h)) @ k.transpose(-2, -1)  # (B, h, L, S)
+        extra = logits.shape[-1] - k_in.shape[0]
+        if mask is not None:
+            mask = F.pad(mask, (0, extra)) if extra else mask
+            logits = _masked(logits, mask.view(-1, h, *mask.shape[-2:]) if mask.dim() == 3 else mask, allow_true=False)
+        if key_padding is not None:
+            pad = F.pad(key_padding, (0, extra)) if extra else key_padding
+            logits = _masked(logits, pad[:, None, None, :].bool() if pad.dtype == torch.bool else pad[:, None, None, :],
+                             allow_true=False)
+        return logits.softmax(-1)
 
 
-def gradient_heatmap(record: AttentionRecord, image_hw: Optional[Sequence[int]] = None,
-                     query: str = "auto") -> torch.Tensor:
-    """The map ``(B, h, w)`` of a :class:`GradientRecord`'s relevance: each image's positive evidence for the
-    target class, normalised to sum to 1 over the positions (all zeros where there is none).
+def _mha_hooks(module: nn.MultiheadAttention, ad: _Adapter) -> None:
+    def post(m, args, kwargs, out):
+        if ad.tap.recording and not ad.own:
+            ad.emit(_mha_weights(m, args, kwargs))
 
-    * ``spatial`` (a gate, GC's context softmax): Grad-CAM's rule on the gate: ``gate * d logit / d gate``
-      summed over the gate's channels, positive part.
-    * ``token``: Chefer, Gur, Wolf 2021 (arXiv 2103.15679): ``E_h[(grad * A)^+]``, the positive part per head
-      averaged over heads, read out like :func:`spatial_heatmap` (the class token's row, or what each grid
-      position receives averaged over the grid queries).
-    * ``pool``: ``(w * d logit / d w)^+`` over the grid tokens.
+    ad.handles.append(module.register_forward_hook(post, with_kwargs=True))
 
-    The values are shares, not gates: a product with a gradient has no fixed range, so the map is drawn on
-    the ``"relative"`` scale (x the uniform share, 1 / positions), like the rollout.
+
+_NEED_WEIGHTS, _AVERAGE = 4, 6  # positions of need_weights and average_attn_weights in MultiheadAttention.forward
+
+
+def _set_arg(args: list, kwargs: dict, pos: int, name: str, value: Any, default: Any) -> Any:
+    """Set one argument of a call given by position or keyword; returns what the caller had given."""
+    if len(args) > pos:
+        old, args[pos] = args[pos], value
+    else:
+        old, kwargs[name] = kwargs.get(name, default), value
+    return old
+
+
+def _mha_own(module: nn.MultiheadAttention, ad: _Adapter) -> List[Any]:
+    def pre(m, args, kwargs):
+        if not ad.tap.recording:
+            return None
+        args, kwargs = list(args), dict(kwargs)
+        asked = _set_arg(args, kwargs, _NEED_WEIGHTS, "need_weights", True, True)
+        average = _set_arg(args, kwargs, _AVERAGE, "average_attn_weights", False, True)
+        ad.asked = (bool(asked), bool(average))
+        return tuple(args), kwargs
+
+    def post(m, args, kwargs, out):
+        if ad.asked is None:
+            return None
+        (asked, average), ad.asked = ad.asked, None
+        attn_out, weights = out  # (B, heads, L, S): a view of the softmax that multiplied the values
+        ad.emit(weights if weights is not None else _mha_weights(m, args, kwargs))
+        if weights is None:
+            return None
+        return attn_out, ((weights.mean(1) if average else weights) if asked else None)
+
+    return [module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(post, with_kwargs=True)]
+
+
+def _timm_own(module: nn.Module, ad: _Adapter) -> List[Any]:
+    def pre(m, args):
+        if ad.tap.recording:
+            ad.pending = None
+            ad.emit(args[0])  # (B, heads, N, N): the softmax the unfused path multiplies the values by
+
+    def post(m, args, out):
+        if ad.tap.recording and ad.pending is not None:  # a forward that never reached attn_drop: the weights
+            ad.emit(ad.pending)  # recomputed from q and k (recorded, but with no gradient to give)
+        ad.pending = None
+
+    return [module.attn_drop.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+
+@contextmanager
+def own_attention(model: nn.Module) -> Iterator[None]:
+    """For the ``with`` block, the tapped foreign modules of ``model`` hand their taps the attention weights
+    their output is computed from (module docstring): timm ``Attention`` unfused, ``nn.MultiheadAttention``
+    with per-head weights. Everything is restored on exit."""
+    handles: List[Any] = []
+    saved: List[Tuple[nn.Module, Any]] = []
+    owned: List[_Adapter] = []
+    try:
+        for _, m in foreign_modules(model):
+            ad = _ADAPTERS.get(m)
+            if ad is None:
+                continue
+            if isinstance(m, nn.MultiheadAttention):
+                handles += _mha_own(m, ad)
+            elif hasattr(m, "fused_attn") and isinstance(getattr(m, "attn_drop", None), nn.Module):
+                saved.append((m, m.fused_attn))
+                m.fused_attn = False
+                handles += _timm_own(m, ad)
+            else:
+                continue
+            ad.own = True
+            owned.append(ad)
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for m, fused in saved:
+            m.fused_attn = fused
+        for ad in owned:
+            ad.own, ad.asked, ad.pending = False, None, None
+
+
+def foreign_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """``(path, module)`` of every timm ``Attention`` and ``nn.MultiheadAttention`` in ``model``."""
+    from timm.layers import Attention
+
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, (Attention, nn.MultiheadAttention))]
+
+
+def add_taps(model: nn.Module) -> List[Tuple[str, AttentionTap]]:
+    """Give every timm ``Attention`` and ``nn.MultiheadAttention`` in ``model`` a tap (once; idempotent).
+
+    Returns ``(record name, tap)`` for each, in module order. ``model``: the plain model (unwrap
+    ``torch.compile`` and DDP first; :func:`visattn.maps.record_attention` does).
     """
-    rel = getattr(record, "relevance", None)
-    if rel is None:
-        raise ValueError(f"record {record.name!r} carries no relevance (record with gradients=True)")
-    rel = rel.float()
-    if record.kind == "spatial" and rel.dim() == 4:
-        rel = rel.sum(1, keepdim=True)
-    heat = spatial_heatmap(replace(record, weights=rel.clamp_min(0)), image_hw, query)
-    total = heat.flatten(1).sum(1).clamp_min(torch.finfo(torch.float32).tiny)
-    return heat / total[:, None, None]
+    out = []
+    for path, m in foreign_modules(model):
+        ad = _ADAPTERS.get(m)
+        if ad is None:
+            prefix, grid = _context(model, path)
+            ad = _Adapter(AttentionTap("token"), prefix, grid)
+            if isinstance(m, nn.MultiheadAttention):
+                _mha_hooks(m, ad)
+            elif all(isinstance(getattr(m, n, None), nn.Module) for n in ("q_norm", "k_norm")):
+                _timm_hooks(m, ad)
+            else:
+                continue
+            _ADAPTERS[m] = ad
+        out.append((path, ad.tap))
+    return out
+
+
+def adapter_taps(model: nn.Module) -> List[Tuple[str, AttentionTap]]:
+    """The taps :func:`add_taps` already gave ``model``'s modules (none are added)."""
+    return [(p, _ADAPTERS[m].tap) for p, m in foreign_modules(model) if m in _ADAPTERS]
+
+
+def remove_taps(model: nn.Module) -> int:
+    """Take the hooks :func:`add_taps` put on ``model``'s modules off again; returns how many modules."""
+    n = 0
+    for _, m in foreign_modules(model):
+        ad = _ADAPTERS.pop(m, None)
+        if ad is not None:
+            for h in ad.handles:
+                h.remove()
+            n += 1
+    return n

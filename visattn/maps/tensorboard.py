@@ -3,67 +3,100 @@
 Tags (stable across steps, so TensorBoard's step slider walks through training, on a fixed colour scale):
 
 * ``maps/<layer>``: spatial gates, token attention (class-token row, or attention received averaged over
-  queries without a class token) and pooling weights, as overlays;
-* ``maps/<layer>/cls_head<i>``: each head's class-token row, for token layers with a class token;
-* ``maps/rollout``: attention rollout through the last run of token layers on one grid;
-* ``maps/<layer>/grad`` and ``maps/rollout_grad`` (``gradient_maps=True``, the default): the gate or attention
-  weighted by its gradient for the true class (the predicted one without labels), and Chefer et al.'s
-  gradient-weighted rollout, from one backward pass over the probe (:func:`~visattn.maps.record.probe_pass`),
-  as shares of the positive evidence on the relative scale; ``maps/layers_grad``: for a CNN with blocks at
-  more than one resolution, those ``/grad`` maps joined on the pixels (:func:`~visattn.maps.readout.fuse_layers`);
+  queries without a class token) and pooling weights, as overlays; ``maps/<layer>/cls_head<i>``: each head's
+  class-token row; ``maps/rollout``: attention rollout through the last run of token layers on one grid;
+* ``maps/<layer>/grad``, ``maps/rollout_grad`` and, for a CNN with blocks at several resolutions,
+  ``maps/layers_grad`` (``gradient_maps``): the gradient-weighted maps for the true class (the predicted one
+  without labels), from one backward pass over the probe (:func:`~visattn.maps.record.probe_pass`);
 * ``matrix/<layer>``: the first probe image's token-by-token attention (mean over heads), with axes;
-* ``channel/<layer>`` (histograms): channel gate values;
-* ``maps/descriptions`` (text tab): one line per tag: what the map is, its scale and its grid;
-* ``faithfulness/<map>/deletion`` and ``/insertion`` (scalars, with ``faithfulness=True``): the probe's
-  deletion and insertion scores against random orders (:func:`visattn.faithfulness`), and ``faithfulness/centre/``
-  the same for the centre prior (a Gaussian on the image centre, the same for every image: the score a map must
-  beat to say more than "the object is in the middle"); each map's card then also says its scores with their
-  intervals under its pictures, and its paired difference to the centre prior (green: better, interval included;
-  red: worse), and so does its line in the text tab.
+* ``channel/<layer>`` (histograms): channel gate values; ``maps/descriptions`` (text tab): one line per tag;
+* ``faithfulness/<map>/deletion`` and ``/insertion`` (scalars, ``faithfulness=True``): the probe's scores
+  against random orders (:func:`visattn.faithfulness`), and ``faithfulness/centre/`` the centre prior's; each
+  map's card then also says its scores and its paired difference to the prior (green: better, red: worse);
+* ``localization/<map>/pointing`` and ``/energy`` (scalars, with object boxes): the probe against its boxes.
 
 Every ``maps/`` picture lays the probe images out in as many columns as fit TensorBoard's default card
-(:data:`~visattn.maps.draw.MAX_WIDTH`): per image the true and predicted class (green when right, red when
-wrong) and the map's range and peakedness above the original and its overlay, each cell drawn over the
-input pixels it sees; a colour bar with the scale's ticks below. A map with a NaN or inf is skipped with a
-warning.
+(:data:`~visattn.maps.render.MAX_WIDTH`), each cell drawn over the input pixels it sees, a colour bar below
+(:func:`~visattn.maps.render.map_picture`). A map with a NaN or inf is skipped with a warning.
+:class:`MapSettings` holds the options; :class:`MapLogger` is a training run's logger, with the cost budget of
+``log.faithfulness=auto``.
 """
 from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..attention.tap import AttentionRecord
-from .draw import DIM, GAP, RIGHT, TEXT, WRONG, Line, label_lines, map_picture, matrix_picture
-from .faithful import PRIOR
-from .overlay import images_to_float
-from .readout import GRADIENT_KINDS, HEAD_MAPS, LayerMap, channel_records, named_records, read_maps
+from .faithful import PRIOR, box_scores, faithfulness
+from .readout import GRADIENT_KINDS, HEAD_MAPS, LayerMap, named_records, read_maps
 from .record import probe_pass
-from .scale import check_norm, scale_title, to_unit
+from .render import (
+    DIM,
+    GAP,
+    Line,
+    box_notes,
+    check_norm,
+    class_captions,
+    faithfulness_notes,
+    images_to_float,
+    map_picture,
+    matrix_picture,
+    scale_title,
+    to_unit,
+)
 
 # small settings for a probe batch: 4x4 squares removed 4 at a time, 2 random orders per image; the centre prior
 # scored beside the maps (a fixed map: no backward pass, only its curves), so each card can say whether its map
 # beats it
 FAITHFULNESS_PROBE = {"steps": 4, "regions": 4, "draws": 2, "bootstrap_draws": 200, "sanity": False,
                       "baselines": (PRIOR,)}
+FAITHFULNESS_BUDGET = 0.05  # log.faithfulness=auto keeps the scores while they cost at most this share of an epoch
 
 
-def _labels(logits: Any, labels: Optional[torch.Tensor], b: int, class_names, width: int) -> List[List[Line]]:
-    preds = logits.argmax(-1).tolist() if isinstance(logits, torch.Tensor) and logits.dim() == 2 else [None] * b
-    trues = labels.tolist() if labels is not None else [None] * b
+@dataclass(frozen=True)
+class MapSettings:
+    """How :func:`log_attention_maps` draws and scores a probe batch.
 
-    def name_of(i):
-        if i is None:
-            return "?"
-        return str(class_names[i]) if class_names is not None and 0 <= i < len(class_names) else str(i)
+    ``mean``/``std``: the normalisation to undo for display. ``class_names``: the labels' names.
+    ``scale``: upscaling of the displayed images (32x32 at 2 -> 64 px). ``colormap``, ``alpha``: the overlay's.
+    ``head_maps``: which class-token layers get one ``cls_head<i>`` image per head: ``"all"``, ``"last"`` or
+    ``"none"``. ``norm``: ``"fixed"`` (each map kind on its declared scale) or ``"per_image"`` (stretched to each
+    map's range). ``faithfulness``: also log the probe's deletion/insertion scores as scalars (extra forward
+    passes) and write them on each map's card. ``gradient_maps``: also the ``/grad`` maps, ``rollout_grad`` and
+    ``layers_grad`` for the labels' classes (the predicted ones without labels). ``tolerance``: the pointing
+    game's, in px, when the probe has object boxes.
+    """
 
-    out = []
-    for t, p in zip(trues, preds):
-        colour = TEXT if t is None or p is None else (RIGHT if t == p else WRONG)
-        out.append([(line, colour) for line in label_lines(name_of(t), name_of(p), width)])
-    return out
+    mean: Optional[Sequence[float]] = None
+    std: Optional[Sequence[float]] = None
+    class_names: Optional[Sequence[str]] = None
+    scale: int = 2
+    colormap: str = "jet"
+    alpha: float = 0.5
+    head_maps: str = "all"
+    norm: str = "fixed"
+    faithfulness: bool = False
+    gradient_maps: bool = True
+    tolerance: int = 0
+
+    def __post_init__(self):
+        if self.scale < 1:
+            raise ValueError(f"scale must be >= 1, got {self.scale}")
+        if self.head_maps not in HEAD_MAPS:
+            raise ValueError(f"unknown head_maps {self.head_maps!r}; valid: {', '.join(HEAD_MAPS)}")
+        check_norm(self.norm)
+
+    @classmethod
+    def from_config(cls, cfg: Any, class_names: Optional[Sequence[str]] = None) -> "MapSettings":
+        """A run's settings, from its :class:`~visattn.config.Config` (``log.faithfulness="auto"`` reads as on)."""
+        return cls(tuple(cfg.data.mean), tuple(cfg.data.std), None if class_names is None else list(class_names),
+                   scale=cfg.log.map_scale, head_maps=cfg.log.head_maps, norm=cfg.log.map_norm,
+                   faithfulness=bool(cfg.log.faithfulness), gradient_maps=cfg.log.gradient_maps,
+                   tolerance=cfg.data.placed.tolerance)
 
 
 def _matrix(writer: Any, r: AttentionRecord, name: str, step: int, caption: List[Line], norm: str,
@@ -89,28 +122,10 @@ def _describe(writer: Any, about: Dict[str, str], step: int) -> None:
     writer.add_text("maps/descriptions", "| tag | what it shows |\n|---|---|\n" + rows, step)
 
 
-def faithfulness_notes(row: Any, images: int, versus_prior: Sequence[Any]) -> List[Line]:
-    """The lines a map's card carries about its faithfulness on the probe: deletion and insertion scores
-    against random orders, each followed by its paired difference to the centre prior (``versus_prior``:
-    :meth:`~visattn.maps.faithful.FaithfulnessReport.versus`), with their intervals (green: better, interval
-    included; red: worse; grey: not told apart)."""
-    def colour(iv) -> tuple:
-        return RIGHT if iv.lo > 0 else (WRONG if iv.hi < 0 else DIM)
-
-    d, i = versus_prior
-    return [(f"faithfulness, {images} probe images:", DIM),
-            (f"deletion vs random {row.deletion_score}", colour(row.deletion_score)),
-            (f"  vs centre prior {d}", colour(d)),
-            (f"insertion vs random {row.insertion_score}", colour(row.insertion_score)),
-            (f"  vs centre prior {i}", colour(i))]
-
-
 def _faithfulness(writer: Any, model, images, labels, maps: List[LayerMap], step: int,
                   summary: Dict[str, List[str]], about: Dict[str, str]) -> Dict[str, Tuple[List[Line], str]]:
     """Score the maps and the centre prior on the probe, log the scalars; returns each map's card notes and
     text-tab words by map name."""
-    from .faithful import faithfulness  # the name is also log_attention_maps' flag
-
     report = faithfulness(model, images, labels, maps=maps, **FAITHFULNESS_PROBE)
     out = {}
     for row in report.rows:
@@ -140,10 +155,9 @@ def _faithfulness(writer: Any, model, images, labels, maps: List[LayerMap], step
 def _localization(writer: Any, maps: List[LayerMap], boxes: torch.Tensor, tolerance: int, image_hw, step: int,
                   notes: Dict[str, Tuple[List[Line], str]], summary: Dict[str, List[str]],
                   about: Dict[str, str]) -> Dict[str, List[List[Line]]]:
-    """Each map against the probe's object boxes (:mod:`visattn.maps.localize`): a line per image (hit or miss,
+    """Each map against the probe's object boxes (:func:`~visattn.maps.faithful.box_scores`): a line per image (hit or miss,
     energy in the box), the probe's pointing rate and mean energy on the card and as scalars."""
     from ..data.placed import box_share
-    from .localize import box_scores
 
     gen = torch.Generator().manual_seed(0)
     chance = float(box_share(boxes.cpu().numpy(), image_hw[0], tolerance).mean())
@@ -153,13 +167,10 @@ def _localization(writer: Any, maps: List[LayerMap], boxes: torch.Tensor, tolera
         if not lm.finite():
             continue
         hit, energy = box_scores(lm, boxes, tolerance, image_hw, gen)
-        per_image[lm.name] = [[(f"box: {'hit' if h else 'miss'}, energy {e:.2f}", RIGHT if h else WRONG)]
-                              for h, e in zip(hit.tolist(), energy.tolist())]
+        per_image[lm.name], lines = box_notes(hit, energy, chance, area)
         for what, v in (("pointing", hit.mean()), ("energy", energy.mean())):
             writer.add_scalar(f"localization/{lm.name}/{what}", float(v), step)
             summary["scalars"].append(f"localization/{lm.name}/{what}")
-        lines = [(f"box: pointing {int(hit.sum())}/{len(hit)} (chance {chance:.0%})", TEXT),
-                 (f"energy in box {energy.mean():.2f} (box area {area:.2f})", TEXT)]
         card, words = notes.get(lm.name, ([], ""))
         notes[lm.name] = ([*lines, *card], words)
     about["localization/<map>/pointing"] = (f"probe: share of images whose map peaks within {tolerance} px of the "
@@ -189,7 +200,7 @@ def _map_images(writer: Any, maps: List[LayerMap], base: torch.Tensor, image_hw,
 
 
 def _channels(writer: Any, records, step: int, summary: Dict[str, List[str]], about: Dict[str, str]) -> None:
-    for k, r in channel_records(records):
+    for k, r in named_records(records, "channel"):  # no spatial layout: histograms
         if not torch.isfinite(r.weights).all():
             warnings.warn(f"log_attention_maps: channel/{k} has NaN or inf gates at step {step}; histogram skipped",
                           RuntimeWarning)
@@ -202,80 +213,88 @@ def _channels(writer: Any, records, step: int, summary: Dict[str, List[str]], ab
         about[f"channel/{k}"] = f"histogram of the channel gate values of {k} over the probe images ({what})"
 
 
-def log_attention_maps(
-    writer: Any,
-    model: torch.nn.Module,
-    images: torch.Tensor,
-    labels: Optional[torch.Tensor],
-    step: int,
-    mean: Optional[Sequence[float]] = None,
-    std: Optional[Sequence[float]] = None,
-    class_names: Optional[Sequence[str]] = None,
-    scale: int = 2,
-    colormap: str = "jet",
-    alpha: float = 0.5,
-    head_maps: str = "all",
-    norm: str = "fixed",
-    faithfulness: bool = False,
-    gradient_maps: bool = True,
-    boxes: Optional[torch.Tensor] = None,
-    tolerance: int = 0,
-) -> Dict[str, List[str]]:
+def log_attention_maps(writer: Any, model: torch.nn.Module, images: torch.Tensor, labels: Optional[torch.Tensor],
+                       step: int, settings: MapSettings = MapSettings(),
+                       boxes: Optional[torch.Tensor] = None) -> Dict[str, List[str]]:
     """Run one probe forward pass of ``images`` (normalised model input, ``(B, 3, H, W)``) and log its maps.
 
     The pass runs in eval mode with the RNG state forked (under ``torch.no_grad()``, or with one backward
-    pass for ``gradient_maps``); afterwards every module's train/eval flag is what it was, and parameters,
-    BN statistics and gradients are untouched.
+    pass for ``settings.gradient_maps``); afterwards every module's train/eval flag is what it was, and
+    parameters, BN statistics and gradients are untouched.
     ``writer``: a ``SummaryWriter`` (anything with ``add_image``/``add_histogram``/``add_text``/``add_scalar``).
-    ``labels``: ``(B,)`` true classes or None. ``mean``/``std``: the normalisation to undo for display.
-    ``scale``: upscaling of the displayed images (32x32 at 2 -> 64 px). ``head_maps``: which class-token
-    layers get one ``cls_head<i>`` image per head: ``"all"``, ``"last"`` or ``"none"``. ``norm``:
-    ``"fixed"`` (each map kind on its declared scale) or ``"per_image"`` (stretched to each map's range).
-    ``faithfulness``: also log the probe's deletion/insertion scores as scalars (extra forward passes) and
-    write them on each map's card. ``gradient_maps``: also the ``/grad`` maps, ``rollout_grad`` and
-    ``layers_grad`` for the ``labels`` classes (the predicted ones without labels). ``boxes``: ``(B, 4)`` each
-    image's object box (x0, y0, x1, y1 in input pixels; ``data.source=placed``), outlined on the pictures, with
-    each map's pointing hit and energy in the box under each image (``tolerance`` px) and the probe's rates on
-    the card and as ``localization/<map>/`` scalars.
+    ``labels``: ``(B,)`` true classes or None. ``boxes``: ``(B, 4)`` each image's object box (x0, y0, x1, y1
+    in input pixels; ``data.source=placed``), outlined on the pictures, with each map's pointing hit and energy
+    in the box under each image and the probe's rates on the card and as ``localization/<map>/`` scalars.
     Returns ``{"images", "histograms", "scalars", "texts": tags, "skipped": names, "faithfulness": lines}``,
     and ``"faithfulness_seconds": [seconds]`` when the scores were computed.
     """
-    if scale < 1:
-        raise ValueError(f"scale must be >= 1, got {scale}")
-    if head_maps not in HEAD_MAPS:
-        raise ValueError(f"unknown head_maps {head_maps!r}; valid: {', '.join(HEAD_MAPS)}")
-    check_norm(norm)
     if images.dim() != 4:
         raise ValueError(f"images must be (B, 3, H, W), got {tuple(images.shape)}")
     param = next(model.parameters(), None)
     images = images.to(param.device if param is not None else images.device)
     labels_ = labels.to(images.device) if labels is not None else None
-    b, _, h, w = images.shape
-    rec, logits = probe_pass(model, images, labels_, gradients=gradient_maps)
-    captions = _labels(logits, labels, b, class_names, 2 * w * scale + GAP)
-    base = images_to_float(images, mean, std, (h * scale, w * scale))
+    _, _, h, w = images.shape
+    st = settings
+    rec, logits = probe_pass(model, images, labels_, gradients=st.gradient_maps)
+    captions = class_captions(logits, labels, st.class_names, 2 * w * st.scale + GAP)
+    base = images_to_float(images, st.mean, st.std, (h * st.scale, w * st.scale))
     summary: Dict[str, List[str]] = {"images": [], "histograms": [], "scalars": [], "texts": [], "skipped": [],
                                      "faithfulness": []}
     about: Dict[str, str] = {}
-    maps = read_maps(rec.records, model, images.shape, head_maps=head_maps)
+    maps = read_maps(rec.records, model, images.shape, head_maps=st.head_maps)
     notes: Dict[str, Tuple[List[Line], str]] = {}
-    scored = [m for m in maps if m.finite() and m.kind != "head"] if faithfulness else []
+    scored = [m for m in maps if m.finite() and m.kind != "head"] if st.faithfulness else []
     if scored:  # nothing to score (no maps, or none finite): no scores, not even the prior's
         start = time.perf_counter()
         notes = _faithfulness(writer, model, images, labels_, scored, step, summary, about)
         summary["faithfulness_seconds"] = [time.perf_counter() - start]
-    style: Dict[str, Any] = {"norm": norm, "colormap": colormap, "alpha": alpha}
+    style: Dict[str, Any] = {"norm": st.norm, "colormap": st.colormap, "alpha": st.alpha}
     image_notes = None
     if boxes is not None:
         style["boxes"] = boxes.tolist()
-        image_notes = _localization(writer, [m for m in maps if m.kind != "head"], boxes, tolerance, (h, w), step,
+        image_notes = _localization(writer, [m for m in maps if m.kind != "head"], boxes, st.tolerance, (h, w), step,
                                     notes, summary, about)
     explained = "the true class" if labels is not None else "the predicted class"
     _map_images(writer, maps, base, (h, w), captions, step, style, notes, explained, summary, about, image_notes)
     for k, r in named_records(rec.records, "token", dims=4):
-        _matrix(writer, r, k, step, captions[0] + [(f"attention of {k}", DIM)], norm, colormap, summary, about)
+        _matrix(writer, r, k, step, captions[0] + [(f"attention of {k}", DIM)], st.norm, st.colormap, summary, about)
     _channels(writer, rec.records, step, summary, about)
     if about:
         _describe(writer, about, step)
         summary["texts"].append("maps/descriptions")
     return summary
+
+
+class MapLogger:
+    """A training run's map logging: its :class:`MapSettings` and ``log.faithfulness="auto"``'s budget.
+
+    Under ``"auto"`` the faithfulness scores are computed at the first logging step and kept while they cost
+    at most :data:`FAITHFULNESS_BUDGET` of the epoch's training time; past that ``faithfulness_on`` turns off
+    for the rest of the run, with one line to ``say``. ``true``/``false`` always/never score.
+    """
+
+    def __init__(self, cfg: Any, class_names: Optional[Sequence[str]] = None, say: Callable[[str], Any] = print,
+                 budget: Optional[float] = None):
+        self.settings = MapSettings.from_config(cfg, class_names)
+        self.auto = cfg.log.faithfulness == "auto"
+        self.faithfulness_on = bool(cfg.log.faithfulness)
+        self.budget = FAITHFULNESS_BUDGET if budget is None else budget
+        self.say = say
+
+    def log(self, writer: Any, model: torch.nn.Module, probe: Sequence[Any], step: int,
+            epoch_seconds: Optional[float] = None) -> List[str]:
+        """Log ``probe`` (images, labels[, boxes]) at ``step``; ``epoch_seconds``: the epoch's training time, for
+        the budget. Returns the maps not logged because they held NaN or inf (the warnings are silenced: the
+        caller reports them once)."""
+        settings = replace(self.settings, faithfulness=self.faithfulness_on)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            summary = log_attention_maps(writer, model, probe[0], probe[1], step, settings,
+                                         boxes=probe[2] if len(probe) > 2 else None)
+        cost = summary.get("faithfulness_seconds")
+        if self.auto and cost and epoch_seconds and cost[0] > self.budget * epoch_seconds:
+            self.faithfulness_on = False
+            self.say(f"log.faithfulness=auto: the faithfulness scores took {cost[0]:.1f} s, more than "
+                     f"{self.budget:.0%} of the {epoch_seconds:.0f} s epoch; not computed again in this run "
+                     "(log.faithfulness=true keeps them)")
+        return list(summary.get("skipped", []))

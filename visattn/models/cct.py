@@ -1,11 +1,10 @@
 """Compact Convolutional Transformer, CCT style (Hassani et al., 2021, "Escaping the Big Data Paradigm with
 Compact Transformers", arXiv 2104.05704).
 
-A convolutional tokenizer replaces ViT's patches: ``n_conv_layers`` x (conv ``kernel_size`` stride 1, ReLU,
-max-pool 3 stride 2), each halving the resolution, so a 32x32 image gives 16x16 tokens after one layer and
-8x8 after two. The tokens feed pre-norm transformer blocks (``mhsa`` or ``lsa``) and, by default, sequence
-pooling (``pool="seq"``; ``"cls"`` and ``"mean"`` also work). The paper's encoder layer normalises after the
-attention residual; here the blocks are the same pre-norm blocks as the ViT (same parameter count).
+A convolutional tokenizer replaces ViT's patches: ``n_conv_layers`` x (conv, ReLU, max-pool 3 stride 2),
+each halving the resolution (a 32x32 image gives 16x16 tokens after one layer). The tokens feed the ViT's
+pre-norm blocks (the paper normalises after the residual; same parameter count) and, by default, sequence
+pooling (``pool="seq"``).
 
 * ``cct_2``: CCT-2/3x2: 2 conv layers, 2 blocks, dim 128, 2 heads, MLP ratio 1 (~0.28M parameters).
 * ``cct_7``: CCT-7/3x1: 1 conv layer, 7 blocks, dim 256, 4 heads, MLP ratio 2 (~3.8M parameters).
@@ -54,17 +53,12 @@ class ConvTokenizer(nn.Module):
     """``n_conv_layers`` x (conv ``k x k`` stride 1, [BatchNorm], activation, max-pool ``pool_kernel``/2), flattened:
     ``(B, C, H, W) -> (B, h*w, dim)``.
 
-    Intermediate layers have ``conv_channels`` channels, the last has ``dim``. The paper's form is the default:
-    no norm, ReLU, 3x3 stride-2 max-pool, convolutions without bias. ``norm="bn"`` adds a BatchNorm after each
-    convolution (a convolutional stem that trains like a CNN's; Xiao et al. 2021, "Early Convolutions Help
-    Transformers See Better"), ``act="gelu"`` swaps the activation, ``pool_kernel=2`` pools 2x2 without overlap,
-    ``pools=k`` pools after the first ``k`` layers only (default: after every layer), so two layers with
-    ``pools=1`` give 16x16 tokens on a 32x32 image. ``init="whiten"`` starts the first convolution's first
-    ``2 C k^2`` filters as the whitening filters of the training images' ``k x k`` patches and their negatives
-    (computed by :meth:`data_init` before training, as the CNN recipe's whitening stem; here they go on
-    training), the rest Kaiming; ``"whiten_frozen"`` does the same but keeps the whitening filters fixed, as
-    airbench's frozen whitening layer (the first convolution is then a :class:`PartlyFrozenConv2d`: only its
-    other filters train); ``"kaiming"`` (the default): all Kaiming.
+    Intermediate layers have ``conv_channels`` channels, the last ``dim``. The default is the paper's form (no
+    norm, ReLU, 3x3 stride-2 max-pool, bias-free convs). ``norm="bn"``: a BatchNorm after each conv (Xiao et al.
+    2021); ``pool_kernel=2``: 2x2 pools without overlap; ``pools=k``: pool after the first ``k`` layers only.
+    ``init="whiten"``: the first conv's first ``2 C k^2`` filters start as whitening filters of the training
+    images' patches and their negatives (:meth:`data_init`), the rest Kaiming; ``"whiten_frozen"`` keeps them
+    fixed (a :class:`PartlyFrozenConv2d`), as airbench's frozen whitening layer; ``"kaiming"``: all Kaiming.
     """
 
     def __init__(self, in_chans: int, dim: int, n_conv_layers: int = 1, kernel_size: int = 3, conv_channels: int = 64,

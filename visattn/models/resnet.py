@@ -104,43 +104,31 @@ POSITIONS = {
 
 
 class FastUnit(nn.Module):
-    """One residual unit of ``resnet_fast``: ``GELU(x + attn(BN(conv(x))))``, starting as identity
-    (``post_act``: ``attn(GELU(x + BN(conv(x))))``)."""
+    """One unit of a ``resnet_fast`` group: ``GELU(x + attn(BN(conv(x))))`` with the BN scale zero-initialised,
+    so it starts as the identity; ``block="plain"`` (airbench's second conv, no residual):
+    ``GELU(attn(BN(conv(x))))``. ``post_act``: the block after the GELU instead (``attn(GELU(...))``)."""
 
-    def __init__(self, width: int, attention: str, attn_kwargs: Dict[str, Any], post_act: bool = False):
+    def __init__(self, width: int, attention: str, attn_kwargs: Dict[str, Any], post_act: bool = False,
+                 block: str = "residual"):
         super().__init__()
+        self.residual = block == "residual"
         self.conv = conv3x3(width, width)
         self.bn = nn.BatchNorm2d(width)
-        nn.init.zeros_(self.bn.weight)  # the branch starts at zero: the unit is an identity at init
+        if self.residual:
+            nn.init.zeros_(self.bn.weight)  # the branch starts at zero: the unit is an identity at init
         self.attn = create_attention(attention, width, **attn_kwargs)
         self.act = nn.GELU()
         self.post_act = post_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.bn(self.conv(x))
         if self.post_act:
-            return self.attn(self.act(x + self.bn(self.conv(x))))
-        return self.act(x + self.attn(self.bn(self.conv(x))))
+            return self.attn(self.act(x + h if self.residual else h))
+        h = self.attn(h)
+        return self.act(x + h if self.residual else h)
 
 
-class PlainUnit(nn.Module):
-    """airbench's second conv of a group, no residual: ``GELU(attn(BN(conv(x))))`` (``block="plain"``;
-    ``post_act``: ``attn(GELU(BN(conv(x))))``)."""
-
-    def __init__(self, width: int, attention: str, attn_kwargs: Dict[str, Any], post_act: bool = False):
-        super().__init__()
-        self.conv = conv3x3(width, width)
-        self.bn = nn.BatchNorm2d(width)
-        self.attn = create_attention(attention, width, **attn_kwargs)
-        self.act = nn.GELU()
-        self.post_act = post_act
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.post_act:
-            return self.attn(self.act(self.bn(self.conv(x))))
-        return self.act(self.attn(self.bn(self.conv(x))))
-
-
-UNITS = {"residual": FastUnit, "plain": PlainUnit}
+UNITS = ("residual", "plain")
 
 
 class FastGroup(nn.Module):
@@ -160,7 +148,7 @@ class FastGroup(nn.Module):
         in_group = position == "group_act"
         self.attn = create_attention(attention if in_group else "none", cout, **attn_kwargs)
         unit_attn, post = ("none" if in_group else attention), position == "unit_act"
-        self.units = nn.Sequential(*[UNITS[block](cout, unit_attn, attn_kwargs, post) for _ in range(units)])
+        self.units = nn.Sequential(*[FastUnit(cout, unit_attn, attn_kwargs, post, block) for _ in range(units)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.attn(self.act(self.bn(self.pool(self.conv(x)))))
@@ -168,12 +156,9 @@ class FastGroup(nn.Module):
 
 
 class WhiteningStem(nn.Module):
-    """A frozen 2x2 conv whose filters whiten 2x2 image patches (their covariance's eigenvectors scaled by
-    1/sqrt(eigenvalue), and the negatives), as in Jordan 2024 (arXiv 2404.00498); only its bias trains.
-
-    The filters are computed from training images by :meth:`data_init` before training starts; they are
-    ordinary parameters afterwards, so a checkpoint carries them.
-    """
+    """A frozen 2x2 conv whose filters whiten 2x2 image patches (:func:`patch_whitening_filters`, Jordan 2024,
+    arXiv 2404.00498); only its bias trains. :meth:`data_init` computes them before training; they are
+    ordinary parameters afterwards, so a checkpoint carries them."""
 
     def __init__(self, in_chans: int = 3, patch: int = 2, eps: float = 5e-4):
         super().__init__()
@@ -214,19 +199,14 @@ def patch_whitening_filters(images: torch.Tensor, k: int, eps: float = 5e-4) -> 
 class FastResNet(nn.Module):
     """Stem (3x3 conv, or a frozen whitening 2x2 conv), three :class:`FastGroup`s, global max-pool, linear head.
 
-    Options that reproduce airbench94's network (Jordan 2024, arXiv 2404.00498), off by default:
-    ``block="plain"`` (no residual: conv-BN-GELU as the group's second conv), ``bn_momentum`` / ``bn_eps`` for
-    every BatchNorm (airbench: 0.4 in PyTorch's convention, 1e-12), ``bn_scale="frozen"`` (BN scales fixed at 1,
-    only the biases train), ``conv_init="dirac"`` (each 3x3 conv starts as the identity on its first input
-    channels), ``whiten_bias_epochs=N`` (the whitening stem's bias trains for the first N epochs only) and
-    ``head_scale`` (airbench: 1/9); ``group_skip=True`` adds a residual connection around each group's units
-    (airbench96's network: ``block="plain"``, ``units=(2, 2, 2)``, widths 128-512-512). These options reach the
-    backbone's layers only: attention blocks keep their own initialisation, norms and trainability.
-
-    ``attn_position`` says where each group's block sits (:data:`POSITIONS`): ``"unit_bn"`` (the default: after
-    the unit's BN, before its GELU or residual add), ``"unit_act"`` (after the unit's GELU) or ``"group_act"``
-    (after the group's first conv-pool-BN-GELU). ``attention`` as a list puts blocks in some groups only.
-    ``attn_kwargs`` go to every block, e.g. ``{"init": "identity"}``.
+    airbench94's options (Jordan 2024, arXiv 2404.00498), off by default: ``block="plain"`` (no residual),
+    ``bn_momentum`` / ``bn_eps`` (airbench: 0.4, 1e-12), ``bn_scale="frozen"`` (BN scales fixed at 1),
+    ``conv_init="dirac"`` (3x3 convs start as the identity on their first input channels),
+    ``whiten_bias_epochs=N`` (the whitening bias trains for N epochs only), ``head_scale`` (airbench: 1/9);
+    ``group_skip=True`` adds a residual around each group's units (airbench96: ``block="plain"``,
+    ``units=(2, 2, 2)``, widths 128-512-512). They reach the backbone only: attention blocks keep their own
+    initialisation, norms and trainability. ``attn_position`` (:data:`POSITIONS`) says where each group's
+    block sits; ``attention`` as a list puts blocks in some groups only; ``attn_kwargs`` go to every block.
     """
 
     def __init__(self, widths: Sequence[int] = (64, 256, 256), units: Sequence[int] = (1, 1, 1), stem_width: int = 32,
@@ -280,7 +260,7 @@ def _check_fast_options(widths: Sequence[int], units: Sequence[int], stem: str, 
                         conv_init: str, attn_position: str = "unit_bn", group_skip: bool = False) -> None:
     if len(widths) != len(units):
         raise ValueError(f"widths has {len(widths)} entries but units has {len(units)}")
-    for what, value, valid in (("stem", stem, ("conv", "whiten")), ("block", block, tuple(UNITS)),
+    for what, value, valid in (("stem", stem, ("conv", "whiten")), ("block", block, UNITS),
                                ("bn_scale", bn_scale, ("learn", "frozen")), ("conv_init", conv_init, ("kaiming", "dirac")),
                                ("attn_position", attn_position, tuple(POSITIONS))):
         if value not in valid:

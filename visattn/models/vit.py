@@ -2,22 +2,14 @@
 
 Sized after Lee, Lee, Song, 2021 ("Vision Transformer for Small-Size Datasets", arXiv 2112.13492): patch 4
 gives 64 tokens on a 32x32 image; ``vit_tiny`` is their depth-9, dim-192, 12-head, MLP-ratio-2 ViT
-(~2.7M parameters), ``vit_small`` is depth 12, dim 256, 8 heads, ratio 2 (~6.4M). Options:
+(~2.7M parameters), ``vit_small`` is depth 12, dim 256, 8 heads, ratio 2 (~6.4M). Options: ``pool``
+(``"cls"``, ``"mean"`` or ``"seq"``, CCT's sequence pooling); ``attn``, a token block of kind ``"token"``
+(``"mhsa"``, ``"lsa"``) with ``attn_kwargs`` (e.g. ``{"score": "general"}``); ``layer_scale`` (LayerScale's
+initial value, ``None``: none); ``spt``, shifted patch tokenization (Lee et al. 2021).
 
-* ``pool``: ``"cls"`` (class token), ``"mean"`` (mean of the tokens) or ``"seq"`` (CCT's sequence pooling);
-* ``attn``: any registered token block of kind ``"token"`` (``"mhsa"``, ``"lsa"``), built with
-  ``num_heads``, ``attn_drop`` and ``proj_drop`` plus ``attn_kwargs`` (e.g. ``{"score": "general"}``);
-* ``layer_scale``: a learned per-channel scale on each residual branch starting at this value (LayerScale;
-  ``None``, the default, has none);
-* ``spt``: shifted patch tokenization (Lee et al. 2021): the image and its four diagonal half-patch shifts
-  are concatenated, patchified, layer-normed and linearly embedded.
-
-Blocks are pre-norm with timm's ``Mlp`` and ``DropPath``; the position embedding is learned. Each attention
-block (and the sequence-pooling head) is told the token grid and the number of prefix tokens at
-construction, so its tap records ``grid=model.grid_size`` and ``num_prefix_tokens=model.num_prefix_tokens``.
-
-:class:`TokenClassifier` (tokens -> transformer -> pool -> head) is shared with the CCT-style hybrid in
-``cct.py``; the two differ only in the tokenizer.
+Blocks are pre-norm with timm's ``Mlp`` and ``DropPath``; the position embedding is learned; each block's tap
+records ``grid=model.grid_size`` and ``num_prefix_tokens``. :class:`TokenClassifier` is shared with the CCT
+hybrid (``cct.py``); the two differ only in the tokenizer.
 """
 from __future__ import annotations
 
@@ -48,12 +40,8 @@ def to_2tuple(size: Size, what: str) -> Tuple[int, int]:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``x + DropPath(ls1(attn(LN(x))))``, then ``x + DropPath(ls2(mlp(LN(x))))``.
-
-    ``layer_scale``: the initial value of a learned per-channel scale on each branch (LayerScale, Touvron et al.
-    2021, "Going deeper with Image Transformers"); a small value starts the block near the identity. ``None``
-    (the default): no scale.
-    """
+    """Pre-norm transformer block: ``x + DropPath(ls1(attn(LN(x))))``, then ``x + DropPath(ls2(mlp(LN(x))))``;
+    ``layer_scale``: the initial value of LayerScale (Touvron et al. 2021) on each branch, ``None``: none."""
 
     def __init__(self, dim: int, attn: nn.Module, mlp_ratio: float = 2.0, drop: float = 0.0, drop_path: float = 0.0,
                  layer_scale: Optional[float] = None):
@@ -78,24 +66,11 @@ class TokenClassifier(nn.Module):
     ``tokenizer`` maps ``(B, C, H_img, W_img)`` to ``(B, H*W, dim)`` tokens on ``grid_size=(H, W)``.
     """
 
-    def __init__(
-        self,
-        tokenizer: nn.Module,
-        grid_size: Tuple[int, int],
-        img_size: Tuple[int, int],
-        num_classes: int = 10,
-        dim: int = 192,
-        depth: int = 9,
-        num_heads: int = 12,
-        mlp_ratio: float = 2.0,
-        pool: str = "cls",
-        attn: str = "mhsa",
-        attn_kwargs: Optional[Dict[str, Any]] = None,
-        drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.0,
-        drop_path_rate: float = 0.1,
-        layer_scale: Optional[float] = None,
-    ):
+    def __init__(self, tokenizer: nn.Module, grid_size: Tuple[int, int], img_size: Tuple[int, int],
+                 num_classes: int = 10, dim: int = 192, depth: int = 9, num_heads: int = 12, mlp_ratio: float = 2.0,
+                 pool: str = "cls", attn: str = "mhsa", attn_kwargs: Optional[Dict[str, Any]] = None,
+                 drop_rate: float = 0.0, attn_drop_rate: float = 0.0, drop_path_rate: float = 0.1,
+                 layer_scale: Optional[float] = None):
         super().__init__()
         if pool not in POOLS:
             raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(POOLS)}")
