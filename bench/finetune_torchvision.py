@@ -1,0 +1,203 @@
+"""A worked example of the user's path: a torchvision network trained here, then a block inserted and fine-tuned.
+
+    python bench/finetune_torchvision.py              # the base, then each arm; arms already in the results are skipped
+    python bench/finetune_torchvision.py --report     # the table, and docs/blocks.md's section rewritten from it
+
+The network is torchvision's ``mobilenet_v3_small(num_classes=10)``, which has squeeze-and-excitation modules of
+its own, with a stride-1 stem (at 32x32 the stock stride-2 stem leaves 1x1 maps). It is trained in plain PyTorch,
+as a user's own loop would be: AdamW, a one-cycle schedule, pad-crop and flip, bf16 autocast where the CPU has
+native bf16. The base trains ``--base-epochs`` (4) on the 45,000 training images of the stratified, seeded
+hold-out (``data.split_seed`` 0 of ``configs/cifar10_cpu.yaml``) and is scored on the 5,000 held-out ones.
+Each arm copies the base, inserts its block with ``visattn.insert_attention`` (``none``: nothing), checks that
+the eval-mode output is bit-identical, scores it once before any step (it must equal the base), then fine-tunes
+``--epochs`` (2) with a fresh one-cycle schedule at a tenth of the base's peak, the same data order for every arm.
+One seed: this shows the path and what it costs, it is not evidence for a block (``bench/finetune.py`` is).
+
+Results go to ``bench/results/finetune_torchvision.json`` after the base and after every arm.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "bench" / "results" / "finetune_torchvision.json"
+DOC = ROOT / "docs" / "blocks.md"
+BASE_CKPT = ROOT / "runs" / "ft_torchvision" / "base.pt"
+ARMS = ("none", "se", "cbam", "eca")
+BATCH = 256
+BASE_LR = 4e-3
+BEGIN = "<!-- torchvision finetune table: python bench/finetune_torchvision.py --report -->"
+END = "<!-- end of torchvision finetune table -->"
+
+
+def build_net() -> torch.nn.Module:
+    import torchvision
+
+    net = torchvision.models.mobilenet_v3_small(num_classes=10)
+    net.features[0][0].stride = (1, 1)  # a CIFAR-sized stem: 32x32 -> 2x2 at the last stage instead of 1x1
+    return net
+
+
+def data(seed: int):
+    from visattn.config import load_config
+    from visattn.data import load_splits
+
+    cfg = load_config(ROOT / "configs" / "cifar10_cpu.yaml")
+    s = load_splits(cfg.data, seed)
+    to_t = lambda im: (torch.from_numpy(im.x).permute(0, 3, 1, 2).contiguous(), torch.from_numpy(im.y))  # noqa: E731
+    return to_t(s.train), to_t(s.eval), cfg.data.mean, cfg.data.std, s.eval_split
+
+
+def prep(x: torch.Tensor, mean, std, gen: Optional[torch.Generator] = None) -> torch.Tensor:
+    x = x.float()
+    if gen is not None:  # pad 4 and crop back at a random offset, then a random horizontal flip
+        b = x.shape[0]
+        xp = F.pad(x, (4, 4, 4, 4), mode="reflect")
+        i, j = torch.randint(0, 9, (2, b), generator=gen)
+        x = torch.stack([xp[k, :, i[k]:i[k] + 32, j[k]:j[k] + 32] for k in range(b)])
+        flip = torch.rand(b, generator=gen) < 0.5
+        x = torch.where(flip[:, None, None, None], x.flip(3), x)
+    m = torch.tensor(mean).view(1, 3, 1, 1) * 255
+    s = torch.tensor(std).view(1, 3, 1, 1) * 255
+    return ((x - m) / s).contiguous(memory_format=torch.channels_last)
+
+
+def autocast():
+    from visattn.evaluate import cpu_has_native_bf16
+
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cpu_has_native_bf16())
+
+
+@torch.no_grad()
+def accuracy(net: torch.nn.Module, val, mean, std) -> float:
+    net.eval()
+    hits = 0
+    for k in range(0, len(val[1]), 1000):
+        with autocast():
+            hits += (net(prep(val[0][k:k + 1000], mean, std)).argmax(1) == val[1][k:k + 1000]).sum().item()
+    return hits / len(val[1])
+
+
+def train(net: torch.nn.Module, tr, mean, std, epochs: int, lr: float, seed: int) -> float:
+    gen = torch.Generator().manual_seed(seed)
+    steps = epochs * (len(tr[1]) // BATCH)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.2)
+    t0 = time.perf_counter()
+    net.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(tr[1]), generator=gen)
+        for k in range(len(tr[1]) // BATCH):
+            idx = order[k * BATCH:(k + 1) * BATCH]
+            with autocast():
+                loss = F.cross_entropy(net(prep(tr[0][idx], mean, std, gen)), tr[1][idx], label_smoothing=0.1)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    return time.perf_counter() - t0
+
+
+def read() -> Dict[str, object]:
+    return json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+
+
+def write(res: Dict[str, object]) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1) + "\n")
+    tmp.replace(RESULTS)
+
+
+def base(res: Dict[str, object], tr, val, mean, std, epochs: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    net = build_net().to(memory_format=torch.channels_last)
+    if BASE_CKPT.is_file() and res.get("base", {}).get("epochs") == epochs:
+        net.load_state_dict(torch.load(BASE_CKPT, map_location="cpu", weights_only=True))
+        return net
+    secs = train(net, tr, mean, std, epochs, BASE_LR, seed)
+    BASE_CKPT.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(net.state_dict(), BASE_CKPT)
+    res.update(base={"epochs": epochs, "lr": BASE_LR, "val_acc": accuracy(net, val, mean, std),
+                     "train_seconds": round(secs, 1)}, arms=[])
+    write(res)
+    return net
+
+
+def arm(name: str, net0: torch.nn.Module, tr, val, mean, std, epochs: int, seed: int) -> dict:
+    import visattn
+
+    net = copy.deepcopy(net0)
+    probe = prep(val[0][:64], mean, std)
+    before = net.eval()(probe)
+    n = 0 if name == "none" else visattn.insert_attention(net, name)
+    if not torch.equal(net.eval()(probe), before):
+        raise SystemExit(f"{name}: inserting the block changed the eval output")
+    added = sum(p.numel() for p in net.parameters()) - sum(p.numel() for p in net0.parameters())
+    step0 = accuracy(net, val, mean, std)
+    secs = train(net, tr, mean, std, epochs, BASE_LR / 10, seed + 1)
+    return {"block": name, "inserted": n, "params_added": added, "step0_val_acc": step0,
+            "val_acc": accuracy(net, val, mean, std), "epochs": epochs, "train_seconds": round(secs, 1)}
+
+
+def table(res: Dict[str, object]) -> str:
+    b = res["base"]
+    rows = ["| | blocks inserted | parameters added | before any step | after the fine-tune |", "|---|---:|---:|---:|---:|",
+            f"| base ({b['epochs']} epochs) | | | | {b['val_acc']:.2%} |"]
+    for a in res["arms"]:
+        rows.append(f"| + {a['block']} ({a['epochs']} epochs) | {a['inserted']} | {a['params_added']:,} | "
+                    f"{a['step0_val_acc']:.2%} | {a['val_acc']:.2%} |")
+    return "\n".join(rows)
+
+
+def write_doc(text: str) -> None:
+    doc = DOC.read_text()
+    head, rest = doc.split(BEGIN, 1)
+    DOC.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    from visattn.options import describe
+
+    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap.add_argument("--base-epochs", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--report", action="store_true")
+    a = ap.parse_args(argv)
+    if a.report:
+        text = table(read())
+        print(text)
+        write_doc(text)
+        return
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    tr, val, mean, std, split = data(a.seed)
+    res = read()
+    res.update(model="torchvision mobilenet_v3_small, stride-1 stem", eval_split=split, seed=a.seed,
+               cpu=platform.processor() or platform.machine(), torch=torch.__version__)
+    net0 = base(res, tr, val, mean, std, a.base_epochs, a.seed)
+    print(f"base: {res['base']['val_acc']:.2%} after {a.base_epochs} epochs", flush=True)
+    done = {r["block"] for r in res.get("arms", [])}
+    for name in ARMS:
+        if name in done:
+            continue
+        row = arm(name, net0, tr, val, mean, std, a.epochs, a.seed)
+        res.setdefault("arms", []).append(row)
+        write(res)
+        print(f"{name}: step 0 {row['step0_val_acc']:.2%} -> {row['val_acc']:.2%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
