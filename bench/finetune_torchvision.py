@@ -10,8 +10,8 @@ native bf16. The base trains ``--base-epochs`` (4) on the 45,000 training images
 hold-out (``data.split_seed`` 0 of ``configs/cifar10_cpu.yaml``) and is scored on the 5,000 held-out ones.
 Each arm copies the base, inserts its block with ``visattn.insert_attention`` (``none``: nothing), checks that
 the eval-mode output is bit-identical, scores it once before any step (it must equal the base), then fine-tunes
-``--epochs`` (2) with a fresh one-cycle schedule at a tenth of the base's peak, the same data order for every arm.
-One seed: this shows the path and what it costs, it is not evidence for a block (``bench/finetune.py`` is).
+``--epochs`` (2) with a fresh one-cycle schedule at a tenth of the base's peak, the same data order for every arm
+(``none``, ``cbam``). One seed: this shows the path, it is not evidence for a block (``bench/finetune.py`` is).
 
 Results go to ``bench/results/finetune_torchvision.json`` after the base and after every arm.
 """
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results" / "finetune_torchvision.json"
 DOC = ROOT / "docs" / "blocks.md"
 BASE_CKPT = ROOT / "runs" / "ft_torchvision" / "base.pt"
-ARMS = ("none", "se", "cbam", "eca")
+ARMS = ("none", "cbam")
 BATCH = 256
 BASE_LR = 4e-3
 BEGIN = "<!-- torchvision finetune table: python bench/finetune_torchvision.py --report -->"

@@ -86,3 +86,16 @@ def test_bad_results_files_and_arguments_are_one_line(tmp_path, capsys):
                     "--base", str(tmp_path / "base_s{seed}.pt"), capsys=capsys)
     assert rc == 2 and "base_s0.pt not found" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "new.json").exists()
+
+
+def test_the_worked_example_table_in_the_blocks_page_is_the_one_its_results_give():
+    """docs/blocks.md's torchvision fine-tune table is ``bench/finetune_torchvision.py --report`` of its JSON, and
+    every arm's step-0 score equals the base's (the blocks went in at identity)."""
+    import finetune_torchvision as ftv
+
+    res = ftv.read()
+    assert res, "bench/results/finetune_torchvision.json is missing"
+    page = (ROOT / "docs" / "blocks.md").read_text()
+    assert page.split(ftv.BEGIN + "\n")[1].split(ftv.END)[0].strip() == ftv.table(res).strip()
+    assert {a["block"] for a in res["arms"]} == set(ftv.ARMS)
+    assert all(a["step0_val_acc"] == res["base"]["val_acc"] for a in res["arms"])
