@@ -334,7 +334,10 @@ def _as_nobody(tmp_root: Path) -> List[str]:
     if shutil.which("setpriv") is None:
         pytest.skip("running as root without setpriv: a permission cannot be denied")
     tmp_root.chmod(0o777)
-    return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if subprocess.run([*prefix, "test", "-r", str(ROOT / "train.py"), "-a", "-x", sys.executable]).returncode:
+        pytest.skip("the checkout or its Python cannot be read by an unprivileged user (a private parent folder)")
+    return prefix
 
 
 @pytest.fixture
