@@ -32,6 +32,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from visattn.errors import DataError  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "finetune_torchvision.json"
 DOC = ROOT / "docs" / "blocks.md"
 BASE_CKPT = ROOT / "runs" / "ft_torchvision" / "base.pt"
@@ -62,11 +64,13 @@ def data(seed: int):
 
 def prep(x: torch.Tensor, mean, std, gen: Optional[torch.Generator] = None) -> torch.Tensor:
     x = x.float()
-    if gen is not None:  # pad 4 and crop back at a random offset, then a random horizontal flip
+    if gen is not None:  # pad 4 and crop back at a random offset (one gather), then a random horizontal flip
         b = x.shape[0]
         xp = F.pad(x, (4, 4, 4, 4), mode="reflect")
         i, j = torch.randint(0, 9, (2, b), generator=gen)
-        x = torch.stack([xp[k, :, i[k]:i[k] + 32, j[k]:j[k] + 32] for k in range(b)])
+        r = torch.arange(32)
+        x = xp[torch.arange(b)[:, None, None, None], torch.arange(3)[None, :, None, None],
+               (i[:, None] + r)[:, None, :, None], (j[:, None] + r)[:, None, None, :]]
         flip = torch.rand(b, generator=gen) < 0.5
         x = torch.where(flip[:, None, None, None], x.flip(3), x)
     m = torch.tensor(mean).view(1, 3, 1, 1) * 255
@@ -111,14 +115,15 @@ def train(net: torch.nn.Module, tr, mean, std, epochs: int, lr: float, seed: int
 
 
 def read() -> Dict[str, object]:
-    return json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    from visattn.rundir import read_json
+
+    return read_json(RESULTS, missing={})
 
 
 def write(res: Dict[str, object]) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_suffix(".tmp")
-    tmp.write_text(json.dumps(res, indent=1) + "\n")
-    tmp.replace(RESULTS)
+    from visattn.rundir import write_atomic
+
+    write_atomic(RESULTS, json.dumps(res, indent=1) + "\n")
 
 
 def base(res: Dict[str, object], tr, val, mean, std, epochs: int, seed: int) -> torch.nn.Module:
@@ -168,21 +173,29 @@ def write_doc(text: str) -> None:
     DOC.write_text(head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
 
 
+def positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     from visattn.options import describe
 
     ap = argparse.ArgumentParser(description=describe(__doc__))
-    ap.add_argument("--base-epochs", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--base-epochs", type=positive, default=4)
+    ap.add_argument("--epochs", type=positive, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report", action="store_true")
     a = ap.parse_args(argv)
     if a.report:
+        if "base" not in read():
+            raise DataError(f"{RESULTS} holds no run: run python bench/finetune_torchvision.py first")
         text = table(read())
         print(text)
         write_doc(text)
         return
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     tr, val, mean, std, split = data(a.seed)
     res = read()
     res.update(model="torchvision mobilenet_v3_small, stride-1 stem", eval_split=split, seed=a.seed,
@@ -200,4 +213,6 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from visattn.errors import run_main
+
+    run_main(main, "finetune_torchvision.py")

@@ -99,3 +99,24 @@ def test_the_worked_example_table_in_the_blocks_page_is_the_one_its_results_give
     assert page.split(ftv.BEGIN + "\n")[1].split(ftv.END)[0].strip() == ftv.table(res).strip()
     assert {a["block"] for a in res["arms"]} == set(ftv.ARMS)
     assert all(a["step0_val_acc"] == res["base"]["val_acc"] for a in res["arms"])
+
+
+@pytest.mark.parametrize("args, says", [(["--base-epochs", "0"], "must be at least 1"),
+                                        (["--epochs", "-1"], "must be at least 1")])
+def test_the_worked_example_refuses_a_budget_below_one_epoch(args, says):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "finetune_torchvision.py"), *args], cwd=ROOT,
+                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_worked_example_report_without_results_is_one_line(tmp_path, monkeypatch, capsys):
+    import finetune_torchvision as ftv
+
+    doc = ROOT / "docs" / "blocks.md"
+    before = doc.read_text()
+    monkeypatch.setattr(ftv, "RESULTS", tmp_path / "none.json")
+    with pytest.raises(SystemExit) as e:
+        run_main(lambda: ftv.main(["--report"]), "finetune_torchvision.py")
+    err = capsys.readouterr().err
+    assert e.value.code != 0 and "holds no run" in err and len(err.strip().splitlines()) == 1
+    assert doc.read_text() == before  # the page is not touched
