@@ -1,13 +1,14 @@
 """The GPU recipe's epochs to 90% on this copy, measured on the CPU, against airbench94's at equal images.
 
-    python bench/gpu_recipe_cpu.py [RUN_DIR ...]   # default runs/gpu_recipe_cpu/s*; -> bench/results/gpu_recipe_cpu.json
+    python bench/gpu_recipe_cpu.py [RUN_DIR ...]   # default: every run under runs/gpu_recipe_cpu/; -> bench/results/gpu_recipe_cpu.json
     python bench/gpu_recipe_cpu.py --table         # the markdown table in docs/results.md#gpu
 
 Accuracy depends on the images a recipe has trained on, not on the device, so the GPU recipe's budget can be
-set on the CPU. The runs are ``configs/cifar10_gpu.yaml`` trained on the CPU with every epoch evaluated
-(``python train.py -c configs/cifar10_gpu.yaml seed=S compile=false run_dir=runs/gpu_recipe_cpu/sS``); the
-recipe is the recipe ablation's ``epochs_10_airbench`` variant (``tests/test_configs.py`` holds them equal), so
-that variant's recorded run counts too (final epoch only). The reference is ``bench/reference_airbench.py``'s
+set on the CPU. The runs are ``configs/cifar10_gpu.yaml`` trained on the CPU with every epoch evaluated, at the
+budgets tried (``python train.py -c configs/cifar10_gpu.yaml seed=S compile=false train.epochs=E
+run_dir=runs/gpu_recipe_cpu/eE_sS``); the recipe is the recipe ablation's ``epochs_10_airbench`` variant at the
+config's budget (``tests/test_configs.py`` holds them equal), so that variant's recorded 10-epoch run counts too
+(final epoch only). The budget is the shortest at which every seed reaches 90% (:func:`budgets`). The reference is ``bench/reference_airbench.py``'s
 recorded 9.9-epoch runs in the same numerics on the same kernels (``bench/results/reference_airbench.json``).
 Images count training images seen: steps times the batch (both drop each epoch's last partial batch).
 """
@@ -53,7 +54,8 @@ def recorded_run(run_dir: Path) -> Dict[str, Any]:
             "val_acc_by_epoch": [round(r["val_acc"], 4) for r in rs], "epoch_to_90": None if hit is None else hit["epoch"],
             "images_to_90": None if steps_to is None else steps_to * batch,
             "train_seconds": round(sum(r["epoch_seconds"] for r in rs), 1), "eval_split": info["eval_split"],
-            "command": f"python train.py -c configs/cifar10_gpu.yaml seed={info['seed']} compile=false run_dir={run_dir}"}
+            "command": f"python train.py -c configs/cifar10_gpu.yaml seed={info['seed']} compile=false "
+                       f"train.epochs={epochs} run_dir={run_dir}"}
 
 
 def earlier_runs(kernels_: set) -> List[Dict[str, Any]]:
@@ -79,16 +81,29 @@ def reference_runs(kernels_: set) -> List[Dict[str, Any]]:
     return out
 
 
+def budgets(result: Dict[str, Any]) -> List[str]:
+    """Per epoch budget, the seeds' final accuracies and whether every one of them reached the target."""
+    by: Dict[int, List[float]] = {}
+    for r in result["runs"] + result["earlier"]:
+        by.setdefault(r["epochs"], []).append(r["val_acc"])
+    out = []
+    for e, accs in sorted(by.items()):
+        ok = len(accs) >= 2 and min(accs) >= result["target"]
+        out.append(f"{e} epochs: {len(accs)} seed(s), {', '.join(f'{100 * a:.2f}' for a in accs)}%: "
+                   + ("every seed at >= 90%" if ok else "not every seed at 90%" if len(accs) >= 2 else "one seed"))
+    return out
+
+
 def table(result: Dict[str, Any]) -> str:
     lines = ["| recipe | seed | numerics | epochs | val acc % | first epoch at >= 90% | training images to 90% "
              "| train time s (2 CPU cores) |", "|---|---:|---|---:|---:|---:|---:|---:|"]
-    for r in sorted(result["runs"], key=lambda r: (r["precision"], r["kernels"], r["seed"])):
+    for r in sorted(result["runs"], key=lambda r: (r["precision"], r["kernels"], r["epochs"], r["seed"])):
         first = "not reached" if r["epoch_to_90"] is None else str(r["epoch_to_90"])
         images = "—" if r["images_to_90"] is None else f"{r['images_to_90']:,}"
         lines.append(f"| `configs/cifar10_gpu.yaml` | {r['seed']} | {r['precision']} on {r['kernels']} | {r['epochs']} "
                      f"| **{100 * r['val_acc']:.2f}** | {first} | {images} | {r['train_seconds']:.0f} |")
     for r in result["earlier"]:
-        lines.append(f"| the same, as the recipe ablation's `epochs_10_airbench` | {r['seed']} | {r['precision']} on "
+        lines.append(f"| the same at 10 epochs, as the recipe ablation's `epochs_10_airbench` | {r['seed']} | {r['precision']} on "
                      f"{r['kernels']} | {r['epochs']} | {100 * r['val_acc']:.2f} | (final only) | — | {r['train_seconds']:.0f} |")
     for r in result["reference"]:
         reached = r["val_acc"] >= TARGET
@@ -107,9 +122,10 @@ def main() -> None:
     if a.table:
         if not a.results.is_file():
             sys.exit(f"error: {a.results} not found: record the runs first (python bench/gpu_recipe_cpu.py)")
-        print(table(json.loads(a.results.read_text())))
+        result = json.loads(a.results.read_text())
+        print(table(result) + "\n\n" + "\n".join(f"- {line}" for line in budgets(result)))
         return
-    dirs = a.run_dirs or sorted((ROOT / "runs" / "gpu_recipe_cpu").glob("s*"))
+    dirs = a.run_dirs or sorted(d for d in (ROOT / "runs" / "gpu_recipe_cpu").glob("*") if (d / "run_info.json").is_file())
     if not dirs:
         sys.exit("error: no run folders given and none under runs/gpu_recipe_cpu/")
     runs = [recorded_run(d) for d in dirs]
@@ -117,7 +133,8 @@ def main() -> None:
     result = {"target": TARGET, "runs": runs, "earlier": earlier_runs(fams), "reference": reference_runs(fams)}
     write_atomic(a.results, json.dumps(result, indent=1) + "\n")
     for r in runs:
-        print(f"seed {r['seed']}: {100 * r['val_acc']:.2f}% at epoch {r['epochs']}, 90% first at epoch {r['epoch_to_90']}")
+        print(f"{r['epochs']} epochs, seed {r['seed']}: {100 * r['val_acc']:.2f}%, 90% first at epoch {r['epoch_to_90']}")
+    print("\n".join(budgets(result)))
     print(f"wrote {a.results}")
 
 
