@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,9 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from attention_table import cpu_name  # noqa: E402
 
 from visattn.errors import DataError  # noqa: E402
 
@@ -199,7 +201,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     tr, val, mean, std, split = data(a.seed)
     res = read()
     res.update(model="torchvision mobilenet_v3_small, stride-1 stem", eval_split=split, seed=a.seed,
-               cpu=platform.processor() or platform.machine(), torch=torch.__version__)
+               cpu=cpu_name(), torch=torch.__version__)
     net0 = base(res, tr, val, mean, std, a.base_epochs, a.seed)
     print(f"base: {res['base']['val_acc']:.2%} after {a.base_epochs} epochs", flush=True)
     done = {r["block"] for r in res.get("arms", [])}

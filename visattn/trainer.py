@@ -8,7 +8,9 @@ writes a metrics row, saves ``best.pt``/``last.pt`` and logs attention maps. SIG
 the current step with a checkpoint saved. Under ``torchrun`` it runs data-parallel (gloo on CPU, NCCL on GPU);
 rank 0 alone writes. The run folder's state and its guarantees live in :mod:`visattn.rundir`.
 
-The config is read here and nowhere below it: the data layer gets its typed ``data`` section, the optimizer and
+The file reads in that order: the run's types, then ``run``, ``build``, ``resume``, ``fit``, ``train_one_epoch``,
+``periodic_check`` and ``_end_epoch`` (the whole loop, from ``for epoch`` to the checkpoint save), then the pieces
+they call, by section. The config is read here and nowhere below it: the data layer gets its typed ``data`` section, the optimizer and
 the epoch plain arguments (:class:`Optimization`, :class:`StepPolicy`).
 """
 from __future__ import annotations
@@ -240,7 +242,35 @@ class Run:
         return self.opt.ema.module if self.opt.ema is not None else self.model
 
 
-# ------------------------------------------------------------------------------------------- build
+# ------------------------- the run, top to bottom: run -> build -> resume -> fit -> train_one_epoch -> _end_epoch
+
+
+def run(cfg: Config, log: Callable[..., None] = print) -> Dict[str, Any]:
+    """Train as ``cfg`` says: :func:`build`, :func:`resume` when a checkpoint is to be continued, :func:`fit`.
+
+    Rank 0 holds the run folder's lock (:class:`~visattn.rundir.RunLock`) throughout: a second run on the same
+    ``run_dir`` is refused.
+    """
+    run_dir, main = Path(cfg.run_dir), DistInfo().is_main
+    if main:
+        check_run_dir(run_dir)  # before the lock creates anything: not /, ~, a source tree or someone's folder
+    with RunLock(run_dir, enabled=main):
+        before = set(os.listdir(run_dir)) if run_dir.is_dir() else set()
+        if main and cfg.resume is not None and (run_dir / "metrics.jsonl").is_file():
+            metrics_rows(run_dir / "metrics.jsonl")  # a damaged row is refused before anything is rewritten
+        r = build(cfg, log)
+        _check_forward(r)
+        if cfg.train.distill.teacher:  # a teacher file changed under a resumed run is a changed setting
+            r.teacher_digest = file_digest(cfg.train.distill.teacher)
+        if r.resume_from is not None:
+            resume(r, r.resume_from)
+        try:
+            return fit(r)
+        except BaseException:  # failed before its first checkpoint: the folder is left as it was found
+            _close(r)
+            if main and not (run_dir / "last.pt").exists():
+                remove_new_run_files(run_dir, before)
+            raise
 
 
 def build(cfg: Config, log: Callable[..., None] = print) -> Run:
@@ -286,6 +316,248 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
     return Run(cfg=cfg, dist=di, run_dir=run_dir, splits=splits, model=model,
                opt=_build_optimization(cfg, model, len(train_loader), device, precision), policy=policy,
                train_loader=train_loader, eval_loader=eval_loader, say=say, resume_from=resume_from, init_from=init)
+
+
+def resume(run: Run, path: Path) -> None:
+    """Load model, optimizer, schedule, scaler, EMA, data order, RNG and counters from checkpoint ``path``."""
+    cfg = run.cfg
+    state = load_checkpoint(path, map_location="cpu")
+    _check_resume_config(state, cfg, path)
+    held = state.get("teacher_digest")
+    if held and run.teacher_digest and held != run.teacher_digest and not cfg.resume_allow_changes:
+        raise CheckpointError(f"resume: the file of train.distill.teacher ({cfg.train.distill.teacher}) changed since "
+                              f"{path} was trained with it (set resume_allow_changes=true to resume anyway)")
+    try:
+        run.model.load_state_dict(state["model"])
+    except RuntimeError as e:  # the first line only says "Error(s) in loading state_dict": name the first mismatch
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        why = (lines[1] if len(lines) > 1 else lines[0] if lines else "")[:200]
+        raise CheckpointError(f"resume: {path} does not fit model {cfg.model.name!r} ({why})") from None
+    opt = run.opt
+    try:
+        opt.optimizer.load_state_dict(state["optimizer"])
+        opt.scheduler.load_state_dict(state["scheduler"])
+        if opt.scaler is not None and state.get("scaler"):
+            opt.scaler.load_state_dict(state["scaler"])
+        if opt.ema is not None and state.get("ema") is not None:
+            opt.ema.load_state_dict(state["ema"])
+        if opt.lookahead is not None:
+            opt.lookahead.load_state_dict(state["lookahead"])
+        run.train_loader.load_state_dict(state["loader"])
+        set_rng_state(state["rng"])
+        run.epoch, run.step = int(state["epoch"]), int(state["step"])
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"resume: {path} does not fit this run ({e.__class__.__name__}: {why[:120]})") from None
+    check_branch(run.run_dir, path)  # a checkpoint that fits, but its folder must not be mixed or rewound
+    check_rewind(run.run_dir, path, run.epoch)
+    _fit_schedule(run, state, path)
+    run.best_acc = float(state.get("best_acc", -1.0))
+    run.carry = state.get("epoch_stats") if run.dist.is_main else None  # all-rank totals: counted once, on rank 0
+    run.resume_from = path
+    position = run.train_loader.position
+    run.say(f"resumed from {path}: epoch {run.epoch}, step {run.step}"
+            + (f" ({position} batches into the epoch)" if position else ""))
+
+
+def fit(run: Run) -> Dict[str, Any]:
+    """Train from ``run.epoch`` to ``cfg.train.epochs``; returns a summary (best/final accuracy, paths, time)."""
+    cfg = run.cfg
+    train_model = torch.compile(run.model) if cfg.compile else run.model
+    if run.dist.enabled:
+        device = run.device
+        train_model = nn.parallel.DistributedDataParallel(
+            train_model, device_ids=[device.index] if device.type == "cuda" else None)
+    if run.init_from is not None:  # before the first step: the weights it starts from, as they score here
+        _evaluate_init(run)
+    if run.dist.is_main:
+        _open_outputs(run)
+        if run.writer is not None and "val_acc" in (run.init_from or {}):
+            run.writer.add_scalar("val/acc", run.init_from["val_acc"], 0)
+            run.writer.add_scalar("val/loss", run.init_from["val_loss"], 0)
+    run.t_start = time.perf_counter()
+    with graceful_signals(run.stop):
+        for epoch in range(run.epoch, cfg.train.epochs):
+            if cfg.train.max_steps is not None and run.step >= cfg.train.max_steps:
+                break
+            loader = run.train_loader
+            loader.set_epoch(epoch)
+            if hasattr(run.model, "set_epoch"):  # e.g. the whitening stem's bias trains for its first epochs only
+                run.model.set_epoch(epoch)
+            if run.dist.is_main and cfg.log.progress:
+                from tqdm import tqdm
+
+                run.bar = tqdm(total=len(loader), initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
+                               leave=False, dynamic_ncols=True, file=sys.stderr)
+            run.live, run.carry = epoch_stats_tensor(run.carry, loader.position, run.device), None
+            try:
+                ep, run.step, _ = train_one_epoch(train_model, loader, run.opt, run.policy, global_step=run.step,
+                                                  carry=run.live, run=run)
+            finally:
+                if run.bar is not None:
+                    run.bar.close()
+                    run.bar = None
+            if run.stop:  # a signal: the step saved the state to resume from, whatever the steps were
+                raise _interrupted(run)
+            _check_learned(run, ep, epoch + 1)
+            if 0 < loader.position < len(loader):  # stopped mid-epoch by train.max_steps: saved
+                break
+            _end_epoch(run, ep, epoch + 1)
+            if run.stop:
+                raise _interrupted(run)
+    if run.writer is not None:  # trained as asked: the HParams row's status is "success"
+        finish_hparams(run.run_dir / "tb")
+    _close(run)
+    if run.dist.enabled:
+        dist.barrier()
+    return {"best_val_acc": run.best_acc, "final": run.history[-1] if run.history else None,
+            "epochs": len(run.history), "wall_seconds": time.perf_counter() - run.t_start,
+            "run_dir": str(run.run_dir), "eval_split": run.splits.eval_split,
+            "per_class_acc": run.last_eval.get("per_class_acc"), "classes": list(run.splits.train.classes),
+            "init_from": run.init_from}
+
+
+def train_one_epoch(model: nn.Module, loader: Iterable, opt: Optimization, policy: StepPolicy, *, global_step: int = 0,
+                    carry: Optional[torch.Tensor] = None, run: Optional[Run] = None
+                    ) -> Tuple[EpochStats, int, torch.Tensor]:
+    """One pass of ``loader``: returns (its :class:`EpochStats`, the global step, the running totals tensor).
+
+    The totals (:class:`Stat`) stay on the device, updated in place (``carry``: a partly done epoch's, from a
+    mid-epoch checkpoint). A non-finite loss is counted, never learned from: on a CPU, where reading a finished
+    scalar is free, its step is skipped before it touches the weights; on a GPU the host reads only every
+    ``policy.check_every`` steps, where ``policy.max_nonfinite_steps`` consecutive ones stop the run. Under a
+    ``run``, every step ends in :func:`periodic_check` (stop, save), and the step's loss and lr go to TensorBoard.
+    """
+    model.train()
+    device, reduce = policy.device, policy.reduce
+    stats = epoch_stats_tensor(None, 0, device) if carry is None else carry
+    start = stats.clone()  # this call's own part is ``stats - start``
+    consecutive = torch.zeros((), dtype=torch.int64, device=device)  # the current run of non-finite losses
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    check_every = host_check_every(policy)
+    t0 = time.perf_counter()
+    for xb, yb in loader:
+        with autocast(device, policy.precision):
+            logits = model(xb)
+        loss = training_loss(logits, xb, yb, policy)
+        opt.optimizer.zero_grad(set_to_none=True)
+        finite = torch.isfinite(loss.detach())
+        skipped, applied = zero, True
+        if opt.scaler is not None:  # fp16: the scaler skips a step whose gradients hold inf/NaN, inside its step
+            opt.scaler.scale(loss).backward()
+            if opt.grad_clip:
+                opt.scaler.unscale_(opt.optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+            scale = opt.scaler._scale.clone() if getattr(opt.scaler, "_scale", None) is not None else None
+            opt.scaler.step(opt.optimizer)
+            opt.scaler.update()
+            if scale is not None:  # the scale backs off exactly when the step was skipped
+                skipped = (opt.scaler._scale < scale).double().sum()
+        elif check_every == 1 and not (bool(finite) if reduce is None else bool(reduce((~finite).float()) == 0)):
+            applied = False  # CPU: skipped before it touches the weights; under data parallelism by every rank
+        else:
+            loss.backward()
+            if opt.grad_clip:
+                nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+            opt.optimizer.step()
+        if applied:
+            opt.scheduler.step()
+            if opt.ema is not None:  # a warming-up EMA's decay follows the step count (from 1), kept in checkpoints
+                opt.ema.update(model, step=global_step + 1 if getattr(opt.ema, "use_warmup", False) else None)
+        global_step += 1
+        if opt.lookahead is not None:
+            opt.lookahead.step(global_step)
+        with torch.no_grad():
+            n = zero + yb.shape[0]
+            added = {Stat.loss_sum: torch.where(finite, loss.detach().double() * n, zero),
+                     Stat.correct: torch.where(finite, (logits.argmax(1) == yb).sum().double(), zero),
+                     Stat.images: n, Stat.nonfinite: (~finite).double(), Stat.scaler_skipped: skipped,
+                     Stat.steps: zero + 1, Stat.finite_images: torch.where(finite, n, zero)}
+            stats += torch.stack([added[k] for k in Stat])
+        consecutive = torch.where(finite, torch.zeros_like(consecutive), consecutive + 1)
+        if global_step % check_every == 0:  # the host read (on a GPU it waits for the queued steps)
+            if int(consecutive) >= policy.max_nonfinite_steps:
+                raise TrainingError(f"{int(consecutive)} consecutive non-finite losses at step {global_step}; stopping "
+                                    "(lower optim.lr, use precision=bf16/fp32, or set optim.grad_clip)"
+                                    + (f"; {_kept(run)}" if run is not None else ""))
+            if run is not None and run.writer is not None and global_step % max(check_every, 20) == 0:
+                run.writer.add_scalar("train/loss_step", float(stats[Stat.loss_sum] / stats[Stat.finite_images]),
+                                      global_step)
+                run.writer.add_scalar("train/lr", opt.optimizer.param_groups[0]["lr"], global_step)
+        if run is not None and periodic_check(run, global_step):
+            break
+    both = torch.cat([stats, stats - start])
+    total = (reduce(both) if reduce is not None else both).tolist()
+    seconds = time.perf_counter() - t0  # after the host read: on a GPU it waits for the epoch's queued steps
+    return EpochStats.of(total[: len(Stat)], total[len(Stat):], seconds), global_step, stats
+
+
+def periodic_check(run: Run, step: int) -> bool:
+    """The end of every step of a run: progress, the stop decision (a signal, ``train.max_steps``; every rank stops
+    at the same step) and the checkpoint every ``train.ckpt_every_steps``. Returns whether the epoch stops here.
+
+    No save replaces the last good checkpoint with non-finite weights (on a GPU the loss is checked only every
+    ``train.check_every`` steps, after the weights took the step), and only a signal's stop saves an epoch whose
+    every step so far had a non-finite loss (nothing learned yet: a later finite step saves, or the run stops
+    with the last good checkpoint in place)."""
+    run.step = step
+    if run.bar is not None:
+        run.bar.update(1)
+    halt = bool(run.stop)
+    if run.dist.enabled:
+        halt = bool(run.dist.reduce(torch.tensor([1.0 if halt else 0.0], device=run.device)).item() > 0)
+        if halt and run.stop.signum is None:
+            run.stop.signum = signal.SIGTERM
+    if run.cfg.train.max_steps is not None and step >= run.cfg.train.max_steps:
+        halt = True
+    every = run.cfg.train.ckpt_every_steps
+    if halt or (every and step % every == 0):  # the same decision on every rank
+        live = run.live
+        if run.dist.enabled and live is not None:  # the partial epoch's totals over all ranks; rank 0 resumes them
+            live = run.dist.reduce(live.clone())
+        nothing = live is not None and 0 < float(live[Stat.steps]) <= float(live[Stat.nonfinite])
+        finite = not check_finite(run.model)
+        if run.dist.is_main and finite and (bool(run.stop) or not nothing):
+            save_checkpoint(_checkpoint_state(run, run.train_loader.epoch, live), run.run_dir / "last.pt")
+        run.stop_saved = finite  # what a signal's stop reports
+    return halt
+
+
+def _end_epoch(run: Run, ep: EpochStats, done: int) -> None:
+    """Evaluate (when due), then write the metrics row, checkpoints, TensorBoard scalars and maps."""
+    cfg = run.cfg
+    row: Dict[str, Any] = {"epoch": done, "step": run.step, "train_loss": ep.loss, "train_acc": ep.acc,
+                           "images_per_s": ep.images_per_s,  # ep.images is already summed over ranks
+                           "epoch_seconds": ep.seconds, "epoch_steps": ep.steps, "nonfinite_steps": ep.nonfinite_steps,
+                           "skipped_steps": ep.skipped_steps, "lr": run.opt.optimizer.param_groups[0]["lr"],
+                           "wall_seconds": time.perf_counter() - run.t_start}
+    if done == cfg.train.epochs and run.opt.lookahead is not None:
+        run.opt.lookahead.finish()  # the averaged weights are the ones evaluated and saved
+    if done % cfg.eval.every == 0 or done == cfg.train.epochs:
+        row.update(_evaluate(run))
+    _check_result(run, ep, row, done)
+    is_best = "val_acc" in row and not check_finite(row["val_loss"]) and row["val_acc"] > run.best_acc
+    if is_best:
+        run.best_acc = row["val_acc"]
+    row["best_val_acc"] = run.best_acc
+    run.history.append(row)
+    if not run.dist.is_main:
+        return
+    # last.pt goes last: it commits the epoch. A crash before it redoes the epoch on resume, which first drops
+    # the metrics rows past the checkpoint, so no row is lost or written twice.
+    with open(run.run_dir / "metrics.jsonl", "a") as f:
+        f.write(metrics_line(row, run.say) + "\n")
+    run.train_loader.set_epoch(done)
+    state = _checkpoint_state(run, done, None)
+    if is_best:
+        save_checkpoint(state, run.run_dir / "best.pt")
+    save_checkpoint(state, run.run_dir / "last.pt")
+    if run.writer is not None:
+        _log_scalars(run, row, done)
+    run.say(_epoch_line(run, ep, row, done))
+
+
+# ---------------------------------------------- building the run: folder, model, init_from, teacher, optimization
 
 
 def _resume_path(cfg: Config, run_dir: Path) -> Optional[Path]:
@@ -344,6 +616,25 @@ def _build_model(cfg: Config, splits: Splits, device: torch.device, di: DistInfo
     if cfg.channels_last:
         model.to(memory_format=torch.channels_last)
     return model
+
+
+def _check_forward(run: Run) -> None:
+    """One training image through the model (eval mode, no gradient) before anything is written: a model that
+    cannot take this data's images (a ViT built for 32x32 with data.image_size=48) is one line, not a traceback
+    at the first step after the run folder was filled."""
+    x = torch.from_numpy(run.splits.train.x[:1]).permute(0, 3, 1, 2)
+    x = normalize(x, run.cfg.data.mean, run.cfg.data.std).to(run.device)
+    training = run.model.training
+    run.model.eval()
+    try:
+        with torch.no_grad():
+            run.model(x)
+    except (ValueError, RuntimeError, TypeError, AssertionError) as e:
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else e.__class__.__name__
+        raise ConfigError(f"model {run.cfg.model.name!r} cannot take this data's {x.shape[2]}x{x.shape[3]} images "
+                          f"(data.image_size={run.cfg.data.image_size}): {why}") from None
+    finally:
+        run.model.train(training)
 
 
 def _check_init_folder(cfg: Config, run_dir: Path) -> None:
@@ -481,7 +772,7 @@ def _schedule(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: in
                                 int(round(s.warmup_epochs * steps_per_epoch)), s.min_lr_ratio, s.anneal, s.start_lr_ratio)
 
 
-# ----------------------------------------------------------------------- optimizer, schedule, loss
+# -------------------------------------------------------------------------------------- optimizer, schedule, loss
 
 
 def make_scaler(device: torch.device, precision: str) -> Optional[torch.amp.GradScaler]:
@@ -687,49 +978,7 @@ def training_loss(logits: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, poli
     return (1 - d.weight) * loss + d.weight * distill_loss(logits, target, d.kind, d.temperature)
 
 
-# ------------------------------------------------------------------------------------------ resume
-
-
-def resume(run: Run, path: Path) -> None:
-    """Load model, optimizer, schedule, scaler, EMA, data order, RNG and counters from checkpoint ``path``."""
-    cfg = run.cfg
-    state = load_checkpoint(path, map_location="cpu")
-    _check_resume_config(state, cfg, path)
-    held = state.get("teacher_digest")
-    if held and run.teacher_digest and held != run.teacher_digest and not cfg.resume_allow_changes:
-        raise CheckpointError(f"resume: the file of train.distill.teacher ({cfg.train.distill.teacher}) changed since "
-                              f"{path} was trained with it (set resume_allow_changes=true to resume anyway)")
-    try:
-        run.model.load_state_dict(state["model"])
-    except RuntimeError as e:  # the first line only says "Error(s) in loading state_dict": name the first mismatch
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        why = (lines[1] if len(lines) > 1 else lines[0] if lines else "")[:200]
-        raise CheckpointError(f"resume: {path} does not fit model {cfg.model.name!r} ({why})") from None
-    opt = run.opt
-    try:
-        opt.optimizer.load_state_dict(state["optimizer"])
-        opt.scheduler.load_state_dict(state["scheduler"])
-        if opt.scaler is not None and state.get("scaler"):
-            opt.scaler.load_state_dict(state["scaler"])
-        if opt.ema is not None and state.get("ema") is not None:
-            opt.ema.load_state_dict(state["ema"])
-        if opt.lookahead is not None:
-            opt.lookahead.load_state_dict(state["lookahead"])
-        run.train_loader.load_state_dict(state["loader"])
-        set_rng_state(state["rng"])
-        run.epoch, run.step = int(state["epoch"]), int(state["step"])
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        why = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise CheckpointError(f"resume: {path} does not fit this run ({e.__class__.__name__}: {why[:120]})") from None
-    check_branch(run.run_dir, path)  # a checkpoint that fits, but its folder must not be mixed or rewound
-    check_rewind(run.run_dir, path, run.epoch)
-    _fit_schedule(run, state, path)
-    run.best_acc = float(state.get("best_acc", -1.0))
-    run.carry = state.get("epoch_stats") if run.dist.is_main else None  # all-rank totals: counted once, on rank 0
-    run.resume_from = path
-    position = run.train_loader.position
-    run.say(f"resumed from {path}: epoch {run.epoch}, step {run.step}"
-            + (f" ({position} batches into the epoch)" if position else ""))
+# ------------------------------------------------------------------------------------------------------- resuming
 
 
 def _fit_schedule(run: Run, state: Dict[str, Any], path: Path) -> None:
@@ -769,139 +1018,7 @@ def _check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None
                               "train with them)")
 
 
-# --------------------------------------------------------------------------------------------- fit
-
-
-def fit(run: Run) -> Dict[str, Any]:
-    """Train from ``run.epoch`` to ``cfg.train.epochs``; returns a summary (best/final accuracy, paths, time)."""
-    cfg = run.cfg
-    train_model = torch.compile(run.model) if cfg.compile else run.model
-    if run.dist.enabled:
-        device = run.device
-        train_model = nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    if run.init_from is not None:  # before the first step: the weights it starts from, as they score here
-        _evaluate_init(run)
-    if run.dist.is_main:
-        _open_outputs(run)
-        if run.writer is not None and "val_acc" in (run.init_from or {}):
-            run.writer.add_scalar("val/acc", run.init_from["val_acc"], 0)
-            run.writer.add_scalar("val/loss", run.init_from["val_loss"], 0)
-    run.t_start = time.perf_counter()
-    with graceful_signals(run.stop):
-        for epoch in range(run.epoch, cfg.train.epochs):
-            if cfg.train.max_steps is not None and run.step >= cfg.train.max_steps:
-                break
-            loader = run.train_loader
-            loader.set_epoch(epoch)
-            if hasattr(run.model, "set_epoch"):  # e.g. the whitening stem's bias trains for its first epochs only
-                run.model.set_epoch(epoch)
-            if run.dist.is_main and cfg.log.progress:
-                from tqdm import tqdm
-
-                run.bar = tqdm(total=len(loader), initial=loader.position, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
-                               leave=False, dynamic_ncols=True, file=sys.stderr)
-            run.live, run.carry = epoch_stats_tensor(run.carry, loader.position, run.device), None
-            try:
-                ep, run.step, _ = train_one_epoch(train_model, loader, run.opt, run.policy, global_step=run.step,
-                                                  carry=run.live, run=run)
-            finally:
-                if run.bar is not None:
-                    run.bar.close()
-                    run.bar = None
-            if run.stop:  # a signal: the step saved the state to resume from, whatever the steps were
-                raise _interrupted(run)
-            _check_learned(run, ep, epoch + 1)
-            if 0 < loader.position < len(loader):  # stopped mid-epoch by train.max_steps: saved
-                break
-            _end_epoch(run, ep, epoch + 1)
-            if run.stop:
-                raise _interrupted(run)
-    if run.writer is not None:  # trained as asked: the HParams row's status is "success"
-        finish_hparams(run.run_dir / "tb")
-    _close(run)
-    if run.dist.enabled:
-        dist.barrier()
-    return {"best_val_acc": run.best_acc, "final": run.history[-1] if run.history else None,
-            "epochs": len(run.history), "wall_seconds": time.perf_counter() - run.t_start,
-            "run_dir": str(run.run_dir), "eval_split": run.splits.eval_split,
-            "per_class_acc": run.last_eval.get("per_class_acc"), "classes": list(run.splits.train.classes),
-            "init_from": run.init_from}
-
-
-def train_one_epoch(model: nn.Module, loader: Iterable, opt: Optimization, policy: StepPolicy, *, global_step: int = 0,
-                    carry: Optional[torch.Tensor] = None, run: Optional[Run] = None
-                    ) -> Tuple[EpochStats, int, torch.Tensor]:
-    """One pass of ``loader``: returns (its :class:`EpochStats`, the global step, the running totals tensor).
-
-    The totals (:class:`Stat`) stay on the device, updated in place (``carry``: a partly done epoch's, from a
-    mid-epoch checkpoint). A non-finite loss is counted, never learned from: on a CPU, where reading a finished
-    scalar is free, its step is skipped before it touches the weights; on a GPU the host reads only every
-    ``policy.check_every`` steps, where ``policy.max_nonfinite_steps`` consecutive ones stop the run. Under a
-    ``run``, every step ends in :func:`periodic_check` (stop, save), and the step's loss and lr go to TensorBoard.
-    """
-    model.train()
-    device, reduce = policy.device, policy.reduce
-    stats = epoch_stats_tensor(None, 0, device) if carry is None else carry
-    start = stats.clone()  # this call's own part is ``stats - start``
-    consecutive = torch.zeros((), dtype=torch.int64, device=device)  # the current run of non-finite losses
-    zero = torch.zeros((), dtype=torch.float64, device=device)
-    check_every = host_check_every(policy)
-    t0 = time.perf_counter()
-    for xb, yb in loader:
-        with autocast(device, policy.precision):
-            logits = model(xb)
-        loss = training_loss(logits, xb, yb, policy)
-        opt.optimizer.zero_grad(set_to_none=True)
-        finite = torch.isfinite(loss.detach())
-        skipped, applied = zero, True
-        if opt.scaler is not None:  # fp16: the scaler skips a step whose gradients hold inf/NaN, inside its step
-            opt.scaler.scale(loss).backward()
-            if opt.grad_clip:
-                opt.scaler.unscale_(opt.optimizer)
-                nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
-            scale = opt.scaler._scale.clone() if getattr(opt.scaler, "_scale", None) is not None else None
-            opt.scaler.step(opt.optimizer)
-            opt.scaler.update()
-            if scale is not None:  # the scale backs off exactly when the step was skipped
-                skipped = (opt.scaler._scale < scale).double().sum()
-        elif check_every == 1 and not (bool(finite) if reduce is None else bool(reduce((~finite).float()) == 0)):
-            applied = False  # CPU: skipped before it touches the weights; under data parallelism by every rank
-        else:
-            loss.backward()
-            if opt.grad_clip:
-                nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
-            opt.optimizer.step()
-        if applied:
-            opt.scheduler.step()
-            if opt.ema is not None:  # a warming-up EMA's decay follows the step count (from 1), kept in checkpoints
-                opt.ema.update(model, step=global_step + 1 if getattr(opt.ema, "use_warmup", False) else None)
-        global_step += 1
-        if opt.lookahead is not None:
-            opt.lookahead.step(global_step)
-        with torch.no_grad():
-            n = zero + yb.shape[0]
-            added = {Stat.loss_sum: torch.where(finite, loss.detach().double() * n, zero),
-                     Stat.correct: torch.where(finite, (logits.argmax(1) == yb).sum().double(), zero),
-                     Stat.images: n, Stat.nonfinite: (~finite).double(), Stat.scaler_skipped: skipped,
-                     Stat.steps: zero + 1, Stat.finite_images: torch.where(finite, n, zero)}
-            stats += torch.stack([added[k] for k in Stat])
-        consecutive = torch.where(finite, torch.zeros_like(consecutive), consecutive + 1)
-        if global_step % check_every == 0:  # the host read (on a GPU it waits for the queued steps)
-            if int(consecutive) >= policy.max_nonfinite_steps:
-                raise TrainingError(f"{int(consecutive)} consecutive non-finite losses at step {global_step}; stopping "
-                                    "(lower optim.lr, use precision=bf16/fp32, or set optim.grad_clip)"
-                                    + (f"; {_kept(run)}" if run is not None else ""))
-            if run is not None and run.writer is not None and global_step % max(check_every, 20) == 0:
-                run.writer.add_scalar("train/loss_step", float(stats[Stat.loss_sum] / stats[Stat.finite_images]),
-                                      global_step)
-                run.writer.add_scalar("train/lr", opt.optimizer.param_groups[0]["lr"], global_step)
-        if run is not None and periodic_check(run, global_step):
-            break
-    both = torch.cat([stats, stats - start])
-    total = (reduce(both) if reduce is not None else both).tolist()
-    seconds = time.perf_counter() - t0  # after the host read: on a GPU it waits for the epoch's queued steps
-    return EpochStats.of(total[: len(Stat)], total[len(Stat):], seconds), global_step, stats
+# ----------------------------------------------------- steps and epochs: statistics, checks, checkpoints, outputs
 
 
 def host_check_every(policy: StepPolicy) -> int:
@@ -926,37 +1043,6 @@ def epoch_stats_tensor(carry: Optional[torch.Tensor], position: int, device: tor
     return carry
 
 
-def periodic_check(run: Run, step: int) -> bool:
-    """The end of every step of a run: progress, the stop decision (a signal, ``train.max_steps``; every rank stops
-    at the same step) and the checkpoint every ``train.ckpt_every_steps``. Returns whether the epoch stops here.
-
-    No save replaces the last good checkpoint with non-finite weights (on a GPU the loss is checked only every
-    ``train.check_every`` steps, after the weights took the step), and only a signal's stop saves an epoch whose
-    every step so far had a non-finite loss (nothing learned yet: a later finite step saves, or the run stops
-    with the last good checkpoint in place)."""
-    run.step = step
-    if run.bar is not None:
-        run.bar.update(1)
-    halt = bool(run.stop)
-    if run.dist.enabled:
-        halt = bool(run.dist.reduce(torch.tensor([1.0 if halt else 0.0], device=run.device)).item() > 0)
-        if halt and run.stop.signum is None:
-            run.stop.signum = signal.SIGTERM
-    if run.cfg.train.max_steps is not None and step >= run.cfg.train.max_steps:
-        halt = True
-    every = run.cfg.train.ckpt_every_steps
-    if halt or (every and step % every == 0):  # the same decision on every rank
-        live = run.live
-        if run.dist.enabled and live is not None:  # the partial epoch's totals over all ranks; rank 0 resumes them
-            live = run.dist.reduce(live.clone())
-        nothing = live is not None and 0 < float(live[Stat.steps]) <= float(live[Stat.nonfinite])
-        finite = not check_finite(run.model)
-        if run.dist.is_main and finite and (bool(run.stop) or not nothing):
-            save_checkpoint(_checkpoint_state(run, run.train_loader.epoch, live), run.run_dir / "last.pt")
-        run.stop_saved = finite  # what a signal's stop reports
-    return halt
-
-
 def _checkpoint_state(run: Run, epoch: int, position_stats: Optional[torch.Tensor]) -> Dict[str, Any]:
     opt, cfg = run.opt, run.cfg
     return {
@@ -970,40 +1056,6 @@ def _checkpoint_state(run: Run, epoch: int, position_stats: Optional[torch.Tenso
         "eval_split": run.splits.eval_split, "versions": versions(), "git": git_revision(), "seed": cfg.seed,
         "teacher_digest": run.teacher_digest,
     }
-
-
-def _end_epoch(run: Run, ep: EpochStats, done: int) -> None:
-    """Evaluate (when due), then write the metrics row, checkpoints, TensorBoard scalars and maps."""
-    cfg = run.cfg
-    row: Dict[str, Any] = {"epoch": done, "step": run.step, "train_loss": ep.loss, "train_acc": ep.acc,
-                           "images_per_s": ep.images_per_s,  # ep.images is already summed over ranks
-                           "epoch_seconds": ep.seconds, "epoch_steps": ep.steps, "nonfinite_steps": ep.nonfinite_steps,
-                           "skipped_steps": ep.skipped_steps, "lr": run.opt.optimizer.param_groups[0]["lr"],
-                           "wall_seconds": time.perf_counter() - run.t_start}
-    if done == cfg.train.epochs and run.opt.lookahead is not None:
-        run.opt.lookahead.finish()  # the averaged weights are the ones evaluated and saved
-    if done % cfg.eval.every == 0 or done == cfg.train.epochs:
-        row.update(_evaluate(run))
-    _check_result(run, ep, row, done)
-    is_best = "val_acc" in row and not check_finite(row["val_loss"]) and row["val_acc"] > run.best_acc
-    if is_best:
-        run.best_acc = row["val_acc"]
-    row["best_val_acc"] = run.best_acc
-    run.history.append(row)
-    if not run.dist.is_main:
-        return
-    # last.pt goes last: it commits the epoch. A crash before it redoes the epoch on resume, which first drops
-    # the metrics rows past the checkpoint, so no row is lost or written twice.
-    with open(run.run_dir / "metrics.jsonl", "a") as f:
-        f.write(metrics_line(row, run.say) + "\n")
-    run.train_loader.set_epoch(done)
-    state = _checkpoint_state(run, done, None)
-    if is_best:
-        save_checkpoint(state, run.run_dir / "best.pt")
-    save_checkpoint(state, run.run_dir / "last.pt")
-    if run.writer is not None:
-        _log_scalars(run, row, done)
-    run.say(_epoch_line(run, ep, row, done))
 
 
 def _epoch_line(run: Run, ep: EpochStats, row: Dict[str, Any], done: int) -> str:
@@ -1100,53 +1152,6 @@ def _log_scalars(run: Run, row: Dict[str, Any], done: int) -> None:
             run.say(f"warning: epoch {done}: the attention maps of {', '.join(skipped)} on the probe batch are not "
                     "finite; those pictures were skipped")
     writer.flush()
-
-
-def run(cfg: Config, log: Callable[..., None] = print) -> Dict[str, Any]:
-    """Train as ``cfg`` says: :func:`build`, :func:`resume` when a checkpoint is to be continued, :func:`fit`.
-
-    Rank 0 holds the run folder's lock (:class:`~visattn.rundir.RunLock`) throughout: a second run on the same
-    ``run_dir`` is refused.
-    """
-    run_dir, main = Path(cfg.run_dir), DistInfo().is_main
-    if main:
-        check_run_dir(run_dir)  # before the lock creates anything: not /, ~, a source tree or someone's folder
-    with RunLock(run_dir, enabled=main):
-        before = set(os.listdir(run_dir)) if run_dir.is_dir() else set()
-        if main and cfg.resume is not None and (run_dir / "metrics.jsonl").is_file():
-            metrics_rows(run_dir / "metrics.jsonl")  # a damaged row is refused before anything is rewritten
-        r = build(cfg, log)
-        _check_forward(r)
-        if cfg.train.distill.teacher:  # a teacher file changed under a resumed run is a changed setting
-            r.teacher_digest = file_digest(cfg.train.distill.teacher)
-        if r.resume_from is not None:
-            resume(r, r.resume_from)
-        try:
-            return fit(r)
-        except BaseException:  # failed before its first checkpoint: the folder is left as it was found
-            _close(r)
-            if main and not (run_dir / "last.pt").exists():
-                remove_new_run_files(run_dir, before)
-            raise
-
-
-def _check_forward(run: Run) -> None:
-    """One training image through the model (eval mode, no gradient) before anything is written: a model that
-    cannot take this data's images (a ViT built for 32x32 with data.image_size=48) is one line, not a traceback
-    at the first step after the run folder was filled."""
-    x = torch.from_numpy(run.splits.train.x[:1]).permute(0, 3, 1, 2)
-    x = normalize(x, run.cfg.data.mean, run.cfg.data.std).to(run.device)
-    training = run.model.training
-    run.model.eval()
-    try:
-        with torch.no_grad():
-            run.model(x)
-    except (ValueError, RuntimeError, TypeError, AssertionError) as e:
-        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else e.__class__.__name__
-        raise ConfigError(f"model {run.cfg.model.name!r} cannot take this data's {x.shape[2]}x{x.shape[3]} images "
-                          f"(data.image_size={run.cfg.data.image_size}): {why}") from None
-    finally:
-        run.model.train(training)
 
 
 def _open_outputs(run: Run) -> None:
