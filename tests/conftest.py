@@ -1,17 +1,28 @@
-"""Shared fixtures: where the real CIFAR-10 images are, small synthetic configs."""
+"""Shared fixtures: where the real CIFAR-10 images are, small synthetic configs, a command run in-process."""
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import io
 import json
+import logging
 import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import pytest
 import torch
 
 from visattn.attention import AttentionTap
+from visattn.cli import main as train_main
 from visattn.maps import colorize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,3 +94,122 @@ def has_colour_bar(picture: np.ndarray, colormap: str = "jet") -> bool:
         if len(run) >= 150 and run[0] <= 2 and run[-1] >= 253 and bool((run.diff() >= 0).all()):
             return True
     return False
+
+
+# ------------------------------------------------------------------------------- a command run in-process
+
+# a fresh interpreter's warnings filters (no -W, no PYTHONWARNINGS), in the order warnings.filters holds them
+STARTUP_FILTERS = [("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, ""),
+                   ("ignore", PendingDeprecationWarning, ""), ("ignore", ImportWarning, ""),
+                   ("ignore", ResourceWarning, "")]
+
+
+def run_cli(argv: Sequence[str], tool: Callable[[List[str]], Optional[int]] = train_main,
+            cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """A command-line entry point (``train.py``'s ``main`` unless ``tool``) run in-process, as the subprocess
+    ``python train.py ARGV`` with ``cwd`` would run it, minus the interpreter start: the exit status (a
+    ``SystemExit`` becomes one), and everything written to stdout and stderr, Python's warnings (printed as a
+    fresh interpreter prints them) and the file descriptors' own writes included. Any other exception propagates.
+
+    The process-wide state the command may change is put back afterwards: the working folder, ``sys.argv``,
+    ``os.environ``, signal handlers, the umask, warnings filters, the root logger, the random generators (Python's,
+    NumPy's, torch's), torch's deterministic/cuDNN/thread/dtype/matmul settings and Pillow's pixel limit."""
+    argv = [str(a) for a in argv]
+    out, err = io.StringIO(), io.StringIO()
+    with kept_process_state(), _fds_captured() as fds, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        if os.getcwd() != os.path.realpath(cwd):  # only where it differs: a test run as another user may not enter it
+            os.chdir(cwd)
+        sys.argv = [str(ROOT / "train.py") if tool is train_main else sys.modules[tool.__module__].__file__, *argv]
+        warnings.showwarning = _print_warning
+        try:
+            rc = tool(argv)
+        except SystemExit as e:  # argparse's refusals and --help, or a sys.exit in the tool
+            rc = e.code
+            if rc is not None and not isinstance(rc, int):  # sys.exit("message"): printed, status 1
+                print(rc, file=sys.stderr)
+                rc = 1
+    return subprocess.CompletedProcess(argv, 0 if rc is None else rc, out.getvalue() + fds[1].getvalue(),
+                                       err.getvalue() + fds[2].getvalue())
+
+
+def _print_warning(message: Any, category: type, filename: str, lineno: int, file: Any = None,
+                   line: Optional[str] = None) -> None:
+    """What Python prints for a warning, on ``sys.stderr`` as it is now (``warnings.showwarning``'s own default)."""
+    sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+@contextmanager
+def _fds_captured() -> Iterator[Dict[int, io.StringIO]]:
+    """File descriptors 1 and 2 point at temporary files meanwhile (writes that bypass ``sys.stdout`` and
+    ``sys.stderr``: C libraries, child processes); yields the text written to each, filled in at the end."""
+    libc = ctypes.CDLL(None)
+    got = {fd: io.StringIO() for fd in (1, 2)}
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    libc.fflush(None)
+    saved = {fd: os.dup(fd) for fd in got}
+    files = {fd: tempfile.TemporaryFile() for fd in got}
+    try:
+        for fd, f in files.items():
+            os.dup2(f.fileno(), fd)
+        yield got
+    finally:
+        libc.fflush(None)
+        for fd, f in files.items():
+            os.dup2(saved[fd], fd)
+            os.close(saved[fd])
+            f.seek(0)
+            got[fd].write(f.read().decode(errors="replace"))
+            f.close()
+
+
+@contextmanager
+def kept_process_state() -> Iterator[None]:
+    """Everything listed in :func:`run_cli`'s docstring as it was on entry, put back on exit (also for a test that
+    calls ``run`` itself: ``deterministic=true`` switches torch's deterministic algorithms on for the process)."""
+    from PIL import Image
+
+    cwd, argv, environ, mask = os.getcwd(), sys.argv, dict(os.environ), os.umask(0o22)
+    os.umask(mask)
+    handlers = {s: signal.getsignal(s) for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)}
+    root = logging.getLogger()
+    logger = (root.level, list(root.handlers), logging.root.manager.disable)
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+           torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+    det = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    torch_rest = (torch.get_num_threads(), torch.get_default_dtype(), torch.get_float32_matmul_precision(),
+                  torch.is_grad_enabled())
+    max_pixels = Image.MAX_IMAGE_PIXELS
+    try:
+        with warnings.catch_warnings():
+            warnings.resetwarnings()
+            for action, category, module in reversed(STARTUP_FILTERS):
+                warnings.filterwarnings(action, category=category, module=module)
+            yield
+    finally:
+        if os.getcwd() != cwd:
+            os.chdir(cwd)
+        sys.argv = argv
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update({k: v for k, v in environ.items() if os.environ.get(k) != v})
+        os.umask(mask)
+        for s, h in handlers.items():
+            if h is not None and signal.getsignal(s) is not h:
+                signal.signal(s, h)
+        root.setLevel(logger[0])
+        root.handlers[:] = logger[1]
+        logging.disable(logger[2])
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        if rng[3] is not None:
+            torch.cuda.set_rng_state_all(rng[3])
+        torch.use_deterministic_algorithms(det[0], warn_only=det[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
+        torch.set_num_threads(torch_rest[0])
+        torch.set_default_dtype(torch_rest[1])
+        torch.set_float32_matmul_precision(torch_rest[2])
+        torch.set_grad_enabled(torch_rest[3])
+        Image.MAX_IMAGE_PIXELS = max_pixels

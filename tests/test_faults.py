@@ -24,7 +24,7 @@ from typing import Callable, Dict, List
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SMOKE, metrics_rows
+from conftest import ROOT, SMOKE, kept_process_state, metrics_rows, run_cli
 from PIL import Image
 
 from visattn import evaluate as evaluate_cli
@@ -211,7 +211,8 @@ def test_sigterm_saves_the_current_step_and_exits_143(tmp_path):
     assert ck["epoch_stats"][2] == 10 * (stopped_at % STEPS_PER_EPOCH)  # images seen this epoch
     assert not (rd / "metrics.jsonl").exists()  # no epoch finished, no row
 
-    summary = run(load_config(SMOKE, [f"run_dir={rd}", *SIGNAL_RUN, "resume=auto"]), log=lambda *a, **k: None)
+    with kept_process_state():  # SIGNAL_RUN's deterministic=true would stay on for the tests that follow
+        summary = run(load_config(SMOKE, [f"run_dir={rd}", *SIGNAL_RUN, "resume=auto"]), log=lambda *a, **k: None)
     assert [r["epoch"] for r in metrics_rows(rd)] == [1, 2] and summary["final"]["step"] == EPOCHS * STEPS_PER_EPOCH
     assert load_checkpoint(rd / "last.pt")["step"] == EPOCHS * STEPS_PER_EPOCH
 
@@ -271,17 +272,9 @@ def test_unsafe_checkpoint_is_refused_everywhere(tmp_path, finished_run):
 
 
 def _cli(argv: List[str], tool: Callable[[List[str]], int] = main) -> tuple[int, str]:
-    """Run a command-line entry point in-process; (exit status, stderr)."""
-    import contextlib
-    import io
-
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        try:
-            rc = tool(argv)
-        except SystemExit as e:  # argparse
-            rc = e.code
-    return rc, err.getvalue()
+    """Run a command-line entry point in-process (conftest's run_cli); (exit status, stderr)."""
+    done = run_cli(argv, tool)
+    return done.returncode, done.stderr
 
 
 def _write_images(folder: Path, classes=("ant", "bee", "cow"), per_class=4, splits=("train",)) -> Path:

@@ -2,8 +2,9 @@
 with more ``train.epochs``).
 
 A tiny synthetic run (the recipe's ``resnet_fast_none`` config: whitening stem, one-cycle schedule) is trained
-once per module; the fine-tunes start from its ``best.pt``. What a process does (its step-0 line, its exit
-status, its one error line, the folders it leaves) is checked on ``train.py`` run as a subprocess.
+once per module; the fine-tunes start from its ``best.pt``. What a command does (its step-0 line, its exit
+status, its one error line, the folders it leaves) is checked on ``train.py``'s ``main`` run in-process
+(conftest's ``run_cli``), and once on ``train.py`` run as a subprocess.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import List
 
 import pytest
 import torch
-from conftest import ROOT, metrics_rows
+from conftest import ROOT, metrics_rows, run_cli
 
 from visattn.config import load_config
 from visattn.rundir import load_checkpoint, save_checkpoint
@@ -35,7 +36,10 @@ def _quiet(*a, **k) -> None:
     pass
 
 
-def _train(argv: List[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def _train(argv: List[str], cwd: Path = ROOT, spawn: bool = False) -> subprocess.CompletedProcess:
+    """``train.py ARGV`` in-process, or as a real subprocess where ``spawn``."""
+    if not spawn:
+        return run_cli(argv, cwd=cwd)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=WAIT)
@@ -135,7 +139,8 @@ def test_init_from_refuses_its_own_folder_another_split_and_a_missing_file(sourc
     rd = tmp_path / "ft"
     _refused(["--config", str(CBAM), *TINY, "data.val_size=50", f"model.init_from={source / 'best.pt'}",
               f"run_dir={rd}"], "other data settings (data.val_size: 100, here 50)", rd)
-    r = _train(["--config", str(CBAM), *TINY, f"model.init_from={tmp_path / 'nope.pt'}", f"run_dir={rd}"])
+    r = _train(["--config", str(CBAM), *TINY, f"model.init_from={tmp_path / 'nope.pt'}", f"run_dir={rd}"],
+               spawn=True)  # end to end once: the process's exit status and its one line
     assert r.returncode == 2 and "nope.pt' not found" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not rd.exists()
 

@@ -6,6 +6,7 @@ they were. Subprocess tests wait on files the child writes (polled, bounded), ne
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ from typing import Dict, List
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SMOKE, metrics_rows
+from conftest import ROOT, SMOKE, metrics_rows, run_cli
 from PIL import Image
 
 from visattn import evaluate as evaluate_cli
@@ -53,17 +54,9 @@ def _env(**extra: str) -> Dict[str, str]:
 
 
 def _cli(argv: List[str], tool=main) -> tuple[int, str, str]:
-    """A command-line entry point in-process: (exit status, stdout, stderr)."""
-    import contextlib
-    import io
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        try:
-            rc = tool(argv)
-        except SystemExit as e:
-            rc = e.code
-    return rc, out.getvalue(), err.getvalue()
+    """A command-line entry point in-process (conftest's run_cli): (exit status, stdout, stderr)."""
+    done = run_cli(argv, tool)
+    return done.returncode, done.stdout, done.stderr
 
 
 def _one_error_line(err: str) -> str:
@@ -457,8 +450,16 @@ def test_archive_member_that_escapes_its_folder_is_refused(tmp_path):
         for p in sorted(good.rglob("*")):
             tf.add(p, arcname=str(p.relative_to(good)), recursive=False)
         tf.add(good / "train" / "ant" / "0.png", arcname="../../train/ant/escape.png")
-    with pytest.raises(DataError, match=r"member '../../train/ant/escape.png' refused: escapes the dataset folder"):
-        load_splits(_data_cfg(tmp_path, tmp_path / "evil.tar.gz"), seed=0)
+    gc.disable()  # the archive is closed by the refusal itself, not by a later garbage collection
+    try:
+        with pytest.raises(DataError, match=r"member '../../train/ant/escape.png' refused: escapes the dataset folder"):
+            load_splits(_data_cfg(tmp_path, tmp_path / "evil.tar.gz"), seed=0)
+        if Path("/proc/self/fd").is_dir():
+            held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                    if os.path.exists(f"/proc/self/fd/{fd}")]
+            assert str(tmp_path / "evil.tar.gz") not in held
+    finally:
+        gc.enable()
     batches = _cifar(tmp_path / "src" / "cifar-10-batches-py")
     with tarfile.open(tmp_path / "cifar-10-python.tar.gz", "w:gz") as tf:
         tf.add(batches, arcname="cifar-10-batches-py")

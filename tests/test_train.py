@@ -79,6 +79,21 @@ def _smoke_cfg(tmp_path, *extra):
                        [f"run_dir={tmp_path / 'run'}", "log.progress=false", "model.attention=none", *extra])
 
 
+def test_a_deterministic_run_leaves_the_callers_torch_settings_as_it_found_them(tmp_path, tiny_overrides):
+    """``deterministic=true`` holds for the run only: a program that calls ``run`` keeps its own settings after it,
+    on success and on a refusal alike."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
+    assert before[0] is False
+    run(load_config(ROOT / "configs" / "smoke.yaml", [*tiny_overrides, "deterministic=true", "train.epochs=1",
+                                                       "log.maps_every=0"]), log=lambda *a: None)
+    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark) == before
+    with pytest.raises(ValueError):  # refused after the seeding: the model cannot take the images
+        run(load_config(ROOT / "configs" / "smoke.yaml", [*tiny_overrides, "deterministic=true", "train.epochs=1",
+                                                           "model.name=vit_tiny", "data.image_size=48",
+                                                           f"run_dir={tmp_path / 'r2'}"]), log=lambda *a: None)
+    assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark) == before
+
+
 def test_smoke_run_writes_everything(tmp_path):
     cfg = _smoke_cfg(tmp_path, "train.epochs=3")
     summary = run(cfg, log=lambda *a: None)

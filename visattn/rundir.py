@@ -613,6 +613,19 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = True
 
 
+@contextmanager
+def kept_determinism() -> Iterator[None]:
+    """Torch's deterministic-algorithm and cuDNN settings as they were on entry, put back on exit: a run with
+    ``deterministic=true`` called from a user's program leaves that program's settings as it found them."""
+    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = flags[2], flags[3]
+
+
 def rng_state() -> Dict[str, Any]:
     st = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate()),
           "numpy": _numpy_state_to_plain(np.random.get_state())}

@@ -60,6 +60,7 @@ from .rundir import (
     finish_hparams,
     git_revision,
     graceful_signals,
+    kept_determinism,
     load_checkpoint,
     log_hparam_metrics,
     metrics_line,
@@ -254,7 +255,7 @@ def run(cfg: Config, log: Callable[..., None] = print) -> Dict[str, Any]:
     run_dir, main = Path(cfg.run_dir), DistInfo().is_main
     if main:
         check_run_dir(run_dir)  # before the lock creates anything: not /, ~, a source tree or someone's folder
-    with RunLock(run_dir, enabled=main):
+    with RunLock(run_dir, enabled=main), kept_determinism():
         before = set(os.listdir(run_dir)) if run_dir.is_dir() else set()
         if main and cfg.resume is not None and (run_dir / "metrics.jsonl").is_file():
             metrics_rows(run_dir / "metrics.jsonl")  # a damaged row is refused before anything is rewritten

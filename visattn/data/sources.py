@@ -3,6 +3,7 @@ official CIFAR-10 python batches, torchvision's download, and synthetic class pa
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -147,26 +148,27 @@ def _collect(items: Iterator[Item], origin: str, size: int, on_bad: str,
     """Group decoded images by split and class; ``items`` yields (relative path, bytes or a refusal)."""
     found: Dict[str, Dict[str, List[np.ndarray]]] = {}
     skipped = 0
-    for rel, data in items:
-        parts = rel.replace("\\", "/").strip("/").split("/")
-        if not parts[-1].lower().endswith(IMAGE_EXTS):
-            continue
-        sc = _split_class_of(parts)
-        if sc is None and not isinstance(data, DataError):
-            raise DataError(
-                f"{origin}: file {rel!r} is not in the layout train/<class>/<image> (or test/<class>/<image>)"
-            )
-        try:
-            if isinstance(data, DataError):
-                raise data
-            name = f"{origin}:{rel}" if origin.endswith(ARCHIVE_EXTS) else os.path.join(origin, rel)
-            img = _decode_image(data, name, size, max_pixels)
-        except DataError:
-            if on_bad == "skip":
-                skipped += 1
+    with contextlib.closing(items):  # a refusal closes the source (an archive's file) now, not at garbage collection
+        for rel, data in items:
+            parts = rel.replace("\\", "/").strip("/").split("/")
+            if not parts[-1].lower().endswith(IMAGE_EXTS):
                 continue
-            raise
-        found.setdefault(sc[0], {}).setdefault(sc[1], []).append(img)
+            sc = _split_class_of(parts)
+            if sc is None and not isinstance(data, DataError):
+                raise DataError(
+                    f"{origin}: file {rel!r} is not in the layout train/<class>/<image> (or test/<class>/<image>)"
+                )
+            try:
+                if isinstance(data, DataError):
+                    raise data
+                name = f"{origin}:{rel}" if origin.endswith(ARCHIVE_EXTS) else os.path.join(origin, rel)
+                img = _decode_image(data, name, size, max_pixels)
+            except DataError:
+                if on_bad == "skip":
+                    skipped += 1
+                    continue
+                raise
+            found.setdefault(sc[0], {}).setdefault(sc[1], []).append(img)
     return found, skipped
 
 
