@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from time_to_accuracy import rows, time_to  # noqa: E402
 
+from visattn.config import safe_yaml  # noqa: E402
 from visattn.options import describe  # noqa: E402
 from visattn.rundir import read_json, write_atomic  # noqa: E402
 
@@ -39,11 +40,14 @@ def recorded_run(run_dir: Path) -> Dict[str, Any]:
     info_path, cfg_path = run_dir / "run_info.json", run_dir / "config.yaml"
     if not (info_path.is_file() and cfg_path.is_file() and (run_dir / "metrics.jsonl").is_file()):
         sys.exit(f"error: {run_dir} is not a run folder (no run_info.json, config.yaml or metrics.jsonl)")
-    import yaml
     from attention_table import kernels
 
-    info, cfg = read_json(info_path), yaml.safe_load(cfg_path.read_text())
-    rs, epochs, batch = rows(run_dir), cfg["train"]["epochs"], cfg["train"]["batch_size"]
+    info, cfg = read_json(info_path), safe_yaml(cfg_path.read_text(errors="replace"), str(cfg_path))
+    train = cfg.get("train") if isinstance(cfg, dict) else None
+    epochs, batch = (train.get("epochs"), train.get("batch_size")) if isinstance(train, dict) else (None, None)
+    if not (isinstance(epochs, int) and isinstance(batch, int) and epochs > 0 and batch > 0):
+        sys.exit(f"error: {cfg_path}: no positive train.epochs and train.batch_size (a run's config.yaml?)")
+    rs = rows(run_dir)
     if len(rs) < epochs or any(not isinstance(r.get("val_acc"), (int, float)) for r in rs):
         sys.exit(f"error: {run_dir}: {len(rs)} of {epochs} epochs, or an epoch not evaluated (train with eval.every=1)")
     hit = time_to(rs, TARGET)
@@ -122,7 +126,7 @@ def main() -> None:
     if a.table:
         if not a.results.is_file():
             sys.exit(f"error: {a.results} not found: record the runs first (python bench/gpu_recipe_cpu.py)")
-        result = json.loads(a.results.read_text())
+        result = read_json(a.results)
         print(table(result) + "\n\n" + "\n".join(f"- {line}" for line in budgets(result)))
         return
     dirs = a.run_dirs or sorted(d for d in (ROOT / "runs" / "gpu_recipe_cpu").glob("*") if (d / "run_info.json").is_file())

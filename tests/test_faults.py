@@ -24,7 +24,7 @@ from typing import Callable, Dict, List
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SMOKE, kept_process_state, metrics_rows, run_cli
+from conftest import ROOT, SMOKE, metrics_rows, run_cli
 from PIL import Image
 
 from visattn import evaluate as evaluate_cli
@@ -211,8 +211,7 @@ def test_sigterm_saves_the_current_step_and_exits_143(tmp_path):
     assert ck["epoch_stats"][2] == 10 * (stopped_at % STEPS_PER_EPOCH)  # images seen this epoch
     assert not (rd / "metrics.jsonl").exists()  # no epoch finished, no row
 
-    with kept_process_state():  # SIGNAL_RUN's deterministic=true would stay on for the tests that follow
-        summary = run(load_config(SMOKE, [f"run_dir={rd}", *SIGNAL_RUN, "resume=auto"]), log=lambda *a, **k: None)
+    summary = run(load_config(SMOKE, [f"run_dir={rd}", *SIGNAL_RUN, "resume=auto"]), log=lambda *a, **k: None)
     assert [r["epoch"] for r in metrics_rows(rd)] == [1, 2] and summary["final"]["step"] == EPOCHS * STEPS_PER_EPOCH
     assert load_checkpoint(rd / "last.pt")["step"] == EPOCHS * STEPS_PER_EPOCH
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import subprocess
 import sys
 
@@ -187,6 +188,22 @@ def test_an_unfinished_run_is_refused_with_one_line(tmp_path, monkeypatch, capsy
     code, _, err = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, str(tmp_path / "s0"),
                                 "--results", str(tmp_path / "r.json"))
     assert code == 1 and err.count("\n") == 1 and "2 of 10 epochs" in err and not (tmp_path / "r.json").exists()
+
+
+def test_a_damaged_config_or_results_file_is_one_line(tmp_path, monkeypatch, capsys):
+    """A run folder whose config.yaml is not YAML, or has no budget, and a results file that is not JSON: one
+    line naming the file, exit status 1 or 2, no results written."""
+    out = tmp_path / "r.json"
+    for text, fragment in (("train: [unclosed\n", "is not valid YAML"), ("train:\n  epochs: .nan\n",
+                                                                           "no positive train.epochs")):
+        _fake_run(tmp_path / "s0", 0, [0.5, 0.91])
+        (tmp_path / "s0" / "config.yaml").write_text(text)
+        code, _, err = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, str(tmp_path / "s0"), "--results", str(out))
+        assert code in (1, 2) and err.count("\n") == 1 and fragment in err and not out.exists(), err
+        shutil.rmtree(tmp_path / "s0")
+    out.write_text('{"runs": [')
+    code, table, err = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, "--table", "--results", str(out))
+    assert code == 2 and err.count("\n") == 1 and "not a readable JSON file" in err and not table
 
 
 def test_the_results_pages_gpu_table_is_the_recorded_one(monkeypatch, capsys):
