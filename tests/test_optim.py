@@ -102,3 +102,19 @@ def test_muon_runs_newton_schulz_in_fp32_where_bf16_is_emulated_and_the_swap_is_
     assert seen and set(seen) == {torch.bfloat16 if native else torch.float32}
     assert muon.zeropower_via_newtonschulz is spy  # restored after the step
     assert not torch.equal(before, model.blocks[0].attn.qkv.weight)  # it learns
+
+
+@pytest.mark.parametrize("scale", [1.0, 64.0])
+def test_muon_leaves_the_classifier_to_adamw_whatever_the_norm_bias_lr_scale(scale):
+    """optim.norm_bias_lr_scale != 1 builds the parameter groups in visattn, not in timm: they must carry Muon's
+    fallback marks too, or the classifier (``fc.*``) is orthogonalised. Read from Muon's own state after a step."""
+    torch.manual_seed(0)
+    model = create_model("resnet_fast", widths=[8, 16, 16], stem_width=8, num_classes=3)
+    opt = trainer.build_optimizer(model, "muon", 1e-3, 5e-4, momentum=0.9, norm_bias_lr_scale=scale)
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.randint(0, 3, (4,))).backward()
+    opt.step()
+    routes = {n: opt.state[p]["use_muon"] for n, p in model.named_parameters() if p in opt.state}
+    assert routes["fc.weight"] is False
+    assert any(routes[n] for n, p in model.named_parameters() if p.ndim == 4)  # the convolutions are Muon's
+    scaled = [g for g in opt.param_groups if g.get("lr_scale", 1.0) != 1.0]
+    assert bool(scaled) == (scale != 1.0)  # the backbone's norm biases keep their own rate

@@ -817,8 +817,9 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     else:
         raise ConfigError(f"optim.name: unknown optimizer {name!r}; valid: sgd, adamw, muon")
     params: Any = model
-    if norm_bias_lr_scale != 1.0:
-        params = _groups_with_norm_bias_scale(model, weight_decay, no_decay_norm_bias, norm_bias_lr_scale)
+    if norm_bias_lr_scale != 1.0:  # groups made here: they carry Muon's fallback marks themselves
+        params = _groups_with_norm_bias_scale(model, weight_decay, no_decay_norm_bias, norm_bias_lr_scale,
+                                              MUON_FALLBACK if name == "muon" else ())
     optimizer = create_optimizer_v2(params, opt=opt, lr=lr, weight_decay=weight_decay,
                                     filter_bias_and_bn=no_decay_norm_bias, **kwargs)
     if name == "muon" and not _native_bf16_for(model):
@@ -850,17 +851,19 @@ def _newton_schulz_in_fp32(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _groups_with_norm_bias_scale(model: nn.Module, weight_decay: float, no_decay_1d: bool,
-                                 scale: float) -> List[Dict[str, Any]]:
+                                 scale: float, fallback: Sequence[str] = ()) -> List[Dict[str, Any]]:
+    """timm's weight-decay groups (as ``create_optimizer_v2`` makes them from a model), with the backbone's norm
+    biases split off at ``lr_scale=scale``. ``fallback``: Muon's AdamW patterns (:data:`MUON_FALLBACK`); their
+    groups are marked ``use_fallback``, as timm marks them, since Muon cannot read names from param groups."""
     from timm.optim import param_groups_weight_decay
 
     norm_types = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
     # the backbone's norms only: a block's own norms (a gate's BN, a residual block's output BN) keep lr
     norm_biases = {id(m.bias) for m in backbone_modules(model) if isinstance(m, norm_types) and m.bias is not None}
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
-    if no_decay_1d:
-        groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=skip)
-    else:
-        groups = [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    groups = param_groups_weight_decay(model, weight_decay, weight_decay_exclude_1d=no_decay_1d,
+                                       no_weight_decay_list=skip, fallback_list=fallback,
+                                       fallback_no_weight_decay=bool(fallback))
     out = []
     for g in groups:
         rest = [p for p in g["params"] if id(p) not in norm_biases]
