@@ -109,9 +109,9 @@ def test_muon_leaves_the_classifier_to_adamw_whatever_the_norm_bias_lr_scale(sca
     """optim.norm_bias_lr_scale != 1 builds the parameter groups in visattn, not in timm: they must carry Muon's
     fallback marks too, or the classifier (``fc.*``) is orthogonalised. Read from Muon's own state after a step."""
     torch.manual_seed(0)
-    model = create_model("resnet_fast", widths=[8, 16, 16], stem_width=8, num_classes=3)
+    model = create_model("resnet_fast", widths=[8, 16, 16], stem_width=8, num_classes=10)  # (10, 16): Muon-shaped
     opt = trainer.build_optimizer(model, "muon", 1e-3, 5e-4, momentum=0.9, norm_bias_lr_scale=scale)
-    torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.randint(0, 3, (4,))).backward()
+    torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.randint(0, 10, (4,))).backward()
     opt.step()
     routes = {n: opt.state[p]["use_muon"] for n, p in model.named_parameters() if p in opt.state}
     assert routes["fc.weight"] is False
