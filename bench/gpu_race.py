@@ -13,7 +13,9 @@ validation accuracy reaches it. visattn's ``torch.compile`` is not on that clock
 graphs (the whitening bias trainable, then frozen) are compiled on a throwaway batch with the weights restored
 afterwards, and that time is reported as ``compile_seconds``; ``graphs_compiled_in_training`` says whether
 training compiled again (it should be 0). The median time to the target of each, and their ratio visattn /
-airbench, are printed and written with the device name, torch version and date.
+airbench, are printed and written with the device name, torch version and date; the file is rewritten after
+every run (``complete`` false until the last), so a race stopped at a time limit leaves what it finished.
+``bench/gpu_check.sh`` runs it first of the GPU check's rows.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -126,16 +128,20 @@ def visattn_run(seed: int, overrides: List[str], workdir: Path, target: float) -
 
 
 def _median(times: List[Optional[float]]) -> Optional[float]:
-    """Median time to the target over runs, a run that never reached it counting as infinitely slow."""
+    """Median time to the target over runs, a run that never reached it counting as infinitely slow (None: no
+    run yet, or the median never reached it)."""
+    if not times:
+        return None
     m = statistics.median([float("inf") if t is None else t for t in times])
     return None if m == float("inf") else m
 
 
-def race(args: argparse.Namespace) -> Dict[str, Any]:
+def race(args: argparse.Namespace, save: Callable[[Dict[str, Any]], None] = lambda result: None) -> Dict[str, Any]:
+    """The race; ``save(result)`` is called after every run with the result so far (``complete`` false until the
+    last), so a race stopped at a time limit leaves the runs it finished."""
     from attention_table import kernels
 
     from visattn.config import load_config
-    from visattn.rundir import git_revision
 
     device = options.resolve_device(args.device)
     precision = args.precision
@@ -164,6 +170,8 @@ def race(args: argparse.Namespace) -> Dict[str, Any]:
           f"{100 * args.target:g}%, on the {data[4]} ({len(data[0])} training images)", flush=True)
     ref.train(0, min(args.airbench_epochs, 0.1), precision, log=lambda *_: None, device=device, data=data)  # warm-up
     runs: List[Dict[str, Any]] = []
+    head = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda, "precision": precision,
+            "target": args.target, "eval_split": data[4], "train_images": len(data[0]), "overrides": over}
     with tempfile.TemporaryDirectory(prefix="gpu_race_") as tmp:
         for i in range(args.runs):
             order = ("airbench94", "visattn") if i % 2 == 0 else ("visattn", "airbench94")
@@ -177,15 +185,24 @@ def race(args: argparse.Namespace) -> Dict[str, Any]:
                 print(f"{recipe} seed {i}: {100 * r['final_val_acc']:.2f}% after {r['train_seconds']:.2f} s of training; "
                       f"{100 * args.target:g}% " + ("not reached" if t is None else f"at epoch {r['epoch_to_target']:g}, "
                                                     f"{t:.2f} s") + f"; compile {r['compile_seconds']:.1f} s", flush=True)
-    med = {k: _median([r["seconds_to_target"] for r in runs if r["recipe"] == k]) for k in ("visattn", "airbench94")}
-    ratio = med["visattn"] / med["airbench94"] if med["visattn"] is not None and med["airbench94"] else None
-    said = {k: "not reached" if v is None else f"{v:.2f} s" for k, v in med.items()}
+                save(result(head, runs, complete=len(runs) == 2 * args.runs))
+    out = result(head, runs, complete=True)
+    said = {k: "not reached" if v is None else f"{v:.2f} s" for k, v in out["median_seconds_to_target"].items()}
+    ratio = out["ratio_visattn_over_airbench94"]
     print(f"median time to {100 * args.target:g}%: visattn {said['visattn']}, airbench94 {said['airbench94']}; "
           f"visattn / airbench94 = {'n/a' if ratio is None else f'{ratio:.2f}'}")
-    return {"device": name, "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"), "git": git_revision(), "precision": precision, "target": args.target,
-            "eval_split": data[4], "train_images": len(data[0]), "overrides": over, "config": str(CONFIG.relative_to(ROOT)),
-            "command": " ".join(["python", "bench/gpu_race.py", *sys.argv[1:]]),
+    return out
+
+
+def result(head: Dict[str, Any], runs: List[Dict[str, Any]], complete: bool) -> Dict[str, Any]:
+    """The race's JSON from the runs so far: the median time to the target of each recipe and their ratio."""
+    from visattn.rundir import git_revision
+
+    med = {k: _median([r["seconds_to_target"] for r in runs if r["recipe"] == k]) for k in ("visattn", "airbench94")}
+    ratio = med["visattn"] / med["airbench94"] if med["visattn"] is not None and med["airbench94"] else None
+    return {**head, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git": git_revision(), "config": str(CONFIG.relative_to(ROOT)),
+            "command": " ".join(["python", "bench/gpu_race.py", *sys.argv[1:]]), "complete": complete,
             "median_seconds_to_target": med, "ratio_visattn_over_airbench94": ratio, "runs": runs}
 
 
@@ -216,7 +233,7 @@ def main() -> None:
         sys.exit(f"error: --batch-size must be at least 1, got {a.batch_size}")
     if not a.out.parent.is_dir():
         sys.exit(f"error: --out: folder {a.out.parent} does not exist")
-    result = race(a)
+    result = race(a, save=lambda r: write_atomic(a.out, json.dumps(r, indent=1) + "\n"))
     write_atomic(a.out, json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.out}")
 

@@ -38,6 +38,7 @@ def test_the_race_runs_end_to_end_on_the_cpu_and_writes_its_json(tmp_path):
     assert {k for k in ("device", "torch", "date", "precision", "median_seconds_to_target",
                         "ratio_visattn_over_airbench94")} <= r.keys()
     assert r["torch"] == torch.__version__ and r["train_images"] == 128 and "200 images" in r["eval_split"]
+    assert r["complete"] is True  # (rewritten after every run, false until the last)
     assert [x["recipe"] for x in r["runs"]] == ["airbench94", "visattn"]
     for x in r["runs"]:
         assert x["seed"] == 0 and 0 <= x["final_val_acc"] <= 1 and x["train_seconds"] > 0
