@@ -4,6 +4,7 @@
     python bench/gpu_check.py --out DIR --data ARCHIVE      # the same without the shell script's set-up
     python bench/gpu_check.py --dry --out DIR       # on the CPU: synthetic images, a few steps, no timing claims (CI)
     python bench/gpu_check.py --table DIR/gpu_check.json    # the docs' GPU table from a check's JSON
+    python bench/gpu_check.py --merge first.json rerun.json  # one JSON of a call and a rerun of some rows
 
 The rows, most important first; each runs in a child process under a time guard (what is left of ``--budget``,
 and at most the row's own cap), and ``DIR/gpu_check.json`` is rewritten after every row, so a row that overruns
@@ -275,9 +276,10 @@ def row_sigterm_resume(c: Check, limit: float) -> Dict[str, Any]:
     steps, name, extra = c.work / "sigterm_steps.log", "sigterm_resume", ["compile=false", "train.epochs=2"]
     steps.write_text("")
     end = time.monotonic() + limit
+    first_end = time.monotonic() + limit * 0.5  # half the row's time for the run to be stopped, half to resume it
 
     def interrupt(proc: subprocess.Popen) -> Optional[int]:
-        while proc.poll() is None and time.monotonic() < end:
+        while proc.poll() is None and time.monotonic() < first_end:
             logged = steps.read_text().split()
             if logged and int(logged[-1]) >= SIGTERM_AT:
                 proc.send_signal(signal.SIGTERM)
@@ -619,6 +621,14 @@ def table(result: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def merge(results: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Several checks' JSON as one (a rerun of some rows after the first call): each row from the last file that
+    has it, in the rows' order; the device, versions and date of the last file, the files' dates kept."""
+    rows = {r["name"]: r for result in results for r in result["rows"]}
+    order = [n for n in ROWS if n in rows] + [n for n in rows if n not in ROWS]
+    return {**results[-1], "merged_from": [r.get("date") for r in results], "rows": [rows[n] for n in order]}
+
+
 def main() -> None:
     from visattn.rundir import read_json, write_atomic
 
@@ -629,10 +639,14 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=430.0, help="seconds for every row together")
     ap.add_argument("--runs", type=int, default=3, help="the race's runs of each recipe")
     ap.add_argument("--only", nargs="*", choices=list(ROWS), default=None, help="these rows only (a rerun)")
-    ap.add_argument("--table", type=Path, default=None, metavar="JSON", help="print the docs' table of a check's JSON")
+    ap.add_argument("--table", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="print the docs' table of a check's JSON (of several: merged, as --merge)")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="print one JSON of several (a rerun's rows replace the first call's)")
     a = ap.parse_args()
-    if a.table is not None:
-        print(table(read_json(a.table)))
+    if a.table is not None or a.merge is not None:
+        merged = merge([read_json(p) for p in (a.table or a.merge)])
+        print(table(merged) if a.table is not None else json.dumps(merged, indent=1))
         return
     if a.budget <= 0 or a.runs < 1:
         sys.exit("error: --budget must be positive and --runs at least 1")

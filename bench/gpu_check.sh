@@ -9,7 +9,8 @@
 #   bash bench/gpu_check.sh               on the device: run(command="bash bench/gpu_check.sh",
 #                                         carry=["data/gpu_check"], timeout_s=480)
 #   GPU_CHECK_DRY=1 OUT=DIR bash bench/gpu_check.sh     the dry run on the CPU (CI: tests/test_gpu_check.py)
-#   bash bench/gpu_check.sh --table DIR/gpu_check.json  the docs' GPU table (docs/results.md#gpu)
+#   bash bench/gpu_check.sh --table DIR/gpu_check.json  the docs' GPU table (docs/results.md#gpu; several files:
+#                                                       merged, a rerun's rows replacing the first call's)
 # Settings: OUT (default runs/gpu_check), DATA (the archive; default data/gpu_check/, else ../shared/data/),
 # BUDGET (seconds for the whole call, default 450), ONLY="race timm" (a rerun of those rows), RUNS (race, 3), PY.
 set -u
@@ -46,7 +47,7 @@ prepare() {  # here (with a network to the package registry): what the call carr
 
 case "${1:-}" in
   --prepare) prepare; exit 0 ;;
-  --table) exec "$PY" bench/gpu_check.py --table "${2:?--table needs a gpu_check.json}" ;;
+  --table) shift; exec "$PY" bench/gpu_check.py --table "${@:?--table needs a gpu_check.json}" ;;
   "") ;;
   *) echo "usage: bash bench/gpu_check.sh [--prepare | --table JSON]"; exit 2 ;;
 esac

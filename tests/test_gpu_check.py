@@ -162,6 +162,23 @@ def test_the_table_and_the_summary_have_a_line_per_row():
     assert "NVIDIA H200" in lines[0] and [ln.split()[0] for ln in lines[1:]] == ["race", "timm"]
 
 
+def test_a_rerun_of_some_rows_merges_into_the_first_calls_json(tmp_path, monkeypatch, capsys):
+    from test_bench import _script_main
+
+    first = _result({"name": "race", "status": "pass", "detail": "r"}, {"name": "timm", "status": "timed out", "detail": "t"})
+    rerun = dict(_result({"name": "timm", "status": "pass", "detail": "again"}), date="2026-12-02T11:00:00+00:00")
+    for name, result in (("first.json", first), ("rerun.json", rerun)):
+        (tmp_path / name).write_text(json.dumps(result))
+    code, out, _ = _script_main("gpu_check.py", monkeypatch, capsys, "--merge", str(tmp_path / "first.json"),
+                                str(tmp_path / "rerun.json"))
+    merged = json.loads(out)
+    assert code == 0 and [(r["name"], r["detail"]) for r in merged["rows"]] == [("race", "r"), ("timm", "again")]
+    assert merged["date"] == rerun["date"] and merged["merged_from"] == [first["date"], rerun["date"]]
+    code, out, _ = _script_main("gpu_check.py", monkeypatch, capsys, "--table", str(tmp_path / "first.json"),
+                                str(tmp_path / "rerun.json"))
+    assert code == 0 and "| `timm` |" in out and "| pass | again |" in out
+
+
 def test_the_shell_entry_refuses_an_unknown_argument(tmp_path):
     done = _sh(tmp_path, "--bogus")
     assert done.returncode == 2 and "usage: bash bench/gpu_check.sh" in done.stdout
