@@ -17,17 +17,53 @@ import os
 import re
 import reprlib
 from pathlib import Path
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import ConfigError
-from .registry import MODELS
+from .registry import ATTENTION, MODELS
+
+
+def _coerced(annotation: Any, value: Any) -> str:
+    """Why ``value`` is not of ``annotation``'s type although pydantic's lax mode would coerce it ("" where it is
+    fine, or pydantic refuses it anyway): a bool where a number belongs (``optim.lr=true`` would be 1.0), a
+    string where a number belongs, anything but a bool where a bool belongs (``log.tensorboard=1``)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Union:  # Optional[X], Union[bool, Literal["auto"]]: fine if fine for one of them
+        if value is None and type(None) in args:
+            return ""
+        whys = [_coerced(a, value) for a in args if a is not type(None)]
+        return "" if not all(whys) else whys[0]
+    if origin is Literal:
+        return "" if any(value == a and type(value) is type(a) for a in args) else "must be one of " + ", ".join(map(repr, args))
+    if annotation is bool:
+        return "" if isinstance(value, bool) else "must be true or false"
+    if annotation in (int, float):
+        if isinstance(value, bool):
+            return "must be a number, not true or false"
+        return "must be a number, not a string" if isinstance(value, str) else ""
+    if origin in (tuple, list) and isinstance(value, (list, tuple)) and args:
+        each = args[:1] if origin is list or args[-1] is Ellipsis else args
+        for i, v in enumerate(value):
+            why = _coerced(each[min(i, len(each) - 1)], v)
+            if why:
+                return f"value {i} {why}"
+    return ""
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # no NaN/inf anywhere
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_coercion(cls, v: Any, info: ValidationInfo) -> Any:
+        """A value of another type is refused, never converted (:func:`_coerced`)."""
+        why = _coerced(cls.model_fields[info.field_name].annotation, v) if info.field_name else ""
+        if why:
+            raise ValueError(why)
+        return v
 
 
 class AugmentConfig(_Section):
@@ -110,17 +146,50 @@ class DataConfig(_Section):
         return self
 
 
+def _option_kind(model: str, key: str, default: Any) -> str:
+    """What model option ``key`` takes, from its builder's annotation, else its default: ``bool``, ``int``,
+    ``float``, ``mapping``, ``list``, or "" (anything; the builder checks it)."""
+    written = MODELS.annotations(model).get(key, "").replace(" ", "").replace("typing.", "")
+    core = re.sub(r"^Optional\[(.*)\]$", r"\1", written)
+    if core in ("bool", "int", "float"):
+        return core
+    if re.match(r"(Dict|Mapping|MutableMapping|dict)\b", core):
+        return "mapping"
+    if re.match(r"(Sequence|List|Tuple|list|tuple)\b", core):
+        return "list"
+    if written or default is None:
+        return ""
+    return "bool" if isinstance(default, bool) else "float" if isinstance(default, float) else \
+        "int" if isinstance(default, int) else ""
+
+
 def _typed_option(model: str, key: str, value: Any, default: Any) -> Any:
-    """Numbers keep their type: YAML reads 1e38 (no dot) as a string, so convert where the builder wants a
-    number, and refuse what is not one."""
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ValueError(f"option {key!r} of model {model!r} must be true or false, not {value!r}")
-    elif isinstance(default, (int, float)) and not isinstance(value, (int, float)):
-        try:
-            return float(value) if isinstance(default, float) else int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"option {key!r} of model {model!r} must be a number, not {value!r}") from None
+    """``value`` as model option ``key`` takes it (:func:`_option_kind`), or a ValueError naming the key. Numbers
+    keep their type (YAML 1.1 reads 1e38, no dot, as a string: converted where the builder wants a number); a
+    bool is never a number, a list never a mapping, a string or a mapping never a list."""
+    kind, where = _option_kind(model, key, default), f"option {key!r} of model {model!r}"
+    if value is None or not kind:
+        if kind == "bool" and value is None and default is not None:
+            raise ValueError(f"{where} must be true or false, not {value!r}")
+        return value
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{where} must be true or false, not {_SHORT.repr(value)}")
+    if kind in ("int", "float"):
+        if isinstance(value, str):
+            try:
+                value = float(value) if kind == "float" else int(value)
+            except ValueError:
+                raise ValueError(f"{where} must be a number, not {_SHORT.repr(value)}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where} must be a number, not {_SHORT.repr(value)}")
+        if kind == "int" and isinstance(value, float):
+            if not value.is_integer():
+                raise ValueError(f"{where} must be an integer, not {value!r}")
+            value = int(value)
+    if kind == "mapping" and not isinstance(value, dict):
+        raise ValueError(f"{where} must be a mapping (key: value), not a {type(value).__name__} ({_SHORT.repr(value)})")
+    if kind == "list" and not isinstance(value, (list, tuple)):
+        raise ValueError(f"{where} must be a list, not a {type(value).__name__} ({_SHORT.repr(value)})")
     return value
 
 
@@ -133,23 +202,47 @@ OPTION_RANGES = {
 }
 
 
-def _check_numbers(where: str, value: Any) -> None:
-    """Every number under ``value`` is finite and within :data:`OPTION_RANGES`; raises ValueError naming the key."""
+def _block_option_kinds() -> Dict[str, str]:
+    """Options of the attention blocks that every block taking them has as a number (``rd_ratio``, ``gamma``) or
+    as a bool (``bias``), by their defaults: the type ``attn_kwargs`` entries must have."""
+    seen: Dict[str, set] = {}
+    for name in ATTENTION.names():
+        for k, d in ATTENTION.defaults(name).items():
+            if d is not None:
+                seen.setdefault(k, set()).add("bool" if isinstance(d, bool) else
+                                              "number" if isinstance(d, (int, float)) else "other")
+    kinds = {k: next(iter(v)) for k, v in seen.items() if len(v) == 1 and v != {"other"}}
+    return {**kinds, **{k: "number" for k in OPTION_RANGES}}
+
+
+def _check_numbers(where: str, value: Any, kinds: Optional[Dict[str, str]] = None) -> None:
+    """Every number under ``value`` is finite and within :data:`OPTION_RANGES`, and a nested option a block takes
+    as a number or a bool (:func:`_block_option_kinds`) is one (a bool is never a number); raises ValueError
+    naming the key."""
+    kinds = _block_option_kinds() if kinds is None else kinds
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else ()
     for k, v in items:
         key = (f"{where}.{k}" if where else str(k)) if isinstance(value, dict) else f"{where}[{k}]"
         if isinstance(v, float) and not math.isfinite(v):
             raise ValueError(f"option {key} must be a finite number, got {v}")
+        # the blocks' option kinds hold under attn_kwargs; a package builder's model.kwargs are its own (channels: a list)
+        block_opts = where.split(".")[0] == "attn_kwargs" or (not where and k in OPTION_RANGES)
+        kind = kinds.get(k) if isinstance(value, dict) and block_opts and v is not None else None
+        if kind == "number" and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"option {key} must be a number, not {_SHORT.repr(v)}")
+        if kind == "bool" and not isinstance(v, bool):
+            raise ValueError(f"option {key} must be true or false, not {_SHORT.repr(v)}")
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k in OPTION_RANGES:
             lo, hi, lo_in, hi_in = OPTION_RANGES[k]
             if not ((lo <= v if lo_in else lo < v) and (v <= hi if hi_in else v < hi)):
                 raise ValueError(f"option {key} must be in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}, "
                                  f"got {v}")
-        _check_numbers(key, v)
+        _check_numbers(key, v, kinds)
 
 
 class ModelConfig(BaseModel):
-    """``name`` picks a registered model; ``init_from`` (a visattn checkpoint) starts it from trained weights
+    """``name`` picks a registered model, or any timm / torchvision classifier as ``timm/<name>`` /
+    ``torchvision/<name>`` (docs/models.md); ``init_from`` (a visattn checkpoint) starts it from trained weights
     (docs/training.md); every other key is passed to its builder as a keyword option."""
 
     model_config = ConfigDict(extra="allow")
@@ -161,6 +254,10 @@ class ModelConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
         MODELS.check(self.name)
+        if MODELS.namespace(self.name) is not None:  # timm/<name>, torchvision/<name>: the package's own checks
+            MODELS.check_options(self.name, self.options())
+            if self.init_from and self.options().get("pretrained_file"):
+                raise ValueError("model.init_from and model.pretrained_file both give the starting weights; keep one")
         valid = set(MODELS.options(self.name)) - {"num_classes"}
         defaults = MODELS.defaults(self.name)
         for key, value in self.options().items():
@@ -202,6 +299,11 @@ class SchedConfig(_Section):
     start_lr_ratio: float = Field(0.04, gt=0, le=1)  # onecycle starts at lr times this (airbench: 0.2)
 
 
+# the smallest train.distill.temperature: below 1 the soft term (KL x T**2) shrinks about as T does (at 0.1 it is
+# a tenth of its size at 1; T**2 is 0 in fp32 below about 1e-19), so a smaller value trains without the teacher
+MIN_TEMPERATURE = 0.1
+
+
 class DistillConfig(_Section):
     """Knowledge distillation from a trained visattn checkpoint (Hinton et al. 2015; DeiT, Touvron et al. 2021).
 
@@ -214,8 +316,17 @@ class DistillConfig(_Section):
 
     teacher: Optional[str] = None  # path to a visattn checkpoint (a run's last.pt); None: no distillation
     weight: float = Field(0.5, ge=0, le=1)
-    temperature: float = Field(1.0, gt=0, le=100)
+    temperature: float = Field(1.0, le=100)  # at least MIN_TEMPERATURE (_check_temperature)
     kind: Literal["soft", "hard"] = "soft"
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v: float) -> float:
+        if not v >= MIN_TEMPERATURE:
+            raise ValueError(f"must be >= {MIN_TEMPERATURE:g}: the soft term is the KL divergence times temperature**2, "
+                             "which shrinks with the temperature below 1 (to 0 in fp32 near 1e-19), so a smaller one "
+                             "all but switches distillation off")
+        return v
 
 
 class TrainConfig(_Section):
@@ -330,6 +441,8 @@ def _format_error(err: ValidationError) -> str:
         msg = msg[len("Value error, ") :]
     if typ == "literal_error":
         msg = f"must be one of {e['ctx']['expected']}"
+    if key and msg.startswith(f"{key}."):  # a message naming its own key in full (model.pretrained_file: ...)
+        key = ""
     got = e.get("input")
     got_s = "" if isinstance(got, dict) else f" (got {_SHORT.repr(got)})"
     return f"{key}: {msg}{got_s}" if key else f"{msg}{got_s}"
@@ -488,7 +601,9 @@ def _deep_merge(base: Dict[str, Any], over: Dict[str, Any]) -> Dict[str, Any]:
 
 def read_yaml(path: Union[str, os.PathLike], _chain: Tuple[Path, ...] = ()) -> Dict[str, Any]:
     """The mapping a config file holds; a top-level ``base: FILE`` (relative to this file) is read first, and
-    this file's keys are merged on top of it (:func:`_deep_merge`), so the result never holds ``base``."""
+    this file's keys are merged on top of it (:func:`_deep_merge`), so the result never holds ``base``. A file
+    that names another ``model.name`` than its base keeps only the base's model options the new model takes
+    (:func:`_switch_model`)."""
     p = Path(path)
     data = safe_yaml(_read_text(p), f"config file {str(p)!r}")
     if data is None:
@@ -508,7 +623,10 @@ def read_yaml(path: Union[str, os.PathLike], _chain: Tuple[Path, ...] = ()) -> D
         raise ConfigError(f"config file {str(p)!r}: more than {MAX_BASE_CHAIN} bases in a chain")
     if not b.exists():
         raise ConfigError(f"config file {str(p)!r}: base {base!r} not found (looked for {str(b)!r})")
-    return _deep_merge(read_yaml(b, chain), data)
+    inherited = read_yaml(b, chain)
+    if isinstance(data.get("model"), dict) and "name" in data["model"]:  # another model: as a model.name override
+        _switch_model(inherited, data["model"]["name"])
+    return _deep_merge(inherited, data)
 
 
 def build_config(tree: Dict[str, Any]) -> Config:
@@ -518,11 +636,27 @@ def build_config(tree: Dict[str, Any]) -> Config:
         raise ConfigError(_format_error(e)) from None
 
 
+def _switch_model(tree: Dict[str, Any], name: Any) -> None:
+    """An override ``model.name=OTHER`` switches the file's model: the file's builder options that ``OTHER``
+    does not take are left out (``widths`` of a visattn ResNet for ``timm/resnet18``); the ones it takes stay
+    (``attention``, ``attn_kwargs``), as do ``init_from`` and the overrides that come after."""
+    section = tree.get("model")
+    if not isinstance(section, dict) or not isinstance(name, str) or section.get("name", "resnet_fast") == name:
+        return
+    try:
+        takes = set(MODELS.options(MODELS.check(name))) | {"name", "init_from"}
+    except ValueError:  # an unknown name: the schema's check says so
+        return
+    tree["model"] = {k: v for k, v in section.items() if k in takes}
+
+
 def load_config(path: Optional[Union[str, os.PathLike]] = None, overrides: Sequence[str] = ()) -> Config:
     """Read ``path`` (YAML), apply ``key=value`` overrides, validate; raises :class:`ConfigError`."""
     tree = read_yaml(path) if path is not None else {}
     for text in overrides:
         keys, value = parse_override(text)
+        if keys == ["model", "name"]:
+            _switch_model(tree, value)
         _set_dotted(tree, keys, value)
     return build_config(tree)
 

@@ -27,6 +27,7 @@ from torch import nn
 from .config import build_config
 from .errors import CheckpointError, ConfigError, DataError, VisattnError
 from .models import create_model
+from .models.foreign import without_weights
 from .options import check_device, check_range, describe
 from .rundir import load_checkpoint
 
@@ -114,7 +115,8 @@ def load_model_from_checkpoint(path: str, device: torch.device) -> tuple[torch.n
     try:
         cfg = build_config(state["config"])
         num_classes = len(state.get("classes") or []) or 10
-        model = create_model(cfg.model.name, num_classes=num_classes, **cfg.model.options())
+        # the checkpoint holds the weights: a model.pretrained_file is not needed (nor read) to rebuild it
+        model = create_model(cfg.model.name, num_classes=num_classes, **without_weights(cfg.model.options()))
     except (ConfigError, ValueError, TypeError, RuntimeError, AttributeError) as e:
         # a stored config this version refuses, or that no longer builds a model
         why = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__

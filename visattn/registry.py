@@ -8,8 +8,9 @@ nothing else from visattn: blocks and models register themselves when their pack
 """
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
@@ -56,6 +57,8 @@ class Registry:
         self.what = what  # "attention block" or "model", used in messages
         self._builders: Dict[str, Callable[..., Any]] = {}
         self._meta: Dict[str, Dict[str, Any]] = {}
+        # "prefix/<name>" names another package builds: prefix -> (builder, resolve, check)
+        self._namespaces: Dict[str, Tuple[Callable[..., Any], Callable[[str], str], Callable[[str, Dict[str, Any]], None]]] = {}
 
     def register(self, name: str, **meta: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -67,6 +70,19 @@ class Registry:
 
         return deco
 
+    def register_namespace(self, prefix: str, builder: Callable[..., Any], resolve: Callable[[str], str],
+                           check: Callable[[str, Dict[str, Any]], None]) -> None:
+        """Names ``prefix/<name>``: ``builder(name, *args, **kwargs)`` builds one, ``resolve(name)`` raises a
+        ValueError for a name the package does not have, ``check(name, options)`` checks options without building."""
+        if prefix in self._namespaces:
+            raise ValueError(f"{self.what} namespace {prefix!r} is already registered")
+        self._namespaces[prefix] = (builder, resolve, check)
+
+    def namespace(self, name: str) -> Optional[Tuple[str, str]]:
+        """``(prefix, rest)`` for a name of a registered namespace (``timm/resnet18``), else None."""
+        prefix, sep, rest = name.partition("/") if isinstance(name, str) else ("", "", "")
+        return (prefix, rest) if sep and prefix in self._namespaces else None
+
     def names(self, **filters: Any) -> List[str]:
         out = []
         for name in sorted(self._builders):
@@ -76,18 +92,31 @@ class Registry:
         return out
 
     def meta(self, name: str) -> Dict[str, Any]:
-        return {k: v for k, v in self._meta[self.check(name)].items() if k != "cls"}
+        space = self.namespace(self.check(name))
+        if space is not None:
+            return {"family": space[0]}
+        return {k: v for k, v in self._meta[name].items() if k != "cls"}
 
     def get(self, name: str) -> Callable[..., Any]:
-        return self._builders[self.check(name)]
+        space = self.namespace(self.check(name))
+        if space is not None:
+            return functools.partial(self._namespaces[space[0]][0], space[1])
+        return self._builders[name]
 
     def check(self, name: str) -> str:
-        """``name`` if registered, else a ValueError that lists the valid names."""
+        """``name`` if registered (or a name its namespace's package has), else a ValueError listing the valid names."""
+        space = self.namespace(name)
+        if space is not None:
+            self._namespaces[space[0]][1](space[1])
+            return name
         if name not in self._builders:
-            raise ValueError(f"unknown {self.what} {name!r}; valid: {', '.join(self.names())}")
+            more = "".join(f", {p}/<name>" for p in self._namespaces)
+            raise ValueError(f"unknown {self.what} {name!r}; valid: {', '.join(self.names())}{more}")
         return name
 
     def _params(self, name: str) -> Dict[str, inspect.Parameter]:
+        if self.namespace(name) is not None:
+            return _signature_params(self.get(name), None)
         return _signature_params(self.get(name), self._meta[name].get("cls"))
 
     def options(self, name: str) -> List[str]:
@@ -98,8 +127,22 @@ class Registry:
         """Default values of the builder's keyword options (for type checks of config values)."""
         return {k: p.default for k, p in self._params(name).items() if p.default is not inspect.Parameter.empty}
 
+    def annotations(self, name: str) -> Dict[str, str]:
+        """The builder's keyword options' annotations as text (``"Optional[Dict[str, Any]]"``), for type checks
+        of config values: a list is not a mapping, a bool not a number."""
+        out = {}
+        for k, p in self._params(name).items():
+            a = p.annotation
+            if a is not inspect.Parameter.empty:
+                out[k] = a if isinstance(a, str) else a.__name__ if isinstance(a, type) else str(a)
+        return out
+
     def check_options(self, name: str, kwargs: Dict[str, Any]) -> None:
         """A ValueError listing the valid options if ``kwargs`` holds others (any go for an open-ended builder)."""
+        space = self.namespace(self.check(name))
+        if space is not None:
+            self._namespaces[space[0]][2](space[1], {k: v for k, v in kwargs.items() if k != "num_classes"})
+            return
         fn = self.get(name)
         open_ended = any(p.kind is p.VAR_KEYWORD for p in _own_params(fn.__init__ if inspect.isclass(fn) else fn))
         if open_ended and self._meta[name].get("cls") is None:

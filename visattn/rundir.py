@@ -9,8 +9,9 @@
 - **Atomic checkpoints**: :func:`save_checkpoint` writes a temporary file, fsyncs and renames, so a kill leaves the
   old file or the new one. Checkpoints hold tensors and plain data only and load with
   ``torch.load(weights_only=True)``; torch does not check the zip's CRC-32, so each carries a SHA-256
-  ``digest`` (:func:`state_digest`) that :func:`load_checkpoint` recomputes, refusing a mismatch or non-finite
-  ``model``/``ema`` weights (a file from before digests is accepted after the finite check).
+  ``digest`` (:func:`state_digest`) and a ``format_version`` that :func:`load_checkpoint` checks, refusing a
+  mismatch, a digest that is ``None``, not a string or removed, or non-finite ``model``/``ema`` weights (only a
+  file from before digests, which holds no entry that came with them, loads without one, after the finite check).
 - **Exact resume**: :func:`rng_state`/:func:`set_rng_state`; ``metrics.jsonl`` rows past the checkpoint and a torn
   last line are dropped (:func:`trim_metrics`), a damaged row is refused (:func:`metrics_rows`).
 - **Non-finite values**: :func:`check_finite` names every NaN or inf in a number, tensor, module or nested row.
@@ -51,6 +52,7 @@ from torch import nn
 from .config import Config
 from .errors import CheckpointError, ConfigError, DataError
 from .models import model_defaults
+from .registry import MODELS
 
 try:
     import fcntl
@@ -310,6 +312,14 @@ def _has_rows(run_dir: Path) -> bool:
 REQUIRED_KEYS = ("model", "config", "epoch", "step")
 DIGEST_KEY = "digest"
 WEIGHT_KEYS = ("model", "ema")  # entries whose floating-point tensors must be finite
+# what save_checkpoint writes: format 2 carries a digest; format 1 (no format_version entry) is a file from before
+# digests. A newer format is refused rather than read as an older one.
+FORMAT_KEY = "format_version"
+CHECKPOINT_FORMAT = 2
+# entries that only a writer of digests puts into a checkpoint (they came with digests): a file that holds one
+# and no digest lost its digest after it was written
+DIGEST_ERA_ENTRIES = (FORMAT_KEY, "teacher_digest")
+DIGEST_ERA_CONFIG = (("model", "init_from"), ("data", "placed"))  # config keys that came with digests
 
 
 def state_digest(state: Dict[str, Any]) -> str:
@@ -359,7 +369,9 @@ def save_checkpoint(state: Dict[str, Any], path: Union[str, os.PathLike]) -> Pat
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {**state, DIGEST_KEY: state_digest(state)}
+    state = {k: v for k, v in state.items() if k != DIGEST_KEY}
+    state[FORMAT_KEY] = CHECKPOINT_FORMAT
+    state[DIGEST_KEY] = state_digest(state)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
@@ -425,15 +437,59 @@ def load_checkpoint(path: Union[str, os.PathLike], map_location: Union[str, torc
     if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
         missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
         raise CheckpointError(f"checkpoint {str(path)!r} is not a visattn checkpoint (missing {', '.join(missing)})")
-    stored = state.pop(DIGEST_KEY, None)  # absent: written before digests; the finite check below still runs
-    if stored is not None and stored != state_digest(state):
-        raise CheckpointError(f"checkpoint {str(path)!r} is damaged: its contents do not match the digest written with "
-                              "it (a changed byte on disk or in a copy); use another copy or an earlier checkpoint")
-    bad = check_finite({k: state.get(k) for k in WEIGHT_KEYS if isinstance(state.get(k), dict)})
-    if bad:
-        raise CheckpointError(f"checkpoint {str(path)!r} holds non-finite weights (NaN or inf in {bad[0]}); it was not "
-                              "used: take an earlier checkpoint")
+    _check_state(state, str(path))
     return state
+
+
+def _check_state(state: Dict[str, Any], name: str) -> None:
+    """The integrity checks of a loaded checkpoint ``state`` (popping its digest), in :class:`CheckpointError`
+    lines naming ``name``. The digest must match; a ``None`` or non-string one is damage, and a missing one is
+    refused too where the file shows a writer of digests (:func:`_digest_era`): only a file from before digests
+    loads without one. Then the format, the weight entries' types and the finite check, none of which an
+    entry's absence or type can skip."""
+    damaged = f"checkpoint {name!r} is damaged"
+    fix = "use another copy or an earlier checkpoint"
+    has_digest = DIGEST_KEY in state
+    stored = state.pop(DIGEST_KEY, None)
+    if has_digest and not (isinstance(stored, str) and stored.startswith("sha256:")):
+        raise CheckpointError(f"{damaged}: its digest entry is {_short(stored)}, not a sha256 digest; {fix}")
+    if not has_digest and _digest_era(state):
+        raise CheckpointError(f"{damaged}: its digest entry was removed (its {_digest_era(state)} shows that a "
+                              f"visattn that writes digests wrote it); {fix}")
+    if has_digest and stored != state_digest(state):
+        raise CheckpointError(f"{damaged}: its contents do not match the digest written with it (a changed byte on "
+                              f"disk or in a copy); {fix}")
+    version = state.get(FORMAT_KEY, 1)
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= CHECKPOINT_FORMAT:
+        newer = isinstance(version, int) and not isinstance(version, bool) and version > CHECKPOINT_FORMAT
+        raise CheckpointError(f"checkpoint {name!r}: format_version {_short(version)} "
+                              + (f"is newer than this visattn reads (up to {CHECKPOINT_FORMAT}); update visattn"
+                                 if newer else f"is not one visattn writes (1 to {CHECKPOINT_FORMAT})"))
+    for key in WEIGHT_KEYS:  # a weight entry of another type would skip the finite check
+        if not isinstance(state.get(key), dict) and not (key == "ema" and state.get(key) is None):
+            raise CheckpointError(f"checkpoint {name!r}: its {key} entry is a {type(state.get(key)).__name__}, not a "
+                                  "state dict")
+    bad = check_finite({k: state[k] for k in WEIGHT_KEYS if state.get(k) is not None})
+    if bad:
+        raise CheckpointError(f"checkpoint {name!r} holds non-finite weights (NaN or inf in {bad[0]}); it was not "
+                              "used: take an earlier checkpoint")
+
+
+def _digest_era(state: Dict[str, Any]) -> str:
+    """What in ``state`` shows a writer that writes digests ("" where nothing does: a file from before them)."""
+    held = next((k for k in DIGEST_ERA_ENTRIES if k in state), None)
+    if held is not None:
+        return f"{held} entry"
+    config = state.get("config")
+    for section, key in DIGEST_ERA_CONFIG:
+        if isinstance(config, dict) and isinstance(config.get(section), dict) and key in config[section]:
+            return f"config (it holds {section}.{key})"
+    return ""
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 
@@ -446,7 +502,7 @@ def check_finite(x: Any, key: str = "") -> List[str]:
     included), or a dict, list or tuple of them. The one test behind every non-finite rule: checkpoints saved and
     loaded, an epoch's weights and results, a metrics row."""
     leaves = list(_leaves(x, key))
-    tensors = [(k, v) for k, v in leaves if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    tensors = [(k, v) for k, v in leaves if isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())]
     flags = [torch.isfinite(v).all() for _, v in tensors]
     if len({f.device for f in flags}) == 1:  # one host read for them all
         flags = torch.stack(flags).tolist()
@@ -757,16 +813,19 @@ def model_hparams(cfg: Config) -> Dict[str, Scalar]:
     checkpoint it started from (``init_from``, ``none`` for a run from scratch)."""
     opts = cfg.model.options()
     defaults = model_defaults(cfg.model.name)
+    foreign = MODELS.namespace(cfg.model.name) is not None  # timm/<name>: blocks go in through insert_attention
     attn_key = next((k for k in ATTENTION_KEYS if k in defaults or k in opts), None)
     kwargs = dict(opts.get("attn_kwargs") or {})
-    init = kwargs.pop("init", "default")
-    rest = {k: v for k, v in opts.items() if k not in (attn_key, "attn_kwargs", "attn_position")}
+    init = kwargs.pop("init", "identity" if foreign else "default")  # insert_attention's default: identity
+    place = "attn_at" if foreign else "attn_position"
+    rest = {k: v for k, v in opts.items() if k not in (attn_key, "attn_kwargs", place)}
     rest.update({f"attn_kwargs.{k}": v for k, v in kwargs.items()})
     return {
         "model": cfg.model.name,
+        "family": text(MODELS.meta(cfg.model.name).get("family")),  # cnn, transformer, or the package: timm, torchvision
         "attention": text(opts.get(attn_key, defaults.get(attn_key))) if attn_key else "n/a",
         "attn_init": text(init),
-        "attn_position": text(opts.get("attn_position", defaults.get("attn_position", "n/a"))),
+        "attn_position": text(opts.get(place, defaults.get(place, "n/a")) or ("per family" if foreign else "n/a")),
         "model.options": ", ".join(f"{k}={text(v)}" for k, v in sorted(rest.items())),
         "init_from": text(cfg.model.init_from),  # the checkpoint the weights started from (model.init_from)
     }

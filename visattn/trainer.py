@@ -42,6 +42,7 @@ from .evaluate import autocast, cpu_has_native_bf16, evaluate, resolve_precision
 from .maps import find_taps
 from .maps.tensorboard import MapLogger
 from .models import create_model
+from .models.foreign import without_weights
 from .options import resolve_device
 from .registry import backbone_modules, is_attention_block
 from .rundir import (
@@ -297,9 +298,10 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
     splits = load_splits(cfg.data, cfg.seed)
     say(f"data: {len(splits.train)} train images ({splits.source}); evaluating on the {splits.eval_split}"
         + (f"; {splits.skipped} unreadable images skipped" if splits.skipped else ""))
-    model = _build_model(cfg, splits, device, di)
-    # a resumed run holds its weights already: model.init_from acts only when the run starts
-    init = _init_from(cfg, model, splits, say) if cfg.model.init_from and resume_from is None else None
+    model = _build_model(cfg, splits, device, di, fresh=resume_from is None)
+    # a resumed run holds its weights already: model.init_from and model.pretrained_file act only when it starts
+    init = None if resume_from is not None else \
+        _init_from(cfg, model, splits, say) if cfg.model.init_from else _pretrained(model, say)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"model: {cfg.model.name} ({n_params / 1e6:.2f}M parameters) on {device}, precision {precision}"
         + (f", {di.world_size} ranks" if di.enabled else ""))
@@ -600,9 +602,12 @@ def _check_model_options(cfg: Config) -> None:
         raise ConfigError(f"model: these options build {n:,} parameters; the limit is {MAX_PARAMETERS:,}")
 
 
-def _build_model(cfg: Config, splits: Splits, device: torch.device, di: DistInfo) -> nn.Module:
+def _build_model(cfg: Config, splits: Splits, device: torch.device, di: DistInfo, fresh: bool = True) -> nn.Module:
+    """The model ``cfg.model`` names; a resumed run (``fresh=False``) takes its weights from the checkpoint, so a
+    ``model.pretrained_file`` is not read again."""
+    options = cfg.model.options() if fresh else without_weights(cfg.model.options())
     try:
-        model = create_model(cfg.model.name, num_classes=len(splits.train.classes), **cfg.model.options())
+        model = create_model(cfg.model.name, num_classes=len(splits.train.classes), **options)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model: {e}") from None
     if getattr(model, "needs_data_init", False):  # e.g. a whitening stem computed from training patches
@@ -686,6 +691,20 @@ def _init_from(cfg: Config, model: nn.Module, splits: Splits, say: Callable[...,
     say(f"model.init_from: {path} (epoch {origin['epoch']}, best val acc {origin['best_acc']}): its {kind} weights; "
         + (f"new, starting fresh: {keys(new)}" if new else "no new blocks"))
     return origin
+
+
+def _pretrained(model: nn.Module, say: Callable[..., None]) -> Optional[Dict[str, Any]]:
+    """A ``model.pretrained_file`` the builder loaded (a timm / torchvision model): said, and returned as the
+    run's origin, whose step-0 score :func:`fit` adds; None for a model built without one."""
+    loaded = getattr(model, "pretrained_origin", None)
+    if not loaded:
+        return None
+    replaced = loaded["replaced"]
+    say(f"model.pretrained_file: {loaded['path']}: {loaded['tensors']} tensors loaded"
+        + (f"; its classifier ({', '.join(replaced)}) has another class count: replaced by a fresh one" if replaced
+           else ""))
+    return {"path": loaded["path"], "epoch": None, "best_acc": None, "weights": "pretrained_file",
+            "new_blocks": [], "replaced": replaced}
 
 
 def _data_key(k: str) -> str:
@@ -1134,11 +1153,14 @@ def _evaluate(run: Run) -> Dict[str, Any]:
 
 
 def _evaluate_init(run: Run) -> None:
-    """Step 0 of a ``model.init_from`` run: its validation score before any step, printed, kept in run_info.json
+    """Step 0 of a ``model.init_from`` (or ``model.pretrained_file``) run: its validation score before any step, printed, kept in run_info.json
     and logged as the epoch-0 point of ``val/acc`` (with blocks that start as the identity it equals the
     checkpoint's own score, to the digit)."""
     ev = _evaluate(run)
     run.init_from.update(val_acc=ev["val_acc"], val_loss=ev["val_loss"])
+    if run.init_from.get("weights") == "pretrained_file":
+        run.say(f"step 0 (model.pretrained_file, before training): val loss {ev['val_loss']:.4f} acc {ev['val_acc']:.4f}")
+        return
     run.say(f"step 0 (model.init_from, before training): val loss {ev['val_loss']:.4f} acc {ev['val_acc']:.4f} "
             f"(the checkpoint's best val acc: {run.init_from['best_acc']})")
 

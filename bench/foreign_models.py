@@ -1,0 +1,163 @@
+"""timm models through ``train.py`` at the CPU recipe's budget, with and without CBAM, beside visattn's ``resnet_fast``.
+
+    python bench/foreign_models.py                      # every recipe x {none, cbam} x seeds 0 1 (resumable)
+    python bench/foreign_models.py --recipes configs/timm/regnetx_002.yaml --seeds 0
+    python bench/foreign_models.py --report             # the table (no training)
+    python bench/foreign_models.py --report --write     # ... written into docs/results.md
+
+Each recipe (``configs/timm/*.yaml``: the CPU recipe's data, augmentation and 4 epochs, SGD for a BatchNorm
+network) trains on the 45,000 training images left after holding out the stratified 5,000-image validation
+split (``data.split_seed`` 0), once with ``attention: none`` and once with ``model.attention=cbam`` (inserted by
+``insert_attention``, ``init: identity``), and is scored once, at the end, on that split with 6-view test-time
+augmentation. ``configs/cifar10_cpu.yaml`` (visattn's ``resnet_fast``, the CPU recipe) runs beside them with no
+block. Runs go seed-major, cheapest recipe first; each finished run is appended to
+``bench/results/foreign_models.json`` as ``{model, attention, seed, epochs, val_acc, images_per_s, precision,
+cpu, ...}`` (runs already there are skipped; a run killed part-way resumes from its checkpoint). Images/s is the
+run's own, with the machine's mean load beside it: compare speeds only between runs timed at the same load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from attention_table import run_one  # noqa: E402
+
+from visattn.errors import ConfigError, run_main  # noqa: E402
+from visattn.options import describe  # noqa: E402
+from visattn.rundir import Interrupted, read_json, write_atomic  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "foreign_models.json"
+DOC = ROOT / "docs" / "results.md"
+RECIPES = ["configs/timm/regnetx_002.yaml", "configs/timm/mobilenetv3_small.yaml", "configs/timm/resnet18_half.yaml"]
+REFERENCE = "configs/cifar10_cpu.yaml"  # visattn's resnet_fast, no block
+ARMS = ("none", "cbam")
+BEGIN = "<!-- foreign models table: python bench/foreign_models.py --report --write -->"
+END = "<!-- end of foreign models table -->"
+ROW_KEYS = ("model", "recipe", "attention", "seed", "epochs", "val_acc", "images_per_s", "precision", "cpu")
+
+
+def row(recipe: str, attention: str, seed: int, run: dict) -> dict:
+    """A results row from :func:`attention_table.run_one`'s record."""
+    from visattn.config import load_config
+
+    cfg = load_config(ROOT / recipe)
+    return {"model": cfg.model.name, "recipe": recipe, "attention": attention, "seed": seed, "epochs": run["epochs"],
+            "val_acc": run["val_acc"], "images_per_s": round(run["images_per_s"], 1), "precision": run["precision"],
+            "cpu": run["cpu"], "kernels": run["kernels"], "threads": run["threads"], "batch_size": cfg.train.batch_size,
+            "lr": cfg.optim.lr, "optimizer": cfg.optim.name, "parameters": run["parameters"],
+            "train_seconds": round(run["train_seconds"], 1), "load_mean": run["load_mean"],
+            "eval_split": run["eval_split"], "git": run["git"],
+            "command": f"python train.py --config {recipe} seed={seed}" + (f" model.attention={attention}"
+                                                                           if attention != "none" else "")}
+
+
+def done(results: List[dict], recipe: str, attention: str, seed: int, epochs: int) -> bool:
+    return any(r["recipe"] == recipe and r["attention"] == attention and r["seed"] == seed and r["epochs"] == epochs
+               for r in results)
+
+
+def plan(recipes: Sequence[str], seeds: Sequence[int], reference: bool) -> List[tuple]:
+    """(recipe, attention, seed) in the order they train: seed-major, each recipe's arms together."""
+    out = []
+    for seed in seeds:
+        out += [(r, a, seed) for r in recipes for a in ARMS]
+        out += [(REFERENCE, "none", seed)] if reference else []
+    return out
+
+
+def train(args: argparse.Namespace) -> None:
+    results = read_json(Path(args.results), list, missing=[])
+    for recipe, attention, seed in plan(args.recipes, args.seeds, not args.no_reference):
+        if done(results, recipe, attention, seed, args.epochs):
+            continue
+        extra = [f"model.attention={attention}"] if attention != "none" else []
+        run = run_one(recipe, seed, args.epochs, Path(args.runs), args.data_root, attention if extra else "", extra)
+        results.append(row(recipe, attention, seed, run))
+        write_atomic(Path(args.results), json.dumps(results, indent=1))  # a kill mid-write keeps the old file
+        print(f"{recipe} {attention} seed {seed}: val {100 * run['val_acc']:.2f}% at {run['images_per_s']:.0f} img/s",
+              flush=True)
+
+
+def table(results: List[dict]) -> str:
+    """Markdown: per model, mean validation accuracy of each arm over its seeds, the paired CBAM - none difference,
+    images/s (median over the runs), batch and learning rate."""
+    if not results:
+        raise ConfigError(f"{RESULTS.name}: no runs to report")
+    lines = ["| model (recipe) | params | none | CBAM (identity init) | CBAM - none, paired | images/s none / CBAM | "
+             "batch, lr | seeds |", "|---|---|---|---|---|---|---|---|"]
+    for recipe in dict.fromkeys(r["recipe"] for r in results):
+        runs = [r for r in results if r["recipe"] == recipe]
+        arm: Dict[str, Dict[int, dict]] = {a: {r["seed"]: r for r in runs if r["attention"] == a} for a in ARMS}
+        pairs = [100 * (arm["cbam"][s]["val_acc"] - arm["none"][s]["val_acc"]) for s in arm["none"] if s in arm["cbam"]]
+
+        def acc(a: str) -> str:
+            vals = [100 * r["val_acc"] for r in arm[a].values()]
+            return "—" if not vals else f"{statistics.mean(vals):.2f}" + (
+                f" ± {statistics.stdev(vals):.2f}" if len(vals) > 1 else "")
+
+        def speed(a: str) -> str:
+            vals = [r["images_per_s"] for r in arm[a].values()]
+            return f"{statistics.median(vals):.0f}" if vals else "—"
+
+        diff = "—" if not pairs else " / ".join(f"{d:+.2f}" for d in pairs)
+        first = runs[0]
+        seeds = sorted({r["seed"] for r in runs})
+        lines.append(f"| {first['model']} (`{Path(recipe).name}`) | {first['parameters'] / 1e6:.1f}M | {acc('none')} | "
+                     f"{acc('cbam')} | {diff} | {speed('none')} / {speed('cbam')} | {first['batch_size']}, "
+                     f"{first['optimizer']} {first['lr']:g} | {', '.join(map(str, seeds))} |")
+    first = results[0]
+    lines.append("")
+    lines.append(f"{first['epochs']} epochs, {first['precision']} on {first['cpu']} ({first['kernels']}, "
+                 f"{first['threads']} threads); scored on the {first['eval_split']}; images/s is each run's own "
+                 "(the machine's load differed between runs: compare speeds with care).")
+    return "\n".join(lines)
+
+
+def write_doc(text: str, doc: Path = DOC) -> None:
+    page = doc.read_text()
+    if BEGIN not in page or END not in page:
+        raise ConfigError(f"{doc}: the markers of the foreign models table are missing ({BEGIN})")
+    head, rest = page.split(BEGIN, 1)
+    write_atomic(doc, f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap.add_argument("--recipes", nargs="*", default=RECIPES)
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1])
+    ap.add_argument("--epochs", type=int, default=4, help="the budget of every run (the CPU recipe's 4)")
+    ap.add_argument("--no-reference", action="store_true", help=f"leave out {REFERENCE} (resnet_fast)")
+    ap.add_argument("--data-root", default=None)
+    ap.add_argument("--runs", default=str(ROOT / "runs" / "foreign_models"))
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--report", action="store_true", help="print the table from the results file; no training")
+    ap.add_argument("--write", action="store_true", help="with --report: write the table into docs/results.md")
+    args = ap.parse_args(argv)
+    if args.epochs < 1 or any(s < 0 for s in args.seeds) or not args.seeds:
+        raise ConfigError("--epochs must be at least 1 and --seeds non-negative integers")
+    for recipe in args.recipes:
+        if not (ROOT / recipe).is_file():
+            raise ConfigError(f"--recipes: {recipe} not found")
+    if args.report:
+        text = table([r for r in read_json(Path(args.results), list) if all(k in r for k in ROW_KEYS)])
+        print(text)
+        if args.write:
+            write_doc(text)
+        return
+    train(args)
+
+
+if __name__ == "__main__":
+    try:
+        run_main(main, "foreign_models.py")
+    except Interrupted as e:  # SIGTERM or SIGINT mid-run: one line; the finished runs are in the results file
+        print(str(e), file=sys.stderr)
+        sys.exit(e.exit_code)

@@ -1,0 +1,321 @@
+"""Any timm or torchvision classifier by name, ``timm/<name>`` or ``torchvision/<name>``, through visattn's one
+model path: :func:`~visattn.registry.create_model` builds it like visattn's own models, so the trainer, resume,
+``model.init_from``, EMA, the maps, ``evaluate`` and ``visualize`` take it unchanged.
+
+:func:`build_foreign` builds the package's model with ``num_classes`` from the data and the builder options in
+``kwargs``, optionally adapts its stem to 32-px inputs (``cifar_stem``, :data:`CIFAR_STEMS`), loads local weights
+(``pretrained_file``: ``.safetensors``, a ``.pth``/``.bin`` state dict, or a timm checkpoint; a classifier of
+another class count is replaced and reported, every other key must land) and inserts an attention block with
+:func:`~visattn.attention.insert_attention` (``attention``, ``attn_kwargs``, placement ``attn_at``). Nothing is
+downloaded. Every refusal is a one-line ``ValueError`` naming the option, which the commands report as a
+config error.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from ..attention import insert_attention
+from ..registry import MODELS
+
+PACKAGES = ("timm", "torchvision")
+# builder options visattn sets itself, or that would download: refused in model.kwargs with the reason
+RESERVED = {
+    "num_classes": "the class count comes from the data",
+    "pretrained": "visattn downloads nothing at run time",
+    "weights": "visattn downloads nothing at run time",
+    "pretrained_cfg": "visattn downloads nothing at run time",
+    "pretrained_cfg_overlay": "visattn downloads nothing at run time",
+    "checkpoint_path": "local weights go in model.pretrained_file",
+    "features_only": "a classifier is trained here",
+    "device": "the run places the model", "dtype": "the run sets the precision",
+}
+DOWNLOAD_HINT = ("download the weights once (e.g. timm.create_model(NAME, pretrained=True), then "
+                 "torch.save(model.state_dict(), FILE)) and pass the file as model.pretrained_file=FILE")
+MAX_WEIGHTS_BYTES = 4 * 2**30  # a larger "weights file" is not a CIFAR-sized classifier's
+
+
+# ---- names ------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=2)
+def _names(package: str) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """(classifier names, every model name) the installed package can build."""
+    if package == "timm":
+        import timm
+
+        names = tuple(timm.list_models())
+        return names, names
+    import torchvision.models as tvm
+
+    return tuple(tvm.list_models(module=tvm)), tuple(tvm.list_models())
+
+
+def resolve(package: str, arch: str) -> str:
+    """``arch`` if ``package`` builds a classifier of that name, else a ValueError with the nearest names."""
+    classifiers, every = _names(package)
+    base = arch.partition(".")[0] if package == "timm" else arch  # timm/resnet18.a1_in1k: a pretrained tag
+    if base in classifiers:
+        return arch
+    if base in every:
+        raise ValueError(f"{package}/{arch} is not a classifier (a detection, segmentation or video model); "
+                         f"classifiers are e.g. {', '.join(difflib.get_close_matches(base, classifiers, n=3, cutoff=0))}")
+    near = difflib.get_close_matches(base, classifiers, n=4, cutoff=0.5)
+    hint = f"nearest: {', '.join(near)}" if near else f"{len(classifiers):,} names, e.g. {', '.join(classifiers[:3])}"
+    raise ValueError(f"unknown {package} model {arch!r} ({hint}; the installed {package} lists them)")
+
+
+# ---- options ---------------------------------------------------------------------------------------------
+
+
+def check_options(package: str, arch: str, options: Dict[str, Any]) -> None:
+    """Types and combinations of the options, without building anything (a config's check)."""
+    if "pretrained" in options or "pretrained" in (options.get("kwargs") or {}):
+        raise ValueError(f"model.pretrained: {DOWNLOAD_HINT}")
+    valid = set(MODELS.options(f"{package}/{arch}")) - {"num_classes"}
+    bad = sorted(k for k in options if k not in valid)
+    if bad:
+        near = difflib.get_close_matches(bad[0], valid, n=1)
+        raise ValueError(f"unknown option {bad[0]!r} for model {package}/{arch}"
+                         f"{f' (did you mean {near[0]!r}?)' if near else ''}; valid: {', '.join(sorted(valid))}")
+    kinds = {"attention": (str,), "attn_kwargs": (dict,), "kwargs": (dict,), "pretrained_file": (str,),
+             "attn_at": (str, list, tuple)}
+    for key, types in kinds.items():
+        value = options.get(key)
+        if value is not None and not isinstance(value, types):
+            want = {dict: "a mapping", str: "a string", list: "a list of module names"}[types[-1]]
+            raise ValueError(f"option {key!r} of model {package}/{arch} must be {want}, not {value!r}")
+    if "cifar_stem" in options and not isinstance(options["cifar_stem"], bool):
+        raise ValueError(f"option 'cifar_stem' of model {package}/{arch} must be true or false, not {options['cifar_stem']!r}")
+    at = options.get("attn_at")
+    if isinstance(at, (list, tuple)) and not (at and all(isinstance(p, str) and p for p in at)):
+        raise ValueError(f"option 'attn_at' of model {package}/{arch} must be module names or patterns, not {at!r}")
+    for key in options.get("kwargs") or {}:
+        if key in RESERVED:
+            hint = DOWNLOAD_HINT if RESERVED[key].startswith("visattn downloads") else ""
+            raise ValueError(f"model.kwargs.{key}: {RESERVED[key]}{'; ' + hint if hint else ''}")
+    if options.get("pretrained_file") == "":
+        raise ValueError("model.pretrained_file: an empty path")
+
+
+# ---- the CIFAR stem --------------------------------------------------------------------------------------
+
+
+def _stem_conv(conv: nn.Conv2d) -> nn.Conv2d:
+    """A 3x3 stride-1 convolution in ``conv``'s place: the same module (weights kept) where it is 3x3 already."""
+    if conv.kernel_size == (3, 3):
+        conv.stride, conv.padding = (1, 1), (1, 1)
+        return conv
+    new = nn.Conv2d(conv.in_channels, conv.out_channels, 3, 1, 1, bias=conv.bias is not None)
+    return new.to(device=conv.weight.device, dtype=conv.weight.dtype)
+
+
+def _first_conv(seq: nn.Module) -> Tuple[nn.Module, str]:
+    """The parent and attribute name of the first ``Conv2d`` inside ``seq``."""
+    for name, m in seq.named_modules():
+        if isinstance(m, nn.Conv2d):
+            parent_name, _, attr = name.rpartition(".")
+            return seq.get_submodule(parent_name) if parent_name else seq, attr
+    raise ValueError(f"no convolution in the stem {type(seq).__name__}")
+
+
+def _cifar_stem_of(model: nn.Module) -> Optional[Tuple[nn.Module, Optional[str]]]:
+    """(the module holding the stem's first conv, the name of a stem pooling to drop) by family, or None."""
+    import timm.models as tm
+    import torchvision.models as tvm
+
+    if isinstance(model, (tm.ResNet, tvm.ResNet)):  # 7x7/2 conv (or timm's deep 3x3 stem), then a 3x3/2 max-pool
+        return model.conv1, "maxpool"
+    if isinstance(model, (tm.RegNet, tvm.RegNet, tm.ConvNeXt)):  # 3x3/2 conv-BN; ConvNeXt: a 4x4/4 patchify conv
+        return model.stem, None
+    if isinstance(model, (tm.EfficientNet, tm.MobileNetV3)):  # conv_stem 3x3/2
+        return model, "conv_stem"
+    if isinstance(model, (tvm.ConvNeXt, tvm.EfficientNet, tvm.MobileNetV3)):  # features[0]: conv(-norm-act) /2 or /4
+        return model.features[0], None
+    return None
+
+
+CIFAR_STEMS = {
+    "ResNet (timm, torchvision)": "conv1 -> 3x3 stride 1 (timm's deep stems: their first conv), max-pool removed",
+    "RegNet (timm, torchvision)": "the stem's 3x3 stride-2 conv -> stride 1 (weights kept)",
+    "ConvNeXt (timm, torchvision)": "the 4x4 stride-4 patchify conv -> 3x3 stride 1",
+    "EfficientNet, MobileNetV3 (timm, torchvision)": "the 3x3 stride-2 stem conv -> stride 1 (weights kept)",
+}
+
+
+def apply_cifar_stem(model: nn.Module, name: str) -> None:
+    """A 3x3 stride-1 stem without pooling, for 32-px inputs (:data:`CIFAR_STEMS`); a ValueError elsewhere."""
+    found = _cifar_stem_of(model)
+    if found is None:
+        vit = "; a ViT takes img_size and patch_size through model.kwargs" if hasattr(model, "patch_embed") else ""
+        raise ValueError(f"model.cifar_stem: no CIFAR stem for {name} ({type(model).__name__}); it is defined for "
+                         f"ResNet, RegNet, ConvNeXt, EfficientNet and MobileNetV3{vit}")
+    holder, extra = found
+    if extra == "conv_stem":
+        model.conv_stem = _stem_conv(model.conv_stem)
+        return
+    parent, attr = (holder, None) if isinstance(holder, nn.Conv2d) else _first_conv(holder)
+    if attr is None:  # the holder is the conv itself (a ResNet's conv1)
+        model.conv1 = _stem_conv(holder)
+    else:
+        setattr(parent, attr, _stem_conv(getattr(parent, attr)))
+    if extra == "maxpool":
+        model.maxpool = nn.Identity()
+
+
+# ---- weights from a local file ---------------------------------------------------------------------------
+
+
+def read_weights(path: Union[str, os.PathLike]) -> Dict[str, torch.Tensor]:
+    """The state dict in a ``.safetensors`` file, a ``.pth``/``.bin`` state dict or a timm checkpoint (its
+    ``state_dict``, ``model`` or ``state_dict_ema`` entry; a ``module.`` prefix is dropped). Loaded without
+    running pickled code; every failure is a one-line ValueError naming the file."""
+    p = Path(path).expanduser()
+    what = f"model.pretrained_file: {str(path)!r}"
+    if not p.is_file():
+        raise ValueError(f"{what} {'is a folder' if p.is_dir() else 'not found'} (give a weights file)")
+    if p.stat().st_size > MAX_WEIGHTS_BYTES:
+        raise ValueError(f"{what} is {p.stat().st_size / 2**30:.1f} GiB; the limit is {MAX_WEIGHTS_BYTES // 2**30} GiB")
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(p))
+        else:
+            state = torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = "it holds pickled objects other than tensors (not loaded: that could run code)" \
+            if "weights_only" in str(e) or "Unsupported global" in str(e) else "corrupt"
+        raise ValueError(f"{what} is {why}") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, KeyError, IndexError, TypeError,
+            AttributeError) as e:
+        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else e.__class__.__name__
+        raise ValueError(f"{what} is damaged or not a weights file ({first})") from None
+    if isinstance(state, dict) and "digest" in state and "config" in state:
+        raise ValueError(f"{what} is a visattn checkpoint: start from it with model.init_from={path}")
+    for key in ("state_dict_ema", "state_dict", "model"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+            break
+    if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{what} holds no state dict (a mapping of parameter names to tensors)")
+    if all(k.startswith("module.") for k in state):
+        state = {k[len("module."):]: v for k, v in state.items()}
+    bad = next((k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:
+        raise ValueError(f"{what} holds non-finite weights (NaN or inf in {bad})")
+    return state
+
+
+def _classifier_names(model: nn.Module, num_classes: int) -> List[str]:
+    """Module names of the classifier: timm's ``get_classifier()``, else the last linear layer (or 1x1 conv)
+    with ``num_classes`` outputs (torchvision's ``fc``, ``classifier.3``, ``heads.head``...)."""
+    get = getattr(model, "get_classifier", None)
+    target = get() if callable(get) else None
+    if isinstance(target, nn.Module) and not isinstance(target, nn.Identity):
+        return [n for n, m in model.named_modules() if m is target]
+    last = [n for n, m in model.named_modules() if (isinstance(m, nn.Linear) and m.out_features == num_classes)
+            or (isinstance(m, nn.Conv2d) and m.out_channels == num_classes)]
+    return last[-1:]
+
+
+def _keys(ks: Sequence[str]) -> str:
+    return ", ".join(ks[:3]) + (f" and {len(ks) - 3} more" if len(ks) > 3 else "")
+
+
+def load_pretrained(model: nn.Module, path: str, num_classes: int) -> Dict[str, Any]:
+    """Load :func:`read_weights` into ``model``: the classifier is replaced (kept fresh) where the file's has
+    another class count; any other missing, unexpected or misshapen key is a ValueError naming the file and the
+    first keys. Returns what was done (for the run to say and record)."""
+    state, own = read_weights(path), model.state_dict()
+    heads = tuple(f"{n}." for n in _classifier_names(model, num_classes))
+    shape = {k for k in state if k in own and tuple(state[k].shape) != tuple(own[k].shape)}
+    replaced = sorted(k for k in shape if k.startswith(heads))
+    state = {k: v for k, v in state.items() if k not in replaced}
+    unexpected = [k for k in state if k not in own]
+    missing = [k for k in own if k not in state and k not in replaced]
+    wrong = [f"{k} {list(state[k].shape)} here {list(own[k].shape)}" for k in sorted(shape - set(replaced))]
+    problems = ([f"its {_keys(unexpected)} have no place in this model"] if unexpected else []) + \
+        ([f"this model's {_keys(missing)} are not in it"] if missing else []) + \
+        ([f"shapes differ: {_keys(wrong)}"] if wrong else [])
+    if problems:
+        raise ValueError(f"model.pretrained_file: {path} does not fit this model (another architecture, or other "
+                         f"model.kwargs / cifar_stem?): {'; '.join(problems)}")
+    model.load_state_dict(state, strict=False)
+    return {"path": str(Path(path).expanduser().resolve()), "tensors": len(state), "replaced": replaced}
+
+
+# ---- the builder -----------------------------------------------------------------------------------------
+
+
+def _package_model(package: str, arch: str, num_classes: int, kwargs: Dict[str, Any]) -> nn.Module:
+    if package == "timm":
+        import timm
+
+        return timm.create_model(arch, pretrained=False, num_classes=num_classes, **kwargs)
+    import torchvision.models as tvm
+
+    return tvm.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
+
+
+def _build(package: str, arch: str, num_classes: int, kwargs: Dict[str, Any]) -> nn.Module:
+    """The package's model; options it does not take, or rejects, are one line naming ``model.kwargs``."""
+    try:
+        model = _package_model(package, arch, num_classes, kwargs)
+    except (TypeError, ValueError, AssertionError, RuntimeError, KeyError, IndexError, ZeroDivisionError,
+            OverflowError, AttributeError) as e:
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else e.__class__.__name__
+        if kwargs and isinstance(e, TypeError) and "unexpected keyword" in why:
+            import inspect
+
+            with torch.device("meta"):
+                plain = _package_model(package, arch, num_classes, {})
+            took = [p for p in inspect.signature(type(plain).__init__).parameters if p not in ("self", "args", "kwargs")]
+            why = f"{why}; {type(plain).__name__} takes {', '.join(k for k in took if k not in RESERVED)}"
+        raise ValueError(f"model.kwargs: {package}/{arch} refused {kwargs} ({why})") from None
+    if getattr(model, "num_classes", num_classes) != num_classes:
+        raise ValueError(f"{package}/{arch} is not a classifier of {num_classes} classes")
+    return model
+
+
+def build_foreign(package: str, arch: str, num_classes: int = 10, *, attention: str = "none",
+                  attn_kwargs: Optional[Dict[str, Any]] = None, attn_at: Union[str, List[str], None] = None,
+                  cifar_stem: bool = False, kwargs: Optional[Dict[str, Any]] = None,
+                  pretrained_file: Optional[str] = None) -> nn.Module:
+    """``package``'s model ``arch`` (see the module docstring); ``model.pretrained_origin`` records a
+    ``pretrained_file`` load (the file, the tensors loaded, the classifier keys replaced)."""
+    options = {"attention": attention, "attn_kwargs": attn_kwargs, "attn_at": attn_at, "cifar_stem": cifar_stem,
+               "kwargs": kwargs, "pretrained_file": pretrained_file}
+    check_options(package, resolve(package, arch), {k: v for k, v in options.items() if v is not None})
+    model = _build(package, arch, num_classes, dict(kwargs or {}))
+    if cifar_stem:
+        apply_cifar_stem(model, f"{package}/{arch}")
+    model.pretrained_origin = load_pretrained(model, pretrained_file, num_classes) if pretrained_file else None
+    if attention != "none":
+        try:
+            insert_attention(model, attention, at=attn_at, **dict(attn_kwargs or {}))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"model.attention={attention} in {package}/{arch}: {e}") from None
+    elif attn_kwargs or attn_at:
+        raise ValueError(f"model.attn_kwargs / attn_at are set but model.attention is none ({package}/{arch})")
+    return model
+
+
+def without_weights(options: Dict[str, Any]) -> Dict[str, Any]:
+    """``options`` less ``pretrained_file``: for rebuilding a model whose weights come from a checkpoint."""
+    return {k: v for k, v in options.items() if k != "pretrained_file"}
+
+
+
+for _package in PACKAGES:
+    MODELS.register_namespace(_package, functools.partial(build_foreign, _package),
+                              resolve=functools.partial(resolve, _package),
+                              check=functools.partial(check_options, _package))
