@@ -158,8 +158,19 @@ class SqueezeExcite(BottleneckGate):
 def eca_kernel_size(channels: int, gamma: float = 2.0, b: float = 1.0) -> int:
     """ECA's adaptive kernel size ``|log2(C) / gamma + b / gamma|_odd`` (the paper's code: truncate, then
     bump even values up by one), at least 3 as in timm's ``EcaModule``: 3 for C <= 63 (the paper's rule alone
-    would give 1, a plain per-channel scale, for C < 8), 5 for C=128, 256 and 512."""
-    t = int(abs((math.log2(channels) + b) / gamma))
+    would give 1, a plain per-channel scale, for C < 8), 5 for C=128, 256 and 512. ``gamma`` must be a number
+    > 0 and ``b`` a finite one whose kernel is at most ``2 * channels + 1`` wide (a wider one sees only padding);
+    else a one-line ValueError naming them and the kernel size they give."""
+    for name, v in (("gamma", gamma), ("b", b)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"eca: {name} must be a finite number, got {v!r}")
+    if not gamma > 0:
+        raise ValueError(f"eca: gamma must be > 0 (the kernel size is (log2(channels) + b) / gamma), got {gamma!r}")
+    size, widest = abs((math.log2(channels) + b) / gamma), 2 * channels + 1
+    if size > widest:  # (inf for a gamma so small the division overflows)
+        raise ValueError(f"eca: gamma={gamma:g} with b={b:g} gives a kernel size of {size:.3g} for {channels} channels, "
+                         f"wider than 2 * channels + 1 = {widest} (past that it sees only padding); use a larger gamma")
+    t = int(size)
     return max(t if t % 2 else t + 1, 3)
 
 
