@@ -36,6 +36,8 @@ import json
 import math
 import os
 import platform
+import re
+import runpy
 import signal
 import subprocess
 import sys
@@ -73,8 +75,8 @@ WHAT = {"data": "the images decoded into the cache",
 DRY_DATA = ["data.source=synthetic", "data.synthetic_size=240", "data.val_size=40", "train.batch_size=40",
             "eval.batch_size=40"]
 DRY_MODEL = ["model.widths=[8,16,16]"]
-DRY_RACE = ["--runs", "1", "--subset", "128", "--batch-size", "64", "--epochs", "1", "--airbench-epochs", "1",
-            "--device", "cpu", "--set", "data.source=synthetic", "data.synthetic_size=400", "data.val_size=100",
+DRY_RACE = ["--runs", "1", "--subset", "64", "--batch-size", "32", "--epochs", "1", "--airbench-epochs", "1",
+            "--device", "cpu", "--set", "data.source=synthetic", "data.synthetic_size=200", "data.val_size=50",
             "compile=false", "model.widths=[16,32,32]"]
 STATUSES = ("pass", "fail", "partial", "timed out", "not run", "not available", "skipped on the CPU")
 
@@ -86,6 +88,10 @@ class Check:
         self.out, self.work, self.data, self.dry, self.runs, self.py = out, work, data, dry, runs, py
         self.deadline = time.monotonic() + budget
         self.log = out / "gpu_check.log"
+        # a dry run forks its ``python SCRIPT ...`` children from this process, which has imported what they need:
+        # the same script run as __main__ on the same arguments, without a second interpreter's imports (most of a
+        # toy run's time). Never next to CUDA: a GPU run's children are new processes.
+        self.fork = dry and hasattr(os, "fork")
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -96,8 +102,11 @@ class Check:
         runs. Its output goes to the check's log too. Returns rc (None when stopped at the limit), out, err."""
         t0 = time.monotonic()
         with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                    stdout=fo, stderr=fe, text=True, start_new_session=True)
+            if self.fork and len(cmd) > 1 and cmd[0] == self.py and cmd[1].endswith(".py"):
+                proc: Any = Forked(cmd[1:], env or {}, fo, fe)
+            else:
+                proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                        stdout=fo, stderr=fe, text=True, start_new_session=True)
             watched = watch(proc) if watch is not None else None
             try:
                 proc.wait(timeout=max(limit - (time.monotonic() - t0), 1))
@@ -133,6 +142,60 @@ class Check:
         return r, _metrics(self.work / name)
 
 
+class Forked:
+    """``python ARGV`` as a forked child of this process (``runpy`` runs the script as ``__main__``), with its own
+    session, environment, stdout and stderr; as much of ``Popen`` as the check uses (``pid``, ``poll``, ``wait``,
+    ``send_signal``, ``returncode``)."""
+
+    def __init__(self, argv: List[str], env: Dict[str, str], out: Any, err: Any):
+        sys.stdout.flush(), sys.stderr.flush()
+        self.returncode: Optional[int] = None
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            code = 1
+            try:
+                os.setsid()
+                os.dup2(out.fileno(), 1), os.dup2(err.fileno(), 2)
+                # Python's streams onto the new descriptors (whatever they were: a test's capture, say)
+                sys.stdout = open(1, "w", buffering=1, closefd=False)
+                sys.stderr = open(2, "w", buffering=1, closefd=False)
+                os.environ.update(env)
+                os.chdir(ROOT)
+                sys.argv = list(argv)  # as `python SCRIPT ARGS` sets them
+                sys.path.insert(0, str(Path(argv[0]).parent))
+                runpy.run_path(argv[0], run_name="__main__")
+                code = 0
+            except SystemExit as e:  # sys.exit(None | int | message), as the interpreter reports it
+                code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush(), sys.stderr.flush()
+                os._exit(code)
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(f"child {self.pid}", timeout or 0)
+            time.sleep(0.005)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+
 def _stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the process group this check started (torchrun's workers too), SIGKILL if it lingers."""
     for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
@@ -153,15 +216,24 @@ def _metrics(run_dir: Path) -> List[dict]:
 
 
 def _last_line(r: Dict[str, Any]) -> str:
+    """The line that says why a child failed: visattn's first one-line ``error: ...`` (under torchrun, the worker's,
+    before the launcher's report), else a traceback's last ``SomeError: ...``, else the last line."""
     lines = [ln.strip() for ln in (r["err"] + "\n" + r["out"]).splitlines() if ln.strip()]
-    err = [ln for ln in lines if ln.startswith(("error", "Error")) or "Error" in ln.split(":")[0]]
-    return ((err or lines or ["no output"])[-1])[:300]
+    said = [ln for ln in lines if ln.startswith("error: ")]
+    raised = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b[^:]*: ", ln)]
+    return (said[0] if said else raised[-1] if raised else lines[-1] if lines else "no output")[:300]
 
 
 def failed(r: Dict[str, Any], why: str = "") -> Dict[str, Any]:
     if r["rc"] is None:
         return {"status": "timed out", "detail": f"stopped at its limit after {r['seconds']:.0f} s"}
     return {"status": "fail", "detail": why or f"exit {r['rc']}: {_last_line(r)}"}
+
+
+def short(epochs: int) -> List[str]:
+    """A short run of the GPU recipe: ``epochs`` epochs, its warmup the recipe's 23% of them (its 2.3 epochs
+    would outlast the run)."""
+    return [f"train.epochs={epochs}", f"sched.warmup_epochs={0.23 * epochs:g}"]
 
 
 def _finite(x: Any) -> bool:
@@ -238,13 +310,13 @@ def _secs(s: Optional[float]) -> str:
 
 
 def row_bf16_compile(c: Check, limit: float) -> Dict[str, Any]:
-    r, rows = c.train("bf16_compile", ["precision=bf16", "compile=true", "train.epochs=1"], limit)
+    r, rows = c.train("bf16_compile", ["precision=bf16", "compile=true", *short(1)], limit)
     return trained(c, r, rows, said="compile off on the CPU" if c.dry else "compiled")
 
 
 def row_fp16_overflow(c: Check, limit: float) -> Dict[str, Any]:
     report = c.work / "fp16_overflow.json"
-    r, rows = c.train("fp16_overflow", ["precision=fp16", "compile=false", "train.epochs=1"], limit,
+    r, rows = c.train("fp16_overflow", ["precision=fp16", "compile=false", *short(1)], limit,
                       env={"GPU_CHECK_OVERFLOW_AT": str(OVERFLOW_AT), "GPU_CHECK_REPORT": str(report)})
     p = _report(report)
     skipped = rows[0].get("skipped_steps", 0) if rows else 0
@@ -258,7 +330,7 @@ def row_fp16_overflow(c: Check, limit: float) -> Dict[str, Any]:
 
 def row_channels_last(c: Check, limit: float) -> Dict[str, Any]:
     report = c.work / "channels_last.json"
-    r, rows = c.train("channels_last", ["channels_last=true", "compile=false", "train.epochs=1"], limit,
+    r, rows = c.train("channels_last", ["channels_last=true", "compile=false", *short(1)], limit,
                       env={"GPU_CHECK_LAYOUT": "1", "GPU_CHECK_REPORT": str(report)})
     p = _report(report)
     checks = ((p.get("input_channels_last") is True, "batches not channels_last"),
@@ -273,7 +345,7 @@ def row_channels_last(c: Check, limit: float) -> Dict[str, Any]:
 def row_sigterm_resume(c: Check, limit: float) -> Dict[str, Any]:
     from visattn.rundir import load_checkpoint
 
-    steps, name, extra = c.work / "sigterm_steps.log", "sigterm_resume", ["compile=false", "train.epochs=2"]
+    steps, name, extra = c.work / "sigterm_steps.log", "sigterm_resume", ["compile=false", *short(2)]
     steps.write_text("")
     end = time.monotonic() + limit
     first_end = time.monotonic() + limit * 0.5  # half the row's time for the run to be stopped, half to resume it
@@ -307,7 +379,7 @@ def row_sigterm_resume(c: Check, limit: float) -> Dict[str, Any]:
 
 def row_maps_autocast(c: Check, limit: float) -> Dict[str, Any]:
     name = "maps_autocast"
-    r, rows = c.train(name, ["model.attention=cbam", "precision=bf16", "compile=false", "train.epochs=1",
+    r, rows = c.train(name, ["model.attention=cbam", "precision=bf16", "compile=false", *short(1),
                              "log.tensorboard=true", "log.maps_every=1", "log.faithfulness=true",
                              *(["log.probe_size=2"] if c.dry else [])], limit)
     tb = _tensorboard(c.work / name / "tb") if r["rc"] == 0 else {}
@@ -340,7 +412,7 @@ def _tensorboard(logdir: Path) -> Dict[str, Any]:
 def row_torchrun_nccl(c: Check, limit: float) -> Dict[str, Any]:
     report = c.work / "torchrun.json"
     launcher = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1")
-    r, rows = c.train("torchrun_nccl", ["compile=false", "train.epochs=1"], limit, launcher=launcher,
+    r, rows = c.train("torchrun_nccl", ["compile=false", *short(1)], limit, launcher=launcher,
                       env={"GPU_CHECK_FORCE_DIST": "1", "GPU_CHECK_REPORT": str(report)})
     p, want = _report(report), "gloo" if c.dry else "nccl"
     checks = ((p.get("backend") == want, f"backend {p.get('backend')}, not {want}"),
@@ -354,10 +426,14 @@ def row_blocks(c: Check, limit: float) -> Dict[str, Any]:
     today (the CPU, against timm's blocks), said plainly."""
     script = ROOT / "bench" / "blocks.py"
     src = script.read_text()
-    ready = '"--device"' in src
+
+    def has(flag: str) -> bool:  # an argparse option of that name, in either quotes
+        return re.search(rf"""["']{flag}["']""", src) is not None
+
+    ready = has("--device")
     if ready:
-        args = ["--device", "cpu" if c.dry else "cuda", *(["--quick"] if '"--quick"' in src else []),
-                *(["--out", str(c.out / "block_speed.json")] if '"--out"' in src else [])]
+        args = ["--device", "cpu" if c.dry else "cuda", *(["--quick"] if has("--quick") else []),
+                *(["--out", str(c.out / "block_speed.json")] if has("--out") else [])]
     else:
         args = ["--repeats", "1", "--warmup", "1", "--batch", "8", "--only", "se"] if c.dry else ["--repeats", "3"]
         args.append("--no-compile")
@@ -388,8 +464,8 @@ def row_timm(c: Check, limit: float) -> Dict[str, Any]:
                                                                        "label_smoothing": 0.1},
         "eval": {"batch_size": 1000, "tta": "flip"}, "log": {"maps_every": 0}}))
     extra = ["model.name=timm/resnet18", "model.cifar_stem=true", "model.attention=cbam"]
-    # a dry run's resnet18 at 8 px on 100 images, in fp32 (bf16 without native support crawls on a CPU)
-    dry = ["data.image_size=8", "data.synthetic_size=120", "data.val_size=20", "train.batch_size=20",
+    # a dry run's resnet18 at 8 px on 40 images, in fp32 (bf16 without native support crawls on a CPU)
+    dry = ["data.image_size=8", "data.synthetic_size=60", "data.val_size=20", "train.batch_size=20",
            "eval.batch_size=20", "eval.tta=none", "precision=fp32"] if c.dry else []
     r, rows = c.train("timm", [*extra, *dry], limit, config=base)
     if r["rc"] == 2 and "unknown model" in r["err"] and "timm/" in r["err"]:
@@ -564,7 +640,7 @@ def environment(dry: bool) -> Dict[str, Any]:
 
     from visattn.rundir import git_revision
 
-    cuda = torch.cuda.is_available() and not dry
+    cuda = not dry and torch.cuda.is_available()  # a dry run never initialises CUDA: it forks its children
     rev = git_revision()
     held = ROOT / "data" / "gpu_check" / "REVISION"
     if rev == "unknown" and held.is_file():
@@ -655,6 +731,9 @@ def main() -> None:
     result = {**environment(a.dry), "budget_seconds": a.budget, "rows": []}
     print(f"GPU check on {result['device']}, torch {result['torch']}, CUDA {result['cuda']}; budget {a.budget:.0f} s",
           flush=True)
+    if a.dry:  # what the forked children need, imported once here
+        import visattn.cli  # noqa: F401
+        import visattn.trainer  # noqa: F401
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
         c = Check(a.out, Path(work), a.data, a.dry, a.budget, a.runs)
         run_rows(c, a.only or list(ROWS), result,

@@ -115,7 +115,7 @@ def test_the_blocks_row_passes_the_device_flags_once_blocks_py_has_them(tmp_path
     """Today's ``bench/blocks.py`` (no ``--device``) runs as it is, and the row says it is not the CUDA bench;
     a version with ``--device``/``--quick``/``--out`` is called with them."""
     (tmp_path / "bench").mkdir()
-    flags = 'FLAGS = ("--device", "--quick", "--out")\n' if ready else ""
+    flags = "FLAGS = ('--device', \"--quick\", '--out')\n" if ready else ""
     (tmp_path / "bench" / "blocks.py").write_text(flags + "import sys\nprint('| ' + ' '.join(sys.argv[1:]) + ' |')\n")
     monkeypatch.setattr(check, "ROOT", tmp_path)
     row = check.row_blocks(_check(tmp_path, dry=True), 30)
