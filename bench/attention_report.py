@@ -13,7 +13,6 @@ gives another result on other hardware); each difference gets a 95% t interval a
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -24,9 +23,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from visattn.errors import ConfigError, VisattnError, run_main  # noqa: E402
-from visattn.options import describe  # noqa: E402
-from visattn.rundir import read_json, write_atomic  # noqa: E402
+from visattn.errors import ConfigError, DataError, VisattnError, run_main  # noqa: E402
+from visattn.options import ArgumentParser, describe  # noqa: E402
+from visattn.rundir import check_rows, read_json, write_atomic  # noqa: E402
 
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
 CNN_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ATTENTION]
@@ -433,6 +432,18 @@ def write_summary(text: str, pages: Sequence[Path] = SUMMARY_PAGES) -> List[Path
     return changed
 
 
+# what the tables, the summary, the plot and the merge read of every run (rundir.check_rows)
+ROW = {"name": "str", "config": "str", "seed": "int", "epochs": "int", "val_acc": "number", "parameters": "number",
+       "train_seconds": "number", "images_per_s": "number", "precision": "str?", "kernels": "str?", "git": "str?",
+       "load_mean": "number?", "threads": "int?", "model": "dict?", "overrides": "list?"}
+
+
+def read_results(path: Path, missing: Optional[list] = None) -> List[dict]:
+    """The runs of a results file (``missing`` where there is no file and it is given); a damaged file or row is
+    one line naming it (:func:`visattn.rundir.check_rows`)."""
+    return check_rows(path, read_json(path, list) if missing is None else read_json(path, list, missing=missing), ROW)
+
+
 def tables(results: List[dict]) -> str:
     """Every run's table, one per budget and kernel family."""
     return "\n".join(f"\n{epochs} epochs, {num}\n" + table([r for r in at_budget(results, epochs) if numerics(r) == num])
@@ -440,7 +451,7 @@ def tables(results: List[dict]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = ArgumentParser(description=describe(__doc__))
     ap.add_argument("--results", default=str(RESULTS), help="the results file (--merge: read and appended to)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="FILE",
                     help="add the runs of these results files (another machine's) that the results file lacks")
@@ -456,18 +467,22 @@ def main() -> None:
     if args.write and not args.summary:
         ap.error("--write writes the summary: give --summary too")
     out = Path(args.results)
-    results = read_json(out, list, missing=[])
+    results = read_results(out, missing=[])
     if args.merge:
-        try:
-            new = merge(results, [r for f in args.merge for r in json.loads(Path(f).read_text())])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            sys.exit(f"--merge: not a results file ({type(e).__name__}: {e})")
+        new = merge(results, [r for f in args.merge for r in read_results(Path(f))])
         write_atomic(out, json.dumps(results + new, indent=1))
         print(f"added {len(new)} runs to {out}: " + ", ".join(f"{r['name']} seed {r['seed']} ({r['epochs']} "
                                                              f"epochs, {numerics(r)})" for r in new))
         return
     if not results:
         raise ConfigError(f"{'--summary: ' if args.summary else ''}{out} holds no results")
+    families = [SUMMARY_NUMERICS, *(n for _, n, _ in OTHER_BUDGETS)]
+    if args.summary and not any(numerics(r) in families for r in results):
+        raise DataError(f"--summary: {out} holds no runs of the summary's kernel families ({', '.join(families)})")
+    shown = [r for r in at_budget(results, args.plot_epochs) if args.numerics in (None, numerics(r))]
+    if args.plot and not shown:
+        raise ConfigError(f"--plot: {out} holds no runs of --plot-epochs {args.plot_epochs}"
+                          + (f" in --numerics {args.numerics!r}" if args.numerics else ""))
     if args.summary:
         text = summary(results)
         if args.write:

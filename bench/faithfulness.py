@@ -29,7 +29,6 @@ settings. A checkpoint scored again replaces its rows; the others stay.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -40,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from visattn.errors import DataError, run_main  # noqa: E402
-from visattn.options import describe  # noqa: E402
-from visattn.rundir import complete_rows, read_json, write_atomic  # noqa: E402
+from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
+from visattn.rundir import check_rows, complete_rows, read_json, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "faithfulness.json"
 KINDS = ("attention", "attention_gradient", "layers_gradient", "rollout", "gradient_rollout", "input_x_gradient",
@@ -64,7 +63,7 @@ def find_checkpoints(paths: Iterable[str]) -> List[Path]:
         else:
             found = sorted(p.rglob(CHECKPOINT))
         if not found:
-            raise SystemExit(f"error: no {CHECKPOINT} in {p}")
+            raise DataError(f"no {CHECKPOINT} in {p}")
         out += [f for f in found if f not in out]
     return out
 
@@ -123,11 +122,16 @@ def score(ckpt: Path, images: int, vit_images: Optional[int], options: Dict[str,
     return rows
 
 
-def load(path: Path) -> List[Dict[str, Any]]:
-    rows = read_json(path, dict, missing={"rows": []}).get("rows")
-    if not isinstance(rows, list):
-        raise DataError(f"{path}: holds no list of rows")
-    return rows
+# what every row holds (rundir.check_rows): the merge, the report and the summary read these
+ROW = {"model": "str", "checkpoint.path": "str", "checkpoint.config": "str", "checkpoint.seed": "int",
+       "val_acc": "number?", "images": "int"}
+SCORED_ROW = {**ROW, "map": "str", "kind": "str", "deletion_score": "interval", "insertion_score": "interval",
+              "sanity_rho": "number?", "vs_centre.deletion": "interval?", "vs_centre.insertion": "interval?"}
+
+
+def load(path: Path, fields: Dict[str, str] = SCORED_ROW) -> List[Dict[str, Any]]:
+    """The rows of a results file (none where there is no file); a damaged row is one line naming it."""
+    return check_rows(path, read_json(path, dict, missing={"rows": []}).get("rows"), fields)
 
 
 def save(path: Path, rows: List[Dict[str, Any]]) -> None:
@@ -257,7 +261,7 @@ def _against_gradient(group: List[Dict[str, Any]], reference: str = "input_x_gra
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = ArgumentParser(description=describe(__doc__))
     ap.add_argument("runs", nargs="*", help="run directories (with last.pt), or folders holding them")
     ap.add_argument("--report", action="store_true", help="print the markdown table of --out and stop")
     ap.add_argument("--summary", action="store_true", help="print the README's table of --out and stop")
@@ -282,6 +286,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     if not args.runs:
         ap.error("give run directories to score, or --report")
+    for flag in ("images", "vit_images", "steps", "regions", "draws", "batch_size"):
+        check_at_least(f"--{flag.replace('_', '-')}", getattr(args, flag), 1)
+    load(out)  # a damaged results file is refused before any scoring, not after the first checkpoint's
     options = {"steps": args.steps, "regions": args.regions, "draws": args.draws, "fill": args.fill,
                "batch_size": args.batch_size, "sanity": args.sanity, "gradient_maps": True}
     for ckpt in find_checkpoints(args.runs):

@@ -19,8 +19,8 @@ part-way resumes from its last checkpoint on the next call.
 """
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -34,8 +34,8 @@ from attention_report import mean_ci  # noqa: E402
 from attention_table import cpu_name, run_resuming  # noqa: E402
 
 from visattn.errors import ConfigError, run_main  # noqa: E402
-from visattn.options import describe  # noqa: E402
-from visattn.rundir import Interrupted, complete_rows, read_json, write_atomic  # noqa: E402
+from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
+from visattn.rundir import Interrupted, check_rows, complete_rows, read_json, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "finetune.json"
 DOC = ROOT / "docs" / "results.md"
@@ -56,7 +56,7 @@ def overrides(block: str, seed: int, lr: float, base: str, run_dir: Path, extra:
 def run_one(block: str, seed: int, lr: float, base_pattern: str, run_root: Path, extra: Sequence[str] = ()) -> dict:
     import torch
 
-    base = base_pattern.format(seed=seed)
+    base = os.path.expanduser(base_pattern.format(seed=seed))  # "~/base{seed}.pt" is the home folder's
     if not Path(base).is_file():
         raise ConfigError(f"--base: {base} not found (train it first: configs/attention/resnet_fast_none.yaml, "
                           f"seed={seed}, run_dir={Path(base).parent})")
@@ -88,8 +88,16 @@ def paired(runs: List[dict]) -> List[dict]:
     return out
 
 
+# what the table and the pairing read of every run and every paired row (rundir.check_rows)
+RUN = {"block": "str", "seed": "int", "lr": "number", "epochs": "int", "base_epoch": "int", "base_val_acc": "number",
+       "step0_val_acc": "number", "val_acc": "number", "train_seconds": "number", "precision": "str", "cpu": "str",
+       "threads": "int"}
+PAIRED = {"block": "str", "lr": "number", "mean_diff": "number", "ci95": "number?"}
+
+
 def read(path: Path = RESULTS) -> Dict[str, list]:
-    """The results file: {"runs": [...], "paired": [...]}; a damaged one is one error line, never an empty table."""
+    """The results file: {"runs": [...], "paired": [...]}; a damaged one (or a damaged row) is one error line,
+    never an empty table."""
     if not path.is_file():
         return {"runs": [], "paired": []}
     try:
@@ -98,6 +106,8 @@ def read(path: Path = RESULTS) -> Dict[str, list]:
             raise ValueError("not a mapping with a list of runs")
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: unreadable results file ({str(e).splitlines()[0][:120]}); move it aside") from None
+    check_rows(path, data["runs"], RUN)
+    check_rows(path, data.setdefault("paired", []), PAIRED)
     return data
 
 
@@ -141,7 +151,7 @@ def write_doc(text: str, doc: Path = DOC) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = ArgumentParser(description=describe(__doc__))
     ap.add_argument("--lr", type=float, default=None, help="the fine-tune's peak lr (required to train)")
     ap.add_argument("--blocks", nargs="*", default=list(BLOCKS), choices=list(BLOCKS))
     ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
@@ -152,15 +162,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--report", action="store_true", help="print the table, rewrite --doc's; no training")
     ap.add_argument("--doc", default=str(DOC), help="the page whose finetune table --report rewrites")
     args = ap.parse_args(argv)
+    for seed in args.seeds:
+        check_at_least("--seeds", seed, 0)
+    if not args.report and (args.lr is None or not 0 < args.lr <= 10):
+        ap.error("--lr: give the fine-tune's peak learning rate (0 < lr <= 10)")
     path = Path(args.results)
     data = read(path)
     if args.report:
+        if not data["runs"]:  # a missing or empty file would replace the page's table with "no runs yet"
+            raise ConfigError(f"--report: {path} holds no fine-tune runs")
         text = table(data)
         print(text)
         write_doc(text, Path(args.doc))
         return
-    if args.lr is None or not 0 < args.lr <= 10:
-        ap.error("--lr: give the fine-tune's peak learning rate (0 < lr <= 10)")
     for seed in args.seeds:  # seed-major: a partial sweep still pairs every block with none
         for block in args.blocks:
             if any(r["block"] == block and r["seed"] == seed and r["lr"] == args.lr for r in data["runs"]):

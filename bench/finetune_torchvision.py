@@ -131,12 +131,13 @@ def write(res: Dict[str, object]) -> None:
 def base(res: Dict[str, object], tr, val, mean, std, epochs: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     net = build_net().to(memory_format=torch.channels_last)
-    if BASE_CKPT.is_file() and res.get("base", {}).get("epochs") == epochs:
-        net.load_state_dict(torch.load(BASE_CKPT, map_location="cpu", weights_only=True))
+    from visattn.rundir import load_checkpoint, save_checkpoint
+
+    if BASE_CKPT.is_file() and res.get("base", {}).get("epochs") == epochs:  # digest and finite check, as every loader
+        net.load_state_dict(load_checkpoint(BASE_CKPT)["model"])
         return net
     secs = train(net, tr, mean, std, epochs, BASE_LR, seed)
-    BASE_CKPT.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(net.state_dict(), BASE_CKPT)
+    save_checkpoint({"model": net.state_dict(), "config": {}, "epoch": epochs, "step": 0}, BASE_CKPT)
     res.update(base={"epochs": epochs, "lr": BASE_LR, "val_acc": accuracy(net, val, mean, std),
                      "train_seconds": round(secs, 1)}, arms=[])
     write(res)

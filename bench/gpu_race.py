@@ -39,7 +39,8 @@ import reference_airbench as ref  # noqa: E402
 from time_to_accuracy import time_to  # noqa: E402
 
 from visattn import evaluate, options, trainer  # noqa: E402
-from visattn.options import describe  # noqa: E402
+from visattn.errors import ConfigError  # noqa: E402
+from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
 
 CONFIG = ROOT / "configs" / "cifar10_gpu.yaml"
 RESULTS = ROOT / "bench" / "results" / "gpu_race.json"
@@ -148,12 +149,15 @@ def race(args: argparse.Namespace, save: Callable[[Dict[str, Any]], None] = lamb
     if precision == "auto":
         precision = "bf16" if evaluate.resolve_precision("auto", device) == "bf16" else "fp32"
     over = [f"device={device}", f"precision={precision}", *args.set]
-    if args.subset:
+    if args.subset is not None:
         over.append(f"data.subset={args.subset}")
     if args.data_root:
         over.append(f"data.root={args.data_root}")
-    if args.epochs:
+    if args.epochs is not None:  # a shorter run keeps the warmup's share of the steps (2.3 of 11 epochs: 21%)
+        planned = load_config(CONFIG, list(args.set))
         over.append(f"train.epochs={args.epochs}")
+        if planned.sched.warmup_epochs > args.epochs:
+            over.append(f"sched.warmup_epochs={planned.sched.warmup_epochs * args.epochs / planned.train.epochs:.4g}")
     if args.batch_size:  # both recipes' (a dry run's small batches); the reference's lr and decay are per 1024 images
         over.append(f"train.batch_size={args.batch_size}")
         ref.HYP["batch_size"] = args.batch_size
@@ -209,7 +213,7 @@ def result(head: Dict[str, Any], runs: List[Dict[str, Any]], complete: bool) -> 
 def main() -> None:
     from visattn.rundir import write_atomic
 
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = ArgumentParser(description=describe(__doc__))
     ap.add_argument("--runs", type=int, default=3, help="runs of each recipe (seeds 0..runs-1)")
     ap.add_argument("--target", type=float, default=0.90)
     ap.add_argument("--epochs", type=int, default=None, help="visattn's epochs (default: the config's)")
@@ -223,16 +227,13 @@ def main() -> None:
                     "(data.* ones for the reference's images too)")
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"default: {RESULTS.relative_to(ROOT)}")
     a = ap.parse_args()
-    if a.runs < 1:
-        sys.exit(f"error: --runs must be at least 1, got {a.runs}")
+    for flag, low in (("--runs", 1), ("--epochs", 1), ("--batch-size", 1), ("--subset", 10)):  # (data.subset's least)
+        check_at_least(flag, getattr(a, flag[2:].replace("-", "_")), low)
+    check_at_least("--airbench-epochs", a.airbench_epochs, 0, strict=True)
     if not 0 < a.target <= 1:
-        sys.exit(f"error: --target is an accuracy in (0, 1], got {a.target:g}")
-    if a.airbench_epochs <= 0 or (a.epochs is not None and a.epochs < 1):
-        sys.exit("error: --epochs must be at least 1 and --airbench-epochs positive")
-    if a.batch_size is not None and a.batch_size < 1:
-        sys.exit(f"error: --batch-size must be at least 1, got {a.batch_size}")
+        raise ConfigError(f"--target is an accuracy in (0, 1], got {a.target:g}")
     if not a.out.parent.is_dir():
-        sys.exit(f"error: --out: folder {a.out.parent} does not exist")
+        raise ConfigError(f"--out: folder {a.out.parent} does not exist")
     result = race(a, save=lambda r: write_atomic(a.out, json.dumps(r, indent=1) + "\n"))
     write_atomic(a.out, json.dumps(result, indent=1) + "\n")
     print(f"wrote {a.out}")

@@ -17,7 +17,6 @@ replaces its rows.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -28,11 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from faithfulness import by_checkpoint, find_checkpoints, kind_of, load, val_acc  # noqa: E402 (load: the same results file form)
+from faithfulness import ROW, by_checkpoint, find_checkpoints, kind_of, val_acc  # noqa: E402
+from faithfulness import load as load_results  # noqa: E402 (the same file form)
 
 from visattn.errors import DataError, run_main  # noqa: E402
-from visattn.options import describe  # noqa: E402
-from visattn.rundir import write_atomic  # noqa: E402
+from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
+from visattn.rundir import check_rows, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "localization.json"
 DOCS = ROOT / "docs" / "maps.md"
@@ -85,6 +85,19 @@ def score(ckpt: Path, images: int, faith_images: int, options: Dict[str, Any], d
                      "insertion_score": _iv(f.insertion_score) if f else None,
                      "faith_settings": {k: v for k, v in options.items() if k != "seed"}})
     return rows
+
+
+# what the report reads of every row, and of every map's row (rundir.check_rows)
+LOCALIZATION_ROW = {**ROW, "object": "bool", "canvas": "int", "object_size": "int", "tolerance": "int",
+                    "map": "str?", "kind": "str?", "val_images": "int?"}
+MAP_ROW = {"map": "str", "kind": "str", "pointing": "interval", "energy": "interval", "pointing_chance": "number",
+           "energy_chance": "number", "deletion_score": "interval?", "insertion_score": "interval?"}
+
+
+def load(path: Path) -> List[Dict[str, Any]]:
+    """The rows of a results file (none where there is none); a damaged row is one line naming the file and row."""
+    rows = load_results(path, LOCALIZATION_ROW)
+    return check_rows(path, rows, MAP_ROW, only=lambda r: r["object"] and r["map"] is not None)
 
 
 def save(path: Path, rows: List[Dict[str, Any]]) -> None:
@@ -176,7 +189,7 @@ def write_docs(table: str, path: Path = DOCS) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = ArgumentParser(description=describe(__doc__))
     ap.add_argument("runs", nargs="*", help="run directories (with last.pt), or folders holding them")
     ap.add_argument("--report", action="store_true", help="write the docs table from --out, print it and stop")
     ap.add_argument("--out", default=str(RESULTS))
@@ -191,14 +204,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.report:
-        table = report(load(out))
+        rows = load(out)
+        if not rows:  # a missing or empty file would replace the docs table with "no checkpoint scored"
+            raise DataError(f"--report: {out} holds no results")
+        table = report(rows)
         write_docs(table)
         print(table)
         return 0
     if not args.runs:
         ap.error("give run directories to score, or --report")
-    if args.images < 1 or args.faith_images < 0:
-        ap.error("--images must be >= 1 and --faith-images >= 0")
+    for flag, low in (("--images", 1), ("--faith-images", 0), ("--steps", 1), ("--regions", 1), ("--draws", 1),
+                      ("--seed", 0)):
+        check_at_least(flag, getattr(args, flag[2:].replace("-", "_")), low)
+    load(out)  # a damaged results file is refused before any scoring
     options = {"steps": args.steps, "regions": args.regions, "draws": args.draws, "seed": args.seed}
     command = "python bench/localization.py " + " ".join(sys.argv[1:] if argv is None else argv)
     for ckpt in find_checkpoints(args.runs):

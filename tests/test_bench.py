@@ -330,7 +330,7 @@ def test_merge_adds_another_machines_runs_once_and_never_replaces_one(tmp_path, 
     assert code == 0 and "added 0 runs" in stdout and json.loads(out.read_text()) == here + gpu
     other.write_text("{not json")
     code, _, stderr = _report_main(monkeypatch, capsys, *argv)
-    assert code != 0 and stderr.count("\n") == 1 and "not a results file" in stderr
+    assert code == 2 and stderr.count("\n") == 1 and "gpu.json: not a readable JSON file" in stderr
     assert json.loads(out.read_text()) == here + gpu  # nothing written on bad input
     other_block = dict(here[0], model={"attention": "se", "attn_kwargs": {"init": "default"}})
     # the same name, seed, budget and numerics built with other model options is another run: it is added

@@ -77,9 +77,12 @@ def test_bad_results_files_and_arguments_are_one_line(tmp_path, capsys):
     results.write_text("[]")
     rc, err = _main("--report", "--results", str(results), "--doc", str(doc), capsys=capsys)
     assert rc == 2 and "not a mapping with a list of runs" in err and len(err.strip().splitlines()) == 1
-    rc, err = _main("--report", "--results", str(tmp_path / "none.json"), "--doc", str(tmp_path / "nodoc.md"),
-                    capsys=capsys)
+    results.write_text(json.dumps({"runs": [_row("none", 0, 0.87)], "paired": []}))
+    rc, err = _main("--report", "--results", str(results), "--doc", str(tmp_path / "nodoc.md"), capsys=capsys)
     assert rc == 2 and "no <!-- finetune table" in err
+    rc, err = _main("--report", "--results", str(tmp_path / "none.json"), "--doc", str(doc), capsys=capsys)
+    assert rc == 2 and "none.json holds no fine-tune runs" in err  # never a "no runs yet" table over the page's
+    assert doc.read_text() == f"{finetune.BEGIN}\n{finetune.END}\n"
     rc, err = _main("--seeds", "0", "--blocks", "none", "--results", str(tmp_path / "new.json"), capsys=capsys)
     assert rc == 2 and "--lr" in err  # training needs the fine-tune's lr
     rc, err = _main("--lr", "0.1", "--seeds", "0", "--blocks", "none", "--results", str(tmp_path / "new.json"),

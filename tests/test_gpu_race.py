@@ -56,13 +56,42 @@ def test_a_bad_config_override_ends_the_process_with_one_line_and_writes_nothing
 @pytest.mark.parametrize("args, message", [
     (["--runs", "0"], "--runs must be at least 1"),
     (["--target", "1.5"], "--target is an accuracy in (0, 1]"),
+    (["--target", "nan"], "--target is an accuracy in (0, 1]"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--out", "no/such/folder/r.json"], "does not exist"),
+    (["--subset", "0"], "--subset must be at least 10, got 0"),  # was read as "no subset": the whole training set
+    (["--epochs", "0"], "--epochs must be at least 1"),
+    (["--epochs", "nan"], "argument --epochs: invalid int value: 'nan'"),
+    (["--airbench-epochs", "nan"], "--airbench-epochs must be a finite number above 0, got nan"),
+    (["--airbench-epochs", "-1"], "--airbench-epochs must be a finite number above 0"),
 ])
 def test_bad_arguments_are_one_line(tmp_path, monkeypatch, capsys, args, message):
-    code, _, err = _script_main("gpu_race.py", monkeypatch, capsys, "--out", str(tmp_path / "r.json"), *args)
-    assert code == 1 and err.count("\n") == 1 and message in err
-    assert not (tmp_path / "r.json").exists()
+    out = tmp_path / "r.json"
+    out.write_text("{}\n")  # an earlier race's file is left as it was
+    code, _, err = _script_main("gpu_race.py", monkeypatch, capsys, "--out", str(out), *args)
+    assert code == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert out.read_text() == "{}\n"
+
+
+def test_a_shorter_race_keeps_the_warmups_share_of_the_steps(monkeypatch):
+    """--epochs 1 on the 11-epoch recipe (warmup 2.3 epochs, longer than the run, which the config refuses): the
+    warmup is scaled with the run, 2.3 / 11 of it."""
+    seen = []
+    monkeypatch.setattr(race.ref, "load_data", lambda over: (_ for _ in ()).throw(RuntimeError("stop")))
+    real = load_config
+
+    def spy(path, over=()):
+        seen.append(list(over))
+        return real(path, over)
+
+    import visattn.config
+    monkeypatch.setattr(visattn.config, "load_config", spy)
+    args = race.argparse.Namespace(device="cpu", precision="fp32", set=[], subset=None, data_root=None, epochs=1,
+                                   batch_size=None)
+    with pytest.raises(RuntimeError, match="stop"):
+        race.race(args)
+    ours = next(over for over in seen if "train.epochs=1" in over)
+    assert "sched.warmup_epochs=0.2091" in ours
 
 
 def _eager_compile(monkeypatch):

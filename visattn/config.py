@@ -400,6 +400,28 @@ class Config(_Section):
             return v
         raise ValueError("must be one of auto, cpu, cuda, cuda:N")
 
+    @model_validator(mode="after")
+    def _check_together(self) -> "Config":
+        """Values valid alone but not with the rest of the config; and ``~`` in the paths of run folders and
+        checkpoints is the home folder, as in ``data.root``."""
+        w, e, sched = self.sched.warmup_epochs, self.train.epochs, self.sched.name
+        if sched != "constant" and w > e:
+            raise ValueError(f"sched.warmup_epochs={w:g} is longer than the run (train.epochs={e}): the {sched} schedule "
+                             "cannot warm up and then decay within it; give a warmup of at most train.epochs")
+        aug, placed = self.data.augment, self.data.source == "placed"
+        size, key = (self.data.placed.canvas, "data.placed.canvas") if placed else (self.data.image_size, "data.image_size")
+        if aug.cutout > size:
+            raise ValueError(f"data.augment.cutout={aug.cutout} is larger than the {size}x{size} images ({key}={size}): "
+                             "its hole would blank most or all of every image")
+        if aug.crop_padding >= size and aug.padding_mode == "reflect":
+            raise ValueError(f"data.augment.crop_padding={aug.crop_padding} with padding_mode=reflect needs images wider "
+                             f"than the padding ({key}={size}); use a smaller padding or padding_mode=constant")
+        for section, key in ((self, "run_dir"), (self, "resume"), (self.model, "init_from"), (self.train.distill, "teacher")):
+            path = getattr(section, key)
+            if isinstance(path, str) and path.startswith("~"):
+                object.__setattr__(section, key, os.path.expanduser(path))
+        return self
+
     def to_dict(self) -> Dict[str, Any]:
         return self.model_dump(mode="json")
 
@@ -615,7 +637,7 @@ def read_yaml(path: Union[str, os.PathLike], _chain: Tuple[Path, ...] = ()) -> D
     base, chain = data.pop("base"), (*_chain, p.resolve())
     if not isinstance(base, str) or not base.strip():
         raise ConfigError(f"config file {str(p)!r}: base must be the path of a config file, not {_SHORT.repr(base)}")
-    b = p.parent / base
+    b = p.parent / os.path.expanduser(base)  # "~/x.yaml" is the home folder's, as in data.root
     if b.resolve() in chain:
         names = " -> ".join(f.name for f in (*chain, b.resolve()))
         raise ConfigError(f"config file {str(p)!r}: base {base!r} makes a cycle ({names})")

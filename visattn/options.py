@@ -1,11 +1,13 @@
-"""Checks of command-line options shared by ``python -m visattn.evaluate`` and ``python -m visattn.visualize``:
-each bad value is one :class:`~visattn.errors.ConfigError` line naming the flag, never a traceback; and
-:func:`describe`, the ``--help`` description of every command-line tool (``bench/`` included)."""
+"""Checks of command-line options shared by ``python -m visattn.evaluate``, ``python -m visattn.visualize`` and the
+``bench/`` scripts: each bad value is one :class:`~visattn.errors.ConfigError` line naming the flag, never a
+traceback; :class:`ArgumentParser`, whose own refusals are one line too; and :func:`describe`, the ``--help``
+description of every command-line tool (``bench/`` included)."""
 from __future__ import annotations
 
+import argparse
 import math
 import re
-from typing import Union
+from typing import NoReturn, Optional, Union
 
 import torch
 
@@ -18,6 +20,24 @@ def describe(doc: str) -> str:
     text = " ".join(doc.strip().split("\n\n")[0].split())
     text = re.sub(r"^``[^`]+``:\s*", "", text).replace("``", "")
     return text[:1].upper() + text[1:]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose refusals (a flag it does not know, ``--epochs nan`` for an int flag) are one line,
+    ``prog: error: ...`` and exit status 2, like every other error of the tools, not a usage block above it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def check_at_least(flag: str, value: Optional[Union[int, float]], low: Union[int, float], strict: bool = False) -> None:
+    """``value >= low`` (``> low`` when ``strict``), and finite; ``None`` (a flag not given) passes; else a
+    ConfigError naming ``flag`` (NaN and inf fail: ``--airbench-epochs nan`` is no number of epochs)."""
+    if value is None:
+        return
+    if not math.isfinite(value) or (value <= low if strict else value < low):
+        raise ConfigError(f"{flag} must be a finite number {'above' if strict else 'of at least'} {low}, got {value}"
+                          if isinstance(value, float) else f"{flag} must be at least {low}, got {value}")
 
 
 def check_range(flag: str, value: Union[int, float], low: Union[int, float], high: Union[int, float]) -> None:

@@ -402,8 +402,9 @@ def save_checkpoint(state: Dict[str, Any], path: Union[str, os.PathLike]) -> Pat
 
 
 def load_checkpoint(path: Union[str, os.PathLike], map_location: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
-    """Load a visattn checkpoint safely; every failure is one :class:`CheckpointError` line naming the file."""
-    path = Path(path)
+    """Load a visattn checkpoint safely; every failure is one :class:`CheckpointError` line naming the file. A
+    leading ``~`` is the home folder (``--checkpoint=~/run/best.pt``, which the shell leaves as it is)."""
+    path = Path(path).expanduser()
     try:
         mode = path.stat().st_mode
         if stat.S_ISDIR(mode):
@@ -577,6 +578,48 @@ def read_json(path: Path, kind: type = dict, missing: Any = _REQUIRED) -> Any:
     if not isinstance(data, kind):
         raise DataError(f"{path}: holds a JSON {type(data).__name__}, not a {kind.__name__}")
     return data
+
+
+def _row_value_fits(kind: str, v: Any) -> bool:
+    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # a bool is not a number
+    return {"str": isinstance(v, str), "bool": isinstance(v, bool), "number": number,
+            "int": number and isinstance(v, int), "dict": isinstance(v, dict), "list": isinstance(v, list),
+            "interval": isinstance(v, list) and len(v) == 3 and all(_row_value_fits("number", x) for x in v)}[kind]
+
+
+_KIND_SAID = {"str": "a string", "bool": "true or false", "number": "a finite number", "int": "an integer",
+              "dict": "an object", "list": "a list", "interval": "[mean, lo, hi] of finite numbers"}
+
+
+def check_rows(path: Path, rows: Any, fields: Dict[str, str], only: Callable[[Dict[str, Any]], bool] = lambda r: True
+               ) -> List[Dict[str, Any]]:
+    """``rows`` (a results file's list of rows) when every row is a JSON object that holds ``fields`` (dotted key
+    -> ``str``, ``bool``, ``number``, ``int``, ``dict``, ``list`` or ``interval``; a trailing ``?``: may be absent or
+    null), for the rows ``only`` picks; else one :class:`DataError` line naming the file, the row and the key. A
+    bool is never a number and NaN never a result: a report never reads a damaged row as something else."""
+    if not isinstance(rows, list):
+        raise DataError(f"{path}: holds no list of rows")
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}: row {i} is a JSON {type(row).__name__}, not an object")
+        if not only(row):
+            continue
+        for key, kind in fields.items():
+            v: Any = row
+            for part in key.split("."):
+                v = v.get(part) if isinstance(v, dict) else None
+            if v is None and kind.endswith("?"):
+                continue
+            if v is None or not _row_value_fits(kind.rstrip("?"), v):
+                got = "has no" if v is None else f"has {_said(v)} as its"
+                raise DataError(f"{path}: row {i} {got} {key!r}, which must be {_KIND_SAID[kind.rstrip('?')]} (a damaged "
+                                "or foreign results file?)")
+    return rows
+
+
+def _said(v: Any) -> str:
+    text = json.dumps(v) if isinstance(v, (bool, int, float, str)) else type(v).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def complete_rows(path: Path) -> List[Dict[str, Any]]:
