@@ -139,7 +139,7 @@ def test_init_from_checks_the_digest_too(tmp_path, fin):
 def test_a_checkpoint_without_a_digest_is_accepted_after_the_finite_check(tmp_path, fin):
     """Checkpoints written before digests existed (no entry that came with digests: no format_version, no
     teacher_digest, no model.init_from or data.placed in their config) still load, and are still refused when
-    not finite. A file of today's writer without its digest is refused (tests/test_integrity.py)."""
+    not finite. A file of today's writer without its digest is refused (tests/test_hostile_gaps.py)."""
     state = load_checkpoint(fin / "last.pt")
     assert DIGEST_KEY not in state  # the loader hands back the state without it
     for key in ("format_version", "teacher_digest"):

@@ -131,9 +131,13 @@ def test_a_newer_or_odd_format_and_weights_that_are_not_a_state_dict_are_refused
     old = {k: v for k, v in state.items() if k not in ("format_version", "teacher_digest")}
     old["config"] = {**old["config"], "model": {k: v for k, v in old["config"]["model"].items() if k != "init_from"},
                      "data": {k: v for k, v in old["config"]["data"].items() if k != "placed"}}
-    for key, value in (("model", [float("nan")]), ("ema", "weights")):  # a pre-digest file: only the checks remain
+    torch.save(old, tmp_path / "old.pt")
+    assert load_checkpoint(tmp_path / "old.pt")["epoch"] == 1  # a pre-digest file: only the checks below remain
+    for key, value, says in (("model", [float("nan")], "a list, not a state dict"), ("ema", "w", "a str, not a state dict"),
+                             ("config", [1], "a list, not a mapping"), ("epoch", "1", "a str, not an integer"),
+                             ("step", True, "a bool, not an integer")):
         torch.save({**old, key: value}, tmp_path / "old.pt")
-        with pytest.raises(CheckpointError, match=f"its {key} entry is a (list|str), not a state dict"):
+        with pytest.raises(CheckpointError, match=f"its {key} entry is {says}"):
             load_checkpoint(tmp_path / "old.pt")
 
 

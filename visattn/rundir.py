@@ -466,6 +466,10 @@ def _check_state(state: Dict[str, Any], name: str) -> None:
         raise CheckpointError(f"checkpoint {name!r}: format_version {_short(version)} "
                               + (f"is newer than this visattn reads (up to {CHECKPOINT_FORMAT}); update visattn"
                                  if newer else f"is not one visattn writes (1 to {CHECKPOINT_FORMAT})"))
+    for key, kind in (("config", dict), ("epoch", int), ("step", int)):  # what every loader reads first
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            raise CheckpointError(f"checkpoint {name!r}: its {key} entry is a {type(state[key]).__name__}, not "
+                                  f"{'a mapping' if kind is dict else 'an integer'}")
     for key in WEIGHT_KEYS:  # a weight entry of another type would skip the finite check
         if not isinstance(state.get(key), dict) and not (key == "ema" and state.get(key) is None):
             raise CheckpointError(f"checkpoint {name!r}: its {key} entry is a {type(state.get(key)).__name__}, not a "
