@@ -164,10 +164,13 @@ def race(args: argparse.Namespace, save: Callable[[Dict[str, Any]], None] = lamb
     ours = load_config(CONFIG, over)
     theirs = load_config(ROOT / "configs" / "cifar10_cpu.yaml", [o for o in over if o.startswith("data.")])
     if ours.data != theirs.data:
-        sys.exit("error: configs/cifar10_gpu.yaml and configs/cifar10_cpu.yaml (the reference's data) differ in "
-                 "their data sections; the race needs the same images and split")
+        raise ConfigError("configs/cifar10_gpu.yaml and configs/cifar10_cpu.yaml (the reference's data) differ in "
+                          "their data sections; the race needs the same images and split")
     data = ref.load_data([o for o in over if o.startswith("data.")])
     data = (*(t.to(device) for t in data[:4]), data[4])
+    steps = len(data[0]) // ours.train.batch_size * ours.train.epochs
+    if 0 < steps < ours.train.lookahead_every:  # a dry run shorter than one lookahead interval: one average, at its end
+        over.append(f"train.lookahead_every={steps}")
     name = kernels(str(device))
     print(f"{name}, torch {torch.__version__}, {precision}: airbench94 ({args.airbench_epochs:g} epochs) against "
           f"{CONFIG.relative_to(ROOT)} ({ours.train.epochs} epochs), {args.runs} runs each, target "

@@ -162,8 +162,10 @@ def test_a_checkpoint_path_may_start_with_the_home_folder(tmp_path, fin, monkeyp
     (["sched.warmup_epochs=3", "train.epochs=2"], "sched.warmup_epochs=3 is longer than the run (train.epochs=2)"),
     (["data.augment.cutout=20", "data.image_size=16"], "data.augment.cutout=20 is larger than the 16x16 images"),
     (["data.augment.crop_padding=8", "data.image_size=8"], "crop_padding=8 with padding_mode=reflect needs images"),
+    (["train.lookahead_every=13", "train.epochs=2"], "train.lookahead_every=13 is longer than the run's 12 steps"),
 ], ids=["temperature-1e-30", "temperature-0.05", "eca-gamma-0", "eca-gamma-1e-300", "eca-gamma-nan",
-        "warmup-longer-than-run", "cutout-larger-than-image", "reflect-padding-wider-than-image"])
+        "warmup-longer-than-run", "cutout-larger-than-image", "reflect-padding-wider-than-image",
+        "lookahead-longer-than-run"])
 def test_a_number_that_does_not_fit_the_rest_is_one_line_before_anything_is_written(tmp_path, overrides, fragment):
     rd = tmp_path / "run"
     _one_line(*_cli(_argv(rd, *overrides)), fragment)

@@ -776,6 +776,10 @@ def _build_optimization(cfg: Config, model: nn.Module, steps_per_epoch: int, dev
     total = steps_per_epoch * cfg.train.epochs
     scheduler = _schedule(cfg, optimizer, steps_per_epoch)
     t = cfg.train
+    if t.lookahead_every > total:  # its slow copy, put into the model at the end, would be the initial weights
+        raise ConfigError(f"train.lookahead_every={t.lookahead_every} is longer than the run's {total} steps "
+                          f"({cfg.train.epochs} epochs of {steps_per_epoch} steps): the averaged weights that replace the "
+                          "model's at the end would be its initial ones; give at most the run's steps, or 0 (off)")
     lookahead = Lookahead(model, total, t.lookahead_every, t.lookahead_decay, t.lookahead_power) \
         if t.lookahead_every else None
     ema = None
