@@ -117,9 +117,15 @@ def train(net: torch.nn.Module, tr, mean, std, epochs: int, lr: float, seed: int
 
 
 def read() -> Dict[str, object]:
-    from visattn.rundir import read_json
+    """The results file ({} where there is none); a base or arm row without what the table reads is one line."""
+    from visattn.rundir import check_rows, read_json
 
-    return read_json(RESULTS, missing={})
+    res = read_json(RESULTS, missing={})
+    if "base" in res:
+        check_rows(RESULTS, [res["base"]], {"epochs": "int", "val_acc": "number"})
+    check_rows(RESULTS, res.get("arms", []), {"block": "str", "inserted": "int", "params_added": "int",
+                                              "step0_val_acc": "number", "val_acc": "number", "epochs": "int"})
+    return res
 
 
 def write(res: Dict[str, object]) -> None:

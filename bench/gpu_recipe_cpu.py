@@ -28,8 +28,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from time_to_accuracy import rows, time_to  # noqa: E402
 
 from visattn.config import safe_yaml  # noqa: E402
+from visattn.errors import DataError  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.rundir import read_json, write_atomic  # noqa: E402
+from visattn.rundir import check_rows, read_json, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "gpu_recipe_cpu.json"
 TARGET = 0.90
@@ -98,6 +99,25 @@ def budgets(result: Dict[str, Any]) -> List[str]:
     return out
 
 
+RUN = {"seed": "int", "epochs": "number", "precision": "str", "kernels": "str", "val_acc": "number",
+       "train_seconds": "number"}  # what the table reads of every row of each list (rundir.check_rows)
+ROWS = {"runs": {**RUN, "epoch_to_90": "int?", "images_to_90": "int?"}, "earlier": RUN,
+        "reference": {**RUN, "images": "int"}}
+
+
+def read_result(path: Path) -> Dict[str, Any]:
+    """The results file, its target and every row of its lists checked: a damaged one is one line naming it."""
+    result = read_json(path)
+    target = result.get("target")
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
+        raise DataError(f"{path}: its target is {target!r}, not an accuracy in (0, 1] (a damaged or foreign results file?)")
+    for key, fields in ROWS.items():
+        check_rows(path, result.get(key), fields)
+    if not result["runs"]:
+        raise DataError(f"{path} holds no runs: record them first (python bench/gpu_recipe_cpu.py)")
+    return result
+
+
 def table(result: Dict[str, Any]) -> str:
     lines = ["| recipe | seed | numerics | epochs | val acc % | first epoch at >= 90% | training images to 90% "
              "| train time s (2 CPU cores) |", "|---|---:|---|---:|---:|---:|---:|---:|"]
@@ -126,7 +146,7 @@ def main() -> None:
     if a.table:
         if not a.results.is_file():
             sys.exit(f"error: {a.results} not found: record the runs first (python bench/gpu_recipe_cpu.py)")
-        result = read_json(a.results)
+        result = read_result(a.results)
         print(table(result) + "\n\n" + "\n".join(f"- {line}" for line in budgets(result)))
         return
     dirs = a.run_dirs or sorted(d for d in (ROOT / "runs" / "gpu_recipe_cpu").glob("*") if (d / "run_info.json").is_file())

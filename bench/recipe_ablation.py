@@ -30,7 +30,7 @@ from attention_table import kernels, numerics, run_resuming  # noqa: E402
 
 from visattn.errors import CheckpointError, ConfigError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
-from visattn.rundir import Interrupted, complete_rows, read_json, write_atomic  # noqa: E402  # noqa: E402
+from visattn.rundir import Interrupted, check_rows, complete_rows, read_json, write_atomic  # noqa: E402
 
 # airbench94's setting of the levers: batch 1024 (lr 1.5 in mean-loss form) with lookahead averaging
 AIRBENCH = ["train.batch_size=1024", "optim.lr=1.5", "train.lookahead_every=5"]
@@ -161,6 +161,11 @@ def run_one(recipe: str, variant: str, seed: int, run_root: Path, data_root: str
             "eval_split": summary["eval_split"], "git": info["git"], **({"resumed": True} if resumed else {})}
 
 
+# what the table and the skip of runs already made read of every row (rundir.check_rows)
+ROW = {"variant": "str", "seed": "int", "val_acc": "number", "train_seconds": "number", "images_per_s": "number",
+       "epochs": "int?", "precision": "str?", "kernels": "str?"}
+
+
 def table(results: list[dict], variants: dict) -> str:
     """Markdown rows in the variants' order, each with its budget and numerics (rows recorded before these were
     kept: 4 epochs, and the precision's legacy kernel family, as in ``bench/attention_table.py``)."""
@@ -196,7 +201,7 @@ def main() -> None:
         ap.error(f"unknown variant(s) of {args.recipe}: {', '.join(unknown)}; valid: {', '.join(variants)}")
     name = "recipe_ablation" if args.recipe == "cpu" else f"{args.recipe}_ablation"
     run_root = Path(args.runs or ROOT / "runs" / name)
-    results = read_json(results_file, list, missing=[])
+    results = check_rows(results_file, read_json(results_file, list, missing=[]), ROW)
     if args.table and not results:
         raise ConfigError(f"--table: {results_file} holds no results")
     if not args.table:

@@ -22,7 +22,6 @@ epochs and numerics is skipped); a run is about 10 minutes at 9.9 epochs on 2 co
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -37,9 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from visattn.errors import DataError, run_main  # noqa: E402
-from visattn.options import describe  # noqa: E402
-from visattn.rundir import read_json  # noqa: E402
+from visattn.errors import ConfigError, DataError, run_main  # noqa: E402
+from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
+from visattn.rundir import check_rows, read_json  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "reference_airbench.json"
 MEAN = (0.4914, 0.4822, 0.4465)  # CIFAR-10's channel statistics, as airbench normalises
@@ -262,13 +261,18 @@ def train(seed: int, epochs: float, precision: str, overrides=(), quality: int |
             "reencoded_quality": quality}
 
 
+# what the table and the skip of runs already made read of every row (rundir.check_rows)
+ROW = {"seed": "int", "epochs": "number", "precision": "str", "kernels": "str", "val_acc": "number",
+       "train_seconds": "number", "images_per_s": "number", "reencoded_quality": "int?"}
+
+
 def main() -> None:
     from attention_table import kernels
 
     from visattn import evaluate
     from visattn.rundir import write_atomic
 
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = ArgumentParser(description=describe(__doc__))
     ap.add_argument("--epochs", type=float, default=9.9)
     ap.add_argument("--seeds", type=int, nargs="*", default=[0])
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
@@ -279,7 +283,7 @@ def main() -> None:
                          "does accuracy depend on the images' compression")
     ap.add_argument("--table", action="store_true", help="print the results file as a markdown table and exit")
     a = ap.parse_args()
-    results = read_json(a.results, list, missing=[])
+    results = check_rows(a.results, read_json(a.results, list, missing=[]), ROW)
     if a.table:
         if not results:
             raise DataError(f"--table: {a.results} holds no results")
@@ -291,10 +295,11 @@ def main() -> None:
             print(f"| {images} | {r['epochs']:g} | {r['seed']} | {r['precision']} on {r['kernels']} | {100 * r['val_acc']:.2f} "
                   f"| {r['train_seconds']:.0f} | {r['images_per_s']:.0f} |")
         return
-    if a.epochs <= 0:
-        sys.exit(f"error: --epochs must be positive, got {a.epochs:g}")
+    check_at_least("--epochs", a.epochs, 0, strict=True)  # NaN and inf too
+    for seed in a.seeds:
+        check_at_least("--seeds", seed, 0)
     if a.reencode is not None and not 1 <= a.reencode <= 95:
-        sys.exit(f"error: --reencode must be a JPEG quality from 1 to 95, got {a.reencode}")
+        raise ConfigError(f"--reencode must be a JPEG quality from 1 to 95, got {a.reencode}")
     precision = a.precision
     if precision == "auto":
         precision = "bf16" if evaluate.resolve_precision("auto", torch.device("cpu")) == "bf16" else "fp32"

@@ -231,9 +231,12 @@ def test_a_damaged_config_or_results_file_is_one_line(tmp_path, monkeypatch, cap
         code, _, err = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, str(tmp_path / "s0"), "--results", str(out))
         assert code in (1, 2) and err.count("\n") == 1 and fragment in err and not out.exists(), err
         shutil.rmtree(tmp_path / "s0")
-    out.write_text('{"runs": [')
-    code, table, err = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, "--table", "--results", str(out))
-    assert code == 2 and err.count("\n") == 1 and "not a readable JSON file" in err and not table
+    for text, fragment in (('{"runs": [', "not a readable JSON file"), ("{}", "its target is None"),
+                           ('{"target": 0.9, "runs": [{}], "earlier": [], "reference": []}', "row 1 has no 'seed'"),
+                           ('{"target": 0.9, "runs": [], "earlier": [], "reference": []}', "holds no runs")):
+        out.write_text(text)
+        code, table, err = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, "--table", "--results", str(out))
+        assert code == 2 and err.count("\n") == 1 and fragment in err and not table, err
 
 
 def test_the_results_pages_gpu_table_is_the_recorded_one(monkeypatch, capsys):

@@ -344,3 +344,26 @@ def test_bench_flags_out_of_range_are_one_line_and_write_nothing(tmp_path, fin, 
     rc, out, err = _script(*argv, *out_flag)
     _one_line(rc, err, fragment)
     assert results.read_text() == text
+
+
+def test_the_ablation_and_worked_example_readers_name_a_damaged_row(tmp_path, monkeypatch, capsys):
+    from test_bench import _load
+
+    from visattn.errors import DataError, run_main
+
+    ablation = _load("recipe_ablation")
+    results = tmp_path / "ablation.json"
+    results.write_text('[{"variant": "recipe", "seed": 0}]')
+    config, variants, _ = ablation.RECIPES["cpu"]
+    monkeypatch.setitem(ablation.RECIPES, "cpu", (config, variants, results))
+    monkeypatch.setattr(sys, "argv", ["recipe_ablation.py", "--table"])
+    with pytest.raises(SystemExit) as e:
+        run_main(ablation.main, "recipe_ablation.py")
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and not out
+    _one_line(2, err, "row 1 has no 'val_acc', which must be a finite number")
+    example = _load("finetune_torchvision")
+    monkeypatch.setattr(example, "RESULTS", tmp_path / "example.json")
+    example.RESULTS.write_text('{"base": {"epochs": 4, "val_acc": 0.6}, "arms": [{"block": "cbam", "val_acc": "68%"}]}')
+    with pytest.raises(DataError, match="row 1 has no 'inserted'"):
+        example.read()

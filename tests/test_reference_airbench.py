@@ -84,11 +84,19 @@ def _main(monkeypatch, capsys, *args) -> tuple:
     return _script_main("reference_airbench.py", monkeypatch, capsys, *args)
 
 
-def test_bad_epochs_exit_with_one_line(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("epochs", ["0", "nan", "-1"])
+def test_bad_epochs_exit_with_one_line(tmp_path, monkeypatch, capsys, epochs):
     res = tmp_path / "r.json"
-    code, _, err = _main(monkeypatch, capsys, "--epochs", "0", "--results", str(res))
-    assert code == 1 and err.count("\n") == 1 and "--epochs must be positive" in err
+    code, _, err = _main(monkeypatch, capsys, "--epochs", epochs, "--results", str(res))
+    assert code == 2 and err.count("\n") == 1 and "--epochs must be a finite number above 0" in err
     assert not res.exists()
+
+
+def test_a_row_without_its_keys_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    res = tmp_path / "r.json"
+    res.write_text('[{"seed": 0, "epochs": true}]')
+    code, out, err = _main(monkeypatch, capsys, "--table", "--results", str(res))
+    assert code == 2 and err.count("\n") == 1 and "row 1 has true as its 'epochs'" in err and not out
 
 
 def test_the_table_prints_the_recorded_runs(tmp_path, monkeypatch, capsys):
@@ -110,7 +118,7 @@ def test_reencoding_loses_more_the_lower_the_quality():
 
 def test_a_bad_quality_exits_with_one_line(tmp_path, monkeypatch, capsys):
     code, _, err = _main(monkeypatch, capsys, "--reencode", "100", "--results", str(tmp_path / "r.json"))
-    assert code == 1 and err.count("\n") == 1 and "JPEG quality from 1 to 95" in err
+    assert code == 2 and err.count("\n") == 1 and "JPEG quality from 1 to 95" in err
 
 
 def test_the_manuals_reference_table_is_the_one_the_results_give(monkeypatch, capsys):
