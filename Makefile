@@ -38,7 +38,7 @@ lock: venv
 
 bench: venv
 	$(PY) bench/train_overhead.py
-	$(PY) bench/blocks.py
+	$(PY) bench/blocks.py --vs-timm
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache site

@@ -46,7 +46,7 @@ CONTENDED = {("resnet_fast_se", 0, "53cd2e228a6a1089310ef9ac33078045ac623bbd"):
              ("resnet_fast_none", 3, "1bdac42065c4c9aac48181581a71c43b7599e497-dirty"):
              "tests beside it in epochs 1-2: 278-300 images/s there against 456-488 in epochs 3-4"}
 RESULTS = ROOT / "bench" / "results" / "attention_table.json"
-# the blocks' cost: one process's training steps of every config (python bench/throughput.py ... --out SPEED)
+# the blocks' cost: one process's training steps of every config (python bench/blocks.py --out SPEED)
 SPEED = ROOT / "bench" / "results" / "block_speed.json"
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -266,12 +266,13 @@ def load_speed(path: Path = SPEED) -> dict:
     return read_json(path, dict, missing={})
 
 
-def speed_ratios(speed: Mapping) -> Dict[str, float]:
-    """Each ``resnet_fast`` config's eager training-step images/s over ``none``'s, from one
-    ``bench/throughput.py --out`` measurement (every ratio from one process, so a busy or slower machine
-    changes both sides alike); keyed by block."""
+def speed_ratios(speed: Mapping, step: str = "eager") -> Dict[str, float]:
+    """Each ``resnet_fast`` config's training-step images/s over ``none``'s, ``step`` ``"eager"`` or
+    ``"compiled"``, from one ``bench/blocks.py --out`` measurement (every ratio from one process, so a busy or
+    slower machine changes both sides alike); keyed by block. The blocks as they are now: rows of path ``"-"``
+    (one implementation) or ``"after"`` (not the earlier implementation measured beside them, ``"before"``)."""
     ips = {Path(r["config"]).stem: r["images_per_s"] for r in speed.get("rows", ())
-           if r["step"] == "eager" and r["path"] == "-"}
+           if r["step"] == step and r["path"] in ("-", "after")}
     base = ips.get(BASELINE)
     return {n.removeprefix("resnet_fast_"): v / base for n, v in ips.items()
             if base and n.startswith("resnet_fast_")}
@@ -299,10 +300,19 @@ def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[
         by_family.setdefault(n, []).append(f'"{label}"')
     also = "".join(f", the {' and '.join(ls)} column{'s' if len(ls) > 1 else ''} in {n}" for n, ls in by_family.items())
     speed = load_speed() if speed is None else speed
-    ratios = speed_ratios(speed)
-    cost = (f" Cost: the eager training step's images/s against `none`'s, measured in one process on {speed['cpu']} "
-            f"({speed['rows'][0]['precision']} on {speed['kernels']}, {speed['threads']} threads, {speed['date']}; `bench/results/block_speed.json`)."
+    ratios, compiled = speed_ratios(speed), speed_ratios(speed, "compiled")
+    both = any(a != "none" for a in compiled)  # a second figure per cell: the compiled step's
+    emulated = (" (no native bf16 on that CPU: fp32 is the recipe's precision there)"
+                if speed.get("native_bf16") is False else "")
+    cost = (f" Cost: the {'eager / compiled' if both else 'eager'} training step's images/s against `none`'s, "
+            f"measured in one process on {speed['cpu']} ({speed['rows'][0]['precision']} on {speed['kernels']}, "
+            f"{speed['threads']} threads, {speed['date']}; `bench/results/block_speed.json`){emulated}."
             if ratios else "")
+
+    def cost_cell(a: str) -> str:
+        if a not in ratios:
+            return "—"
+        return f"{ratios[a]:.2f}" + (f" / {compiled[a]:.2f}" if both and a in compiled else "")
     out = [README_BEGIN, f"Runs in {num}{also}; difference to `none` in points, 95% interval, (pairs).{cost}", "",
            "| placement (4 epochs, `init: identity`) | " + " | ".join(f"`{p}`" for p in POSITIONS) + " |",
            "|---|" + "---:|" * len(POSITIONS)]
@@ -321,18 +331,17 @@ def summary(results: List[dict], num: str = SUMMARY_NUMERICS, options: Optional[
         out.append(f"| `{b}` | " + " | ".join(cell(paired(base + shipped(rs, cfg, at[p]), f"resnet_fast_{b}", BUDGETS[0]))
                                            for p in POSITIONS) + " |")
     head = " | ".join(f"{label} | verdict" for _, _, label in columns)
-    out += ["", f"| block (`configs/attention`, as shipped) | {head} | cost: images/s vs `none` |",
+    out += ["", f"| block (`configs/attention`, as shipped) | {head} | cost: images/s vs `none`"
+                + (", eager / compiled |" if both else " |"),
             "|---|" + "---:|---|" * len(columns) + "---:|"]
 
     for a in ATTENTION:
         if a == "none":
             accs = [" ".join(filter(None, _acc(runs_of(a, e, n)))) for e, n, _ in columns]
-            out.append("| `none` (accuracy ± std) | " + " | ".join(f"{x} | —" for x in accs)
-                       + f" | {'1.00' if ratios else '—'} |")
+            out.append("| `none` (accuracy ± std) | " + " | ".join(f"{x} | —" for x in accs) + f" | {cost_cell(a)} |")
             continue
         ds = [paired(runs_of("none", e, n) + runs_of(a, e, n), f"resnet_fast_{a}", e) for e, n, _ in columns]
-        ratio = f"{ratios[a]:.2f}" if a in ratios else "—"
-        out.append(f"| `{a}` | " + " | ".join(f"{cell(d)} | {verdict(d) if d else '—'}" for d in ds) + f" | {ratio} |")
+        out.append(f"| `{a}` | " + " | ".join(f"{cell(d)} | {verdict(d) if d else '—'}" for d in ds) + f" | {cost_cell(a)} |")
     return "\n".join(out + [README_END])
 
 

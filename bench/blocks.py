@@ -1,49 +1,389 @@
-"""Forward + backward time of visattn's attention blocks against timm's equivalents, eager and compiled, on
-CPU, in one process.
+"""What the attention blocks cost: each feature-map block against ``none`` in the CPU recipe's whole training step,
+and against its own earlier implementation, in one process; or (``--vs-timm``) each block against timm's.
 
-Each row builds visattn's block and timm's module with the same configuration (timm's options are set to
-the paper defaults visattn uses where they differ), feeds both the same input and the same upstream
-gradient (a dense random tensor, as in a real network), and times ``forward + backward`` in train mode,
-four ways: visattn eager, timm eager, visattn under ``torch.compile`` (Inductor, ``fullgraph=True``) and
-timm under ``torch.compile`` (Inductor, default options). Compilation happens in the warm-up calls. Repeats
-are interleaved (each repeat runs every row and every variant, alternating who goes first) so drift in
-machine load hits all sides, and the table reports medians. Shapes are CIFAR's: feature maps
-``--batch x 64 x 32 x 32``, tokens ``--batch x 65 x 192`` with 3 heads (a ViT-Tiny-width model on 4x4
-patches plus a class token).
+    python bench/blocks.py --threads 2 --out bench/results/block_speed.json   # the recipe step + each block alone
+    python bench/blocks.py --device cuda --out DIR/block_speed.json          # the same on a GPU (bf16: the recipe's)
+    python bench/blocks.py --quick                        # a dry run: one repeat of one step, eager (batch 16 on a CPU)
+    python bench/blocks.py --vs-timm --repeats 7 --threads 2 [--dtype bf16] [--no-compile]   # against timm's blocks
 
-    python bench/blocks.py --repeats 7 --threads 2                 # fp32, eager and compiled
-    python bench/blocks.py --repeats 7 --threads 2 --dtype bf16    # under torch.autocast("cpu", bfloat16)
-    python bench/blocks.py --no-compile                            # eager only
+**The recipe step** (the default). For ``none`` and every block, the network of
+``configs/attention/resnet_fast_<block>.yaml`` (the CPU recipe's: ``resnet_fast`` 64-256-256, the block in each
+group at ``unit_bn``, ``init: identity``) runs whole training steps (autocast forward, label-smoothed loss,
+backward, SGD step) at the recipe's batch of 512, channels-last, on batches already in memory: eager, and under
+``torch.compile`` (Inductor). Every block runs twice, as the working tree has it ("after") and as revision
+``--before`` had it ("before": that revision's ``visattn/attention`` block files loaded into a throwaway package,
+the model's blocks swapped for them with the same weights). Repeats are interleaved (every variant once per repeat,
+the order reversed every other repeat) and each variant's median is taken; a block's ratio is its images/s over
+``none``'s in the same kind of step, so every ratio, before and after, comes from this one process.
+**Blocks alone**: forward + backward (train mode, eager, a dense upstream gradient) of each block, before and
+after, on the three feature maps the recipe feeds it (recorded from ``none``'s network), in the same repeats.
 
-ratio = visattn ms / timm ms (below 1.0: visattn is faster). Prints a markdown table.
+``--precision auto`` is the recipe's own (bf16 where the device runs it natively, else fp32:
+``visattn.evaluate.resolve_precision``). ``--out`` writes the rows, the ratios, the issue's targets and the
+machine (CPU or GPU name, kernel family, whether bf16 is native, threads, precision, date, the command) as JSON;
+``bench/results/block_speed.json`` is the attention summary's cost column (``bench/attention_report.py``).
+
+**Against timm** (``--vs-timm``): visattn's block and timm's equivalent with the same configuration (timm's
+options set to the paper defaults visattn uses where they differ), the same input and upstream gradient,
+forward + backward in train mode, four ways (each eager, each under ``torch.compile``); feature maps
+``--batch x 64 x 32 x 32``, tokens ``--batch x 65 x 192`` with 3 heads. ratio = visattn ms / timm ms.
 """
 from __future__ import annotations
 
 import argparse
-import os
+import atexit
+import copy
+import importlib
+import json
 import platform
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
-from typing import Callable, Dict, List, Tuple
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import timm  # noqa: E402
 from timm.layers import Attention, EcaModule, GlobalContext, NonLocalAttn, SEModule  # noqa: E402
 from timm.layers.cbam import CbamModule, SpatialAttn  # noqa: E402
 
 import visattn  # noqa: E402
+from visattn import evaluate  # noqa: E402
 from visattn.attention.spatial import coord_mip  # noqa: E402
+from visattn.config import load_config  # noqa: E402
+from visattn.errors import run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
+from visattn.rundir import write_atomic  # noqa: E402
 
 try:  # coordinate attention arrived in timm 1.0.16 (timm/layers/coord_attn.py)
     from timm.layers.coord_attn import CoordAttn
 except ImportError:  # pragma: no cover - older timm
     CoordAttn = None
+
+BLOCKS = ("se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
+BASELINE = "none"
+BEFORE = "cd0e7b4"  # the last revision before the blocks' speed work (issue 70)
+# the issue's targets for the whole step's speed against none's, eager and compiled (set for bf16 on a CPU)
+TARGETS = {"se": 0.97, "eca": 0.97, "gc": 0.97, "spatial": 0.95, "cbam": 0.95, "coord": 0.95, "nonlocal": 0.90,
+           "mhsa2d": 0.75}
+IMPLS = ("before", "after")
+QUICK_CPU_BATCH = 16
+
+
+# ---- the blocks as an earlier revision had them ---------------------------------------------------------------
+
+COLLECT = '''"""Stands in for visattn.registry: collects the block classes by name (the real one refuses a name twice)."""
+BLOCKS = {}
+
+
+def register_attention(name, **meta):
+    def deco(cls):
+        BLOCKS[name] = cls
+        return cls
+
+    return deco
+'''
+LOADED: List[str] = []  # the throwaway packages made so far (one per load_before call)
+
+
+def load_before(rev: str) -> Dict[str, type]:
+    """The block classes of ``visattn/attention`` at git revision ``rev``, by registered name: ``channel.py``,
+    ``spatial.py``, ``self_attn2d.py`` and the sibling modules they import, written into a throwaway package whose
+    ``registry`` only collects the classes; its other ``..`` imports are today's modules."""
+    tmp = Path(tempfile.mkdtemp(prefix="visattn-before-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    package = f"visattn_before_{len(LOADED)}"
+    LOADED.append(package)
+    pkg = tmp / package
+    (pkg / "attention").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "attention" / "__init__.py").write_text("")
+    (pkg / "registry.py").write_text(COLLECT)
+    todo, done = ["channel", "spatial", "self_attn2d"], []
+    while todo:
+        name = todo.pop()
+        got = subprocess.run(["git", "show", f"{rev}:visattn/attention/{name}.py"], cwd=ROOT, capture_output=True,
+                             text=True)
+        if got.returncode:
+            said = got.stderr.strip().splitlines() or [f"git show exited {got.returncode}"]
+            raise SystemExit(f"blocks.py: --before {rev}: {said[-1]}")
+        (pkg / "attention" / f"{name}.py").write_text(got.stdout)
+        done.append(name)
+        todo += [m for m in re.findall(r"^from \.(\w+) import", got.stdout, re.M) if m not in done + todo]
+        for up in re.findall(r"^from \.\.(\w+) import", got.stdout, re.M):
+            if up != "registry":
+                sys.modules.setdefault(f"{package}.{up}", importlib.import_module(f"visattn.{up}"))
+    sys.path.insert(0, str(tmp))
+    try:
+        for name in done:
+            importlib.import_module(f"{package}.attention.{name}")
+    finally:
+        sys.path.remove(str(tmp))
+    return importlib.import_module(f"{package}.registry").BLOCKS
+
+
+def block_inputs(model: nn.Module, x: torch.Tensor) -> Dict[str, torch.Size]:
+    """The input shape of every attention slot (module path ending in ``attn``) in one forward pass of ``x``."""
+    seen: Dict[str, torch.Size] = {}
+
+    def record(name: str):
+        return lambda module, inputs: seen.setdefault(name, inputs[0].shape) and None
+
+    hooks = [m.register_forward_pre_hook(record(n)) for n, m in model.named_modules() if n.split(".")[-1] == "attn"]
+    was = model.training
+    with torch.no_grad():
+        model.eval()(x)
+    model.train(was)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def swap_blocks(model: nn.Module, name: str, cls: type, kwargs: dict, example: torch.Tensor) -> nn.Module:
+    """A copy of ``model`` whose ``name`` blocks are ``cls`` instances (built for the same channels and options)
+    carrying the same weights, on the same device and in the same memory format."""
+    now = type(visattn.create_attention(name, 64, **kwargs))
+    shapes = block_inputs(model, example)
+    out = copy.deepcopy(model)
+    swapped = 0
+    for path, shape in shapes.items():
+        block = out.get_submodule(path)
+        if type(block) is not now:
+            continue
+        old = cls(shape[1], **kwargs)
+        old.load_state_dict(block.state_dict())
+        p = next(block.parameters())
+        old.to(device=p.device, dtype=p.dtype).to(memory_format=torch.channels_last).train(block.training)
+        parent, _, child = path.rpartition(".")
+        setattr(out.get_submodule(parent) if parent else out, child, old)
+        swapped += 1
+    if not swapped:
+        raise SystemExit(f"blocks.py: no {name!r} block found in the model to swap")
+    return out
+
+
+# ---- the recipe's training step and the blocks alone, before and after ----------------------------------------
+
+Key = Tuple[str, ...]  # ("step", block, impl, "eager" | "compiled") or ("alone", block, impl, shape)
+
+
+def build_recipe(args: argparse.Namespace, before: Dict[str, type]):
+    """The models of every config (``after``; ``before`` with the old blocks swapped in), the batches, the
+    precision, the block options and the three feature-map shapes the blocks see."""
+    import throughput
+
+    device = torch.device(args.device)
+    precision = evaluate.resolve_precision(args.precision, device)
+    models: Dict[Tuple[str, str], nn.Module] = {}
+    kwargs: dict = {}
+    for block in (BASELINE, *args.only):
+        config = ROOT / "configs" / "attention" / f"resnet_fast_{block}.yaml"
+        setup = throughput.build(str(config), args.batch, args.steps, precision)
+        model = setup.model.to(device)
+        if block == BASELINE:
+            batches = [(x.to(device), y.to(device)) for x, y in setup.batches]
+            shapes = list(dict.fromkeys(block_inputs(model, batches[0][0]).values()))
+            models[block, "-"] = model
+            continue
+        kwargs = load_config(config).model.options()["attn_kwargs"]
+        models[block, "after"] = model
+        models[block, "before"] = swap_blocks(model, block, before[block], kwargs, batches[0][0])
+    return models, batches, precision, kwargs, shapes
+
+
+def step_variants(models, batches, precision: str, compile_: bool) -> List[Tuple[Key, Callable[[], None]]]:
+    """One callable per (block, implementation, eager or compiled): the recipe's training steps on ``batches``."""
+    import throughput
+
+    out = []
+    for (block, impl), model in models.items():
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, nesterov=True)
+        kinds = [("eager", model)] + ([("compiled", torch.compile(model, dynamic=False))] if compile_ else [])
+        for kind, m in kinds:
+            step = throughput.make_step(m, opt, precision)
+            out.append((("step", block, impl, kind), lambda step=step: [step(x, y) for x, y in batches]))
+    return out
+
+
+def alone_variants(blocks: Sequence[str], before: Dict[str, type], kwargs: dict, shapes, device: str,
+                   precision: str) -> List[Tuple[Key, Callable[[], None]]]:
+    """One callable per (block, implementation, feature map): forward + backward of the block alone."""
+    out = []
+    for block in blocks:
+        for shape in shapes:
+            torch.manual_seed(0)
+            after = visattn.create_attention(block, shape[1], **kwargs)
+            old = before[block](shape[1], **kwargs)
+            old.load_state_dict(after.state_dict())
+            x = torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last).requires_grad_()
+            g = torch.randn_like(x)
+            for impl, m in (("before", old), ("after", after)):
+                m = m.to(device).to(memory_format=torch.channels_last).train()
+                out.append((("alone", block, impl, "x".join(map(str, shape))), _fwd_bwd(m, x, g, precision)))
+    return out
+
+
+def _fwd_bwd(block: nn.Module, x: torch.Tensor, g: torch.Tensor, precision: str) -> Callable[[], None]:
+    def run() -> None:
+        with evaluate.autocast(x.device, precision):
+            y = block(x)
+        y.backward(g.to(y.dtype))
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+    return run
+
+
+def interleave(variants: List[Tuple[Key, Callable[[], None]]], repeats: int, warmup: int,
+               device: str) -> Dict[Key, float]:
+    """Each variant's median seconds over ``repeats`` interleaved repeats (the order reversed every other one),
+    after ``warmup`` untimed calls each (where the compiled variants compile)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _, fn in variants:
+        for _ in range(warmup):
+            fn()
+    times: Dict[Key, List[float]] = {k: [] for k, _ in variants}
+    for r in range(repeats):
+        for key, fn in variants if r % 2 == 0 else variants[::-1]:
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            times[key].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def summarise(med: Dict[Key, float], blocks: Sequence[str], images: int) -> dict:
+    """Images/s of every step variant, each block's ratio to ``none`` (same step kind), the blocks alone in ms."""
+    ips = {k[1:]: images / t for k, t in med.items() if k[0] == "step"}
+    kinds = [k for k in ("eager", "compiled") if (BASELINE, "-", k) in ips]
+    ratios = {b: {k: {i: ips[b, i, k] / ips[BASELINE, "-", k] for i in IMPLS} for k in kinds} for b in blocks}
+    alone: Dict[str, Dict[str, Dict[str, float]]] = {}
+    for (what, b, impl, shape), t in med.items():
+        if what == "alone":
+            alone.setdefault(b, {}).setdefault(shape, {})[impl] = 1e3 * t
+    met = {b: {k: ratios[b][k]["after"] >= TARGETS[b] for k in kinds} for b in blocks}
+    return {"images_per_s": ips, "kinds": kinds, "ratios": ratios, "alone_ms": alone, "met": met}
+
+
+def machine(args: argparse.Namespace, precision: str) -> dict:
+    """Where and how the figures were measured."""
+    from attention_table import cpu_name, kernels
+
+    cuda = args.device.startswith("cuda")
+    native = torch.cuda.is_bf16_supported() if cuda else evaluate.cpu_has_native_bf16()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    return {"command": " ".join(["python bench/blocks.py", *args.argv]), "device": args.device,
+            "cpu": cpu_name(), "kernels": kernels(args.device), "native_bf16": bool(native), "precision": precision,
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "batch_size": args.batch_or_recipe, "steps": args.steps, "repeats": args.repeats, "quick": args.quick,
+            "before": args.before, "after": head.strip() or "?"}
+
+
+def note(meta: dict) -> str:
+    """What the figures are, in a line for the JSON and the docs."""
+    if meta["precision"] != "bf16" and not meta["native_bf16"] and meta["device"] == "cpu":
+        return (f"measured in {meta['precision']}, the precision the recipe runs at on this CPU ({meta['kernels']}, "
+                "no native bf16: bf16 autocast is emulated and many times slower than fp32, so a bf16 ratio here "
+                "would say nothing); the issue's targets, set for bf16, are checked against these fp32 figures, "
+                "and the bf16 line awaits a CPU with native bf16")
+    return f"measured in {meta['precision']} on {meta['kernels']}"
+
+
+def report(summary: dict, meta: dict, blocks: Sequence[str]) -> None:
+    """The two markdown tables: whole-step ratios to ``none``, then the blocks alone."""
+    ips, kinds, ratios = summary["images_per_s"], summary["kinds"], summary["ratios"]
+    print(f"{meta['device']} ({meta['cpu'] if meta['device'] == 'cpu' else meta['kernels']}), {meta['kernels']}, "
+          f"{meta['precision']}, {meta['threads']} threads, torch {meta['torch']}; batch {meta['batch_size']}, "
+          f"{meta['steps']} step(s) x {meta['repeats']} interleaved repeats (medians); before = {meta['before']}")
+    print(note(meta) + "\n")
+    cols = [f"{k} {i}" for k in kinds for i in IMPLS]
+    print("| block | " + " | ".join(cols) + " | target | met (after) |")
+    print("|---|" + "---:|" * len(cols) + "---:|---|")
+    print(f"| `{BASELINE}` (images/s) | " + " | ".join(f"{ips[BASELINE, '-', k]:.1f}" for k in kinds for _ in IMPLS)
+          + " | — | — |")
+    for b in blocks:
+        met = ", ".join(f"{k} {'yes' if summary['met'][b][k] else 'no'}" for k in kinds)
+        print(f"| `{b}` | " + " | ".join(f"{ratios[b][k][i]:.3f}" for k in kinds for i in IMPLS)
+              + f" | {TARGETS[b]:.2f} | {met} |")
+    print("\n| block alone, forward + backward | feature map | before ms | after ms | after / before |")
+    print("|---|---|---:|---:|---:|")
+    for b in blocks:
+        for shape, t in summary["alone_ms"].get(b, {}).items():
+            print(f"| `{b}` | {shape} | {t['before']:.1f} | {t['after']:.1f} | {t['after'] / t['before']:.2f} |")
+
+
+def write_results(path: Path, summary: dict, meta: dict, blocks: Sequence[str]) -> None:
+    """The measurement as JSON (replacing ``path`` atomically). ``rows`` keep the form
+    ``bench/attention_report.py`` reads: one per config, implementation (``path``) and step kind."""
+    rows = []
+    for (block, impl, kind), v in summary["images_per_s"].items():
+        rows.append({"config": f"configs/attention/resnet_fast_{block}.yaml", "block": block, "path": impl,
+                     "step": kind, "images_per_s": v, "precision": meta["precision"], "batch_size": meta["batch_size"],
+                     "ratio": v / summary["images_per_s"][BASELINE, "-", kind]})
+    data = {**meta, "note": note(meta), "targets": {b: TARGETS[b] for b in blocks}, "ratios": summary["ratios"],
+            "met": summary["met"], "alone_ms": summary["alone_ms"], "rows": rows}
+    write_atomic(path, json.dumps(data, indent=1) + "\n")
+    print(f"\nwrote {path}")
+
+
+def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=describe(__doc__))
+    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="autocast precision (auto: the recipe's, bf16 where native, else fp32)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (default: PyTorch's)")
+    p.add_argument("--batch", type=int, default=0, help="images per step (default: the recipe's, 512)")
+    p.add_argument("--steps", type=int, default=1, help="training steps per timed call")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (medians)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls per variant first (compilation)")
+    p.add_argument("--before", default=BEFORE, help="git revision whose blocks are 'before' (default: %(default)s)")
+    p.add_argument("--only", nargs="+", choices=BLOCKS, default=list(BLOCKS), help="blocks to measure (none always)")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="eager steps only")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a dry run: one repeat of one step, eager only, batch {QUICK_CPU_BATCH} on a CPU "
+                        "(unless --batch); its times are no claim")
+    p.add_argument("--out", type=Path, default=None, help="write the JSON here (bench/results/block_speed.json)")
+    p.add_argument("--vs-timm", action="store_true",
+                   help="instead: each block against timm's (its own options: bench/blocks.py --vs-timm --help)")
+    args = p.parse_args(argv)
+    args.argv = list(argv)
+    if args.quick:
+        args.repeats, args.steps, args.compile = 1, 1, False
+        if not args.batch and not args.device.startswith("cuda"):
+            args.batch = QUICK_CPU_BATCH
+    return args
+
+
+def recipe_main(argv: Sequence[str]) -> None:
+    args = recipe_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    before = load_before(args.before)
+    models, batches, precision, kwargs, shapes = build_recipe(args, before)
+    args.batch_or_recipe = batches[0][0].shape[0]
+    variants = step_variants(models, batches, precision, args.compile)
+    variants += alone_variants(args.only, before, kwargs, shapes, args.device, precision)
+    t0 = time.perf_counter()
+    med = interleave(variants, args.repeats, args.warmup, args.device)
+    summary = summarise(med, args.only, args.batch_or_recipe * args.steps)
+    meta = machine(args, precision)
+    meta["seconds"] = round(time.perf_counter() - t0)
+    report(summary, meta, args.only)
+    if args.out:
+        write_results(args.out, summary, meta, args.only)
+
+
+# ---- against timm's blocks (--vs-timm) -----------------------------------------------------------------------
 
 
 class ReferenceCoordAttn(nn.Module):
@@ -125,8 +465,9 @@ def step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast_dtype)
 VARIANTS = ("visattn eager", "timm eager", "visattn compiled", "timm compiled")
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=describe(__doc__))
+
+def timm_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="blocks.py --vs-timm", description="each block against timm's equivalent")
     p.add_argument("--repeats", type=int, default=7, help="timed forward+backward calls per block and side")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -139,15 +480,17 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: run under CPU autocast")
     p.add_argument("--only", nargs="*", default=None, help="row names to run (default: all)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager only (no torch.compile)")
-    args = p.parse_args(argv)
+    return p.parse_args(list(argv))
+
+
+def vs_timm_main(argv: Sequence[str]) -> None:
+    args = timm_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     autocast_dtype = torch.bfloat16 if args.dtype == "bf16" else None
-
     table = rows(args.channels, args.dim, args.heads)
     if args.only:
         table = [r for r in table if r[0] in args.only]
-
     inputs = {
         "map": torch.randn(args.batch, args.channels, args.size, args.size),
         "tokens": torch.randn(args.batch, args.tokens, args.dim),
@@ -161,7 +504,6 @@ def main(argv=None) -> None:
         if args.compile:  # the compiled modules share the eager ones' parameters
             built[name]["visattn compiled"] = torch.compile(o, fullgraph=True, dynamic=False)
             built[name]["timm compiled"] = torch.compile(r, dynamic=False)
-
     t_start = time.perf_counter()
     times: Dict[Tuple[str, str], List[float]] = {}
     for name, _, _, _, kind in table:  # warm-up; compiles the compiled variants
@@ -176,11 +518,13 @@ def main(argv=None) -> None:
             order = variants if r % 2 == 0 else variants[::-1]  # alternate who goes first
             for v in order:
                 times.setdefault((name, v), []).append(step(built[name][v], x, grads[kind], autocast_dtype))
+    timm_table({k: statistics.median(v) * 1e3 for k, v in times.items()}, table, args, t_warm)
 
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+def timm_table(med: Dict[Tuple[str, str], float], table: List[Row], args: argparse.Namespace, t_warm: float) -> None:
     print(
         f"visattn blocks vs timm, forward+backward, train mode, {args.dtype}"
-        f"{' (CPU autocast)' if autocast_dtype else ''}; torch {torch.__version__}, timm {timm.__version__}, "
+        f"{' (CPU autocast)' if args.dtype == 'bf16' else ''}; torch {torch.__version__}, timm {timm.__version__}, "
         f"{args.threads} thread(s), {platform.processor() or platform.machine()}"
     )
     print(
@@ -207,5 +551,13 @@ def main(argv=None) -> None:
         print(row)
 
 
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--vs-timm" in argv:
+        vs_timm_main([a for a in argv if a != "--vs-timm"])
+    else:
+        recipe_main(argv)
+
+
 if __name__ == "__main__":
-    main()
+    run_main(main, "blocks.py")

@@ -3,7 +3,7 @@
     python bench/throughput.py [--config configs/cifar10_cpu.yaml ...] [--steps 8] [--repeats 3] [--layers]
     python bench/throughput.py --config configs/vit_tiny.yaml configs/cifar10_cpu.yaml --baseline --threads 1
     python bench/throughput.py --config configs/attention/resnet_fast_*.yaml --no-compile --repeats 5 \
-        --out bench/results/block_speed.json     # the attention summary's cost column
+        --out /tmp/attention_steps.json          # every block's config: FLOP/s and the step against the first
 
 In one process, for every ``--config``:
 1. the ceiling: a large square matmul (``--matmul 4096``) in the config's precision (bf16 on a CPU with AMX),
@@ -14,7 +14,8 @@ In one process, for every ``--config``:
    under ``torch.compile``; interleaved repeats, medians.
 It prints images/s, achieved TFLOP/s, the fraction of the in-process matmul ceiling, and the speed relative to
 the first row of the config and to the first config's row of the same path and step (``--out`` writes the rows
-as JSON: ``bench/attention_report.py --summary`` reads the blocks' cost from them). ``--baseline`` adds, for a transformer (``TokenClassifier``), the same steps on a
+as JSON; the blocks' cost in the attention summary comes from ``bench/blocks.py``, which also measures the
+blocks before and after a change, eager and compiled). ``--baseline adds, for a transformer (``TokenClassifier``), the same steps on a
 copy of the model (same weights) running the path as it was before the fast path
 (``TokenClassifier.set_fast_path(False)``): before and after, measured in one process. ``--sdpa`` picks the
 fast path's CPU attention kernel (``visattn.attention.token.sdpa_cpu_mode``; several modes: one row each, on
@@ -253,8 +254,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--layers", action="store_true",
                     help="also time every convolution's forward, input gradient and weight gradient")
     ap.add_argument("--out", type=Path, default=None,
-                    help="also write the rows as JSON here (e.g. bench/results/block_speed.json, the attention "
-                         "summary's cost column)")
+                    help="also write the rows as JSON here")
     return ap.parse_args()
 
 

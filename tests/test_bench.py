@@ -613,6 +613,30 @@ def test_the_summarys_cost_column_is_one_process_step_ratio_not_the_runs_images_
     assert report.speed_ratios({"rows": speed["rows"][2:]}) == {}  # no `none` row, no ratios
 
 
+def test_the_cost_column_reads_the_blocks_as_they_are_now_eager_and_compiled():
+    """``bench/blocks.py`` measures each block as it is ("after") and as an earlier revision had it ("before") in
+    one process: the summary shows the "after" ratios, eager / compiled, and says when bf16 was not native."""
+    fam = dict(kernels="avx512_bf16", config="configs/attention/resnet_fast_none.yaml", model={"attention": "none"})
+    se = dict(fam, config="configs/attention/resnet_fast_se.yaml", model={"attention": "se"})
+    runs = ([dict(_r("resnet_fast_none", s, 0.866), **fam) for s in range(3)]
+            + [dict(_r("resnet_fast_se", s, 0.87), **se) for s in range(3)])
+    none, cfg = "configs/attention/resnet_fast_none.yaml", "configs/attention/resnet_fast_se.yaml"
+    rows = [{"config": none, "path": "-", "step": s, "images_per_s": 1000.0, "precision": "fp32"}
+            for s in ("eager", "compiled")]
+    rows += [{"config": cfg, "path": p, "step": s, "images_per_s": v, "precision": "fp32"}
+             for p, s, v in (("before", "eager", 500.0), ("after", "eager", 950.0), ("before", "compiled", 600.0),
+                             ("after", "compiled", 990.0))]
+    speed = {"cpu": "Some CPU", "kernels": "avx2", "threads": 2, "date": "2026-12-02", "native_bf16": False, "rows": rows}
+    assert report.speed_ratios(speed) == {"none": 1.0, "se": 0.95}  # not the "before" row
+    assert report.speed_ratios(speed, "compiled") == {"none": 1.0, "se": 0.99}
+    text = report.summary(runs, "bf16 on avx512_bf16", {"none": fam["model"], "se": se["model"]}, (), speed=speed)
+    cells = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| `")}
+    assert cells["| `se`"].endswith(" | 0.95 / 0.99 |") and cells["| `none` (accuracy ± std)"].endswith(" | 1.00 / 1.00 |")
+    assert cells["| `gc`"].endswith(" | — |") and "cost: images/s vs `none`, eager / compiled |" in text
+    assert "the eager / compiled training step's images/s" in text and "(fp32 on avx2, 2 threads" in text
+    assert "no native bf16" in text
+
+
 def test_throughput_out_writes_every_row_of_one_process(tmp_path, monkeypatch, capsys):
     out = tmp_path / "speed.json"
     code, stdout, err = _script_main("throughput.py", monkeypatch, capsys, "--config", "configs/smoke.yaml",

@@ -74,6 +74,24 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def is_channels_last(x: torch.Tensor) -> bool:
+    """Whether the channels of the ``(B, C, H, W)`` map ``x`` are innermost in memory (channels-last), with more
+    than one channel and one position (else the layouts coincide). Read from the strides, which
+    ``torch.func.vmap`` answers (it refuses ``is_contiguous(memory_format=...)``)."""
+    return x.stride(1) == 1 and x.shape[1] > 1 and x.shape[2] * x.shape[3] > 1
+
+
+def mean_over(x: torch.Tensor, dims: Tuple[int, ...], dtype: torch.dtype, keepdim: bool = False) -> torch.Tensor:
+    """``x.mean(dims, dtype=dtype)`` written as a sum divided by the count (the same arithmetic as ``mean``):
+    a sum's backward is a broadcast view of the small gradient, where a mean's writes a full-size tensor, and in
+    the contiguous layout even for a channels-last ``x`` (whose gradient then meets it in a mixed-layout add).
+    Pooling this way keeps a block's backward in the input's layout and saves a pass over the map."""
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    return x.sum(dims, keepdim=keepdim, dtype=dtype) / count
+
+
 def autocast_off(x: torch.Tensor):
     """The gate networks run in their parameters' dtype: they are tiny, and fp32 gates cannot overflow.
 
@@ -149,7 +167,7 @@ class SqueezeExcite(BottleneckGate):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
         with autocast_off(x):
-            s = x.mean((2, 3), keepdim=True, dtype=compute_dtype(x)).to(self.fc1.weight.dtype)  # squeeze
+            s = mean_over(x, (2, 3), compute_dtype(x), keepdim=True).to(self.fc1.weight.dtype)  # squeeze
             w = gained(self.gate(self.fc2(self.act(self.fc1(s)))), self.gain)  # (B, C, 1, 1) excitation
         self.tap(w.flatten(1))
         return x * w.to(x.dtype)
@@ -202,10 +220,32 @@ class EfficientChannelAttention(IdentityGate, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x)  # any channel count
         with autocast_off(x):
-            s = x.mean((2, 3), dtype=compute_dtype(x)).to(self.conv.weight.dtype)  # (B, C)
+            s = mean_over(x, (2, 3), compute_dtype(x)).to(self.conv.weight.dtype)  # (B, C)
             w = gained(self.gate(self.conv(s[:, None, :])[:, 0]), self.gain)  # channels as a 1D sequence: (B, C)
         self.tap(w)
         return x * w.to(x.dtype)[:, :, None, None]
+
+
+def context_pool(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GC's attention pooling: the softmax over the H*W positions of the scores ``weight . x[b, :, i] + bias``
+    (``weight``, ``bias``: the 1x1 conv ``C -> 1``), taken in fp32, ``(B, 1, HW)``, and the context it pools,
+    ``(B, C)``. Both matmuls run on ``x`` as it lies in memory, ``(B, HW, C)`` tokens for a channels-last map
+    and ``(B, C, HW)`` otherwise, so their gradients come back in ``x``'s own layout (the other orientation
+    hands a channels-last map a contiguous gradient, and a slow mixed-layout sum follows)."""
+    B, C, H, W = x.shape
+    w = weight.to(x.dtype).reshape(1, C)
+
+    def softmax(logits: torch.Tensor) -> torch.Tensor:  # (B, 1, HW), fp32 (or fp64 for fp64 input)
+        acc = compute_dtype(x)
+        return (logits.to(acc) + bias.to(acc)).softmax(dim=-1)
+
+    if is_channels_last(x):
+        tokens = x.permute(0, 2, 3, 1).reshape(B, H * W, C)  # a view
+        p = softmax((tokens @ w.t()).transpose(1, 2))
+        return p, (p.to(x.dtype) @ tokens).flatten(1)
+    feats = x.flatten(2)  # (B, C, HW), a view
+    p = softmax(w @ feats)
+    return p, (feats @ p.to(x.dtype).transpose(1, 2)).flatten(1)
 
 
 FUSIONS = ("add", "scale", "both")
@@ -272,12 +312,8 @@ class GlobalContext(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
         B, C, H, W = x.shape
-        acc = compute_dtype(x)
-        feats = x.flatten(2)  # (B, C, HW); a view for contiguous and channels_last input
         with autocast_off(x):
-            logits = torch.matmul(self.conv_attn.weight.to(x.dtype).view(1, 1, C), feats)  # (B, 1, HW)
-            p = (logits.to(acc) + self.conv_attn.bias.to(acc)).softmax(dim=-1)  # fp32 softmax over positions
-            context = torch.matmul(feats, p.to(x.dtype).transpose(1, 2)).flatten(1)  # (B, C)
+            p, context = context_pool(x, self.conv_attn.weight, self.conv_attn.bias)  # (B, 1, HW), (B, C)
             out = x
             if self.mlp_scale is not None:
                 scale = gained(self.gate(self.mlp_scale(context.to(self.mlp_scale[0].weight.dtype))), self.gain)

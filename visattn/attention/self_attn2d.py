@@ -15,18 +15,32 @@ multiplies the values; otherwise the path is fused ``F.scaled_dot_product_attent
 """
 from __future__ import annotations
 
-from typing import Optional, Type
+from typing import Optional, Tuple, Type
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..registry import register_attention
-from .channel import check_channels, check_feature_map, check_norm_batch, reduced_channels
+from .channel import check_channels, check_feature_map, check_norm_batch, is_channels_last, reduced_channels
 from .functional import check_init, positive_int, sdpa, zero_
 from .tap import AttentionTap
 
 __all__ = ["NonLocal2d", "MHSA2d", "rel_pos_embed"]
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`~visattn.attention.functional.sdpa` with queries and keys ``(B, n, N, dq)`` and values
+    ``(B, n, N, dv)``: the three zero-padded to one head size, a multiple of 8 (the fused flash kernels need
+    equal sizes and run faster on multiples of 8; zero columns change no dot product), the output cut back to
+    ``dv``."""
+    dq, dv = q.shape[-1], v.shape[-1]
+    size = -(-max(dq, dv) // 8) * 8
+    if size != dq:
+        q, k = F.pad(q, (0, size - dq)), F.pad(k, (0, size - dq))
+    if size == dv:
+        return sdpa(q, k, v, scale=scale)
+    return sdpa(q, k, F.pad(v, (0, size - dv)), scale=scale)[..., :dv]
 
 
 def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -38,7 +52,7 @@ def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     attention does not reproduce ("Cannot view a tensor ...")."""
     B, n, N, d = y.shape
     H, W = like.shape[-2:]
-    if like.is_contiguous(memory_format=torch.channels_last) and not like.is_contiguous():
+    if is_channels_last(like):
         y = y.transpose(1, 2).clone(memory_format=torch.contiguous_format)  # (B, N, heads, d)
         return y.view(B, H, W, n * d).permute(0, 3, 1, 2)  # channels-last strided
     return y.transpose(2, 3).clone(memory_format=torch.contiguous_format).view(B, n * d, H, W)
@@ -62,18 +76,16 @@ class ResidualSelfAttention2d(nn.Module):
         check_norm_batch(self, self.norm, x.shape[0] * x.shape[2] * x.shape[3], x)
         return self.qkv(x.flatten(2).transpose(1, 2))  # tokens: a view, contiguous for channels_last input
 
-    def attend(self, q, k, v, H: int, W: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Softmax attention ``(B, n, N, d)`` -> ``(B, n, N, d)``, scores ``q k^T * self.scale (+ bias)``."""
+    def attend(self, q, k, v, H: int, W: int) -> torch.Tensor:
+        """Softmax attention, scores ``q k^T * self.scale``: ``(B, n, N, dq)`` queries and keys, ``(B, n, N, dv)``
+        values -> ``(B, n, N, dv)``."""
         if self.tap.active:  # autocast off: under bf16/fp16 autocast the matmuls would run (and round) in it
             with torch.autocast(device_type=q.device.type, enabled=False):
                 acc = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 input
                 logits = (q.to(acc) * self.scale) @ k.to(acc).transpose(-2, -1)  # (B, n, N, N)
-                if bias is not None:
-                    logits = logits + bias.to(acc)
                 attn = self.tap(logits.softmax(dim=-1), grid=(H, W), num_prefix_tokens=0)
                 return (attn @ v.to(acc)).to(v.dtype)
-        mask = None if bias is None else bias.to(q.dtype)
-        return sdpa(q, k, v, attn_mask=mask, scale=self.scale)
+        return fused_attention(q, k, v, self.scale)
 
     def output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x + self.norm(self.proj(_to_map(y, x)))
@@ -144,8 +156,9 @@ class MHSA2d(ResidualSelfAttention2d):
 
     ``q, k, v``: a 1x1 projection per position (no bias, as in BoTNet), ``num_heads`` heads. Logits
     ``q k^T + q r^T`` with ``r`` relative-position embeddings, one table per axis shared by the heads (Bello
-    et al., 2019, arXiv 1904.09925), passed to the fused attention as a float ``attn_mask``; maps larger than
-    ``max_size`` use a linearly resampled table. Wrapped as ``x + BN(proj(y))`` with the BN scale
+    et al., 2019, arXiv 1904.09925), folded into the queries and keys (:meth:`with_rel_pos`) so that the
+    attention runs fused, with no ``(B, heads, N, N)`` bias; maps larger than ``max_size`` use a linearly
+    resampled table. Wrapped as ``x + BN(proj(y))`` with the BN scale
     zero-initialised, so the block starts as the identity.
 
     Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
@@ -176,21 +189,32 @@ class MHSA2d(ResidualSelfAttention2d):
         nn.init.normal_(self.rel_w, std=self.scale)
         self.zero_init_last()
 
-    def rel_logits(self, q: torch.Tensor, H: int, W: int) -> torch.Tensor:
-        """``(B, n, N, d)`` scaled queries -> ``(B, n, N, N)`` relative-position logits."""
+    def with_rel_pos(self, q: torch.Tensor, k: torch.Tensor, H: int, W: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(B, n, N, d)`` queries and keys -> ``(B, n, N, d + H + W + pad)`` ones whose dot product is BoTNet's
+        logit before scaling, ``q_i k_j + q_i r_ij`` with ``r_ij = rel_h[h_j - h_i] + rel_w[w_j - w_i]``: query ``i``
+        carries its relative logits for every key row and every key column, key ``j`` the one-hot of its row and
+        column, and zero columns pad the size to a multiple of 8. The attention then needs no ``(B, n, N, N)``
+        bias and runs fused: SDPA sends an ``attn_mask`` that needs a gradient to its unfused math kernel."""
         B, n, N, d = q.shape
         qg = q.reshape(B, n, H, W, d)
         e_h = rel_pos_embed(self.rel_h, H).to(q.dtype)  # (H, H, d)
         e_w = rel_pos_embed(self.rel_w, W).to(q.dtype)  # (W, W, d)
         # batched matmuls broadcast over (B, n) (an einsum here lowers to a view ONNX export cannot take)
-        lh = qg @ e_h.transpose(1, 2)  # (B, n, H, W, d) @ (H, d, H) -> (B, n, H, W, H): key row k
-        lw = (qg.transpose(2, 3) @ e_w.transpose(1, 2)).transpose(2, 3)  # (B, n, H, W, W): key column k
-        return (lh[..., :, None] + lw[..., None, :]).reshape(B, n, N, N)
+        lh = qg @ e_h.transpose(1, 2)  # (B, n, H, W, d) @ (H, d, H) -> (B, n, H, W, H): key row
+        lw = (qg.transpose(2, 3) @ e_w.transpose(1, 2)).transpose(2, 3)  # (B, n, H, W, W): key column
+        pad = -(d + H + W) % 8
+        eye_h = torch.eye(H, dtype=q.dtype, device=q.device)
+        eye_w = torch.eye(W, dtype=q.dtype, device=q.device)
+        rows = eye_h[:, None, :].expand(H, W, H).reshape(N, H)  # key j's row, one-hot
+        cols = eye_w[None, :, :].expand(H, W, W).reshape(N, W)  # key j's column, one-hot
+        keys = torch.cat([rows, cols, rows.new_zeros(N, pad)], dim=1).expand(B, n, N, H + W + pad)
+        queries = [q, lh.reshape(B, n, N, H), lw.reshape(B, n, N, W), q.new_zeros(B, n, N, pad)]
+        return torch.cat(queries, dim=-1), torch.cat([k, keys], dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_tokens(x)  # (B, N, 3C)
         B, C, H, W = x.shape
         n, d = self.num_heads, self.head_dim
         q, k, v = qkv.view(B, H * W, 3, n, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, n, N, d) each
-        bias = self.rel_logits(q * self.scale, H, W)  # (B, n, N, N)
-        return self.output(x, self.attend(q, k, v, H, W, bias=bias))  # attention output (B, n, N, d)
+        q, k = self.with_rel_pos(q, k, H, W)  # (B, n, N, d + H + W + pad)
+        return self.output(x, self.attend(q, k, v, H, W))  # attention output (B, n, N, d)

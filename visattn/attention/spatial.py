@@ -33,6 +33,7 @@ from .channel import (
     check_norm_batch,
     compute_dtype,
     gained,
+    mean_over,
 )
 from .functional import check_init, positive_int
 
@@ -52,7 +53,7 @@ class ChannelGate(BottleneckGate):
         """The ``(B, C)`` gate of ``x`` (in the parameters' dtype; call with autocast off)."""
         B, C = x.shape[:2]
         acc = compute_dtype(x)
-        pooled = torch.stack([x.mean((2, 3), dtype=acc), x.amax((2, 3)).to(acc)])  # (2, B, C): avg, max
+        pooled = torch.stack([mean_over(x, (2, 3), acc), x.amax((2, 3)).to(acc)])  # (2, B, C): avg, max
         s = pooled.to(self.fc1.weight.dtype).reshape(2 * B, C, 1, 1)
         h = self.act(self.fc1(s)).view(2, B, -1, 1, 1).sum(0)  # shared MLP run once on both vectors
         logits = self.fc2(h)  # fc2(h_avg) + fc2(h_max) == fc2(h_avg + h_max) ...
@@ -97,7 +98,7 @@ class SpatialGate(IdentityGate, nn.Module):
         acc = compute_dtype(x)
         # channel mean and max stacked last, (B, H, W, 2), seen as (B, 2, H, W): channels-last is the layout
         # in which oneDNN runs the 2-channel 7x7 conv (forward + backward) an order of magnitude faster on CPU
-        maps = torch.stack([x.mean(1, dtype=acc), x.amax(1).to(acc)], dim=-1).permute(0, 3, 1, 2)
+        maps = torch.stack([mean_over(x, (1,), acc), x.amax(1).to(acc)], dim=-1).permute(0, 3, 1, 2)
         z = self.bn(self.conv(maps.to(self.conv.weight.dtype)))  # (B, 1, H, W)
         return self.tap(gained(self.gate(z), self.gain))
 
@@ -186,7 +187,7 @@ class CoordAttention(IdentityGate, nn.Module):
         check_feature_map(self, x, self.channels)
         B, C, H, W = x.shape
         # both strips side by side as one (B, C, H + W, 1) map, so conv1 and BN see them together
-        strips = torch.cat([x.mean(3), x.mean(2)], dim=2)[..., None]
+        strips = torch.cat([mean_over(x, (3,), x.dtype), mean_over(x, (2,), x.dtype)], dim=2)[..., None]
         y = self.act(self.bn1(self.conv1(strips)))  # (B, mip, H + W, 1)
         y_h, y_w = y.split([H, W], dim=2)
         a_h = gained(self.gate(self.conv_h(y_h)), self.gain)  # (B, C, H, 1)

@@ -1,0 +1,85 @@
+"""``bench/blocks.py``: the blocks of an earlier revision load beside today's and compute the same function, and one
+quick run measures every variant in one process and writes the ratios the attention summary reads."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+
+import visattn
+
+
+def _load():
+    sys.path.insert(0, str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("blocks_bench", ROOT / "bench" / "blocks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+blocks = _load()
+
+
+def _in_git() -> bool:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _in_git(), reason="not a git checkout")
+@pytest.mark.parametrize("name", ["cbam", "mhsa2d"])
+def test_before_blocks_are_the_revisions_own_and_swap_in_with_the_same_weights(name):
+    before = blocks.load_before("HEAD")
+    assert set(blocks.BLOCKS) <= set(before)
+    assert before[name].__module__.startswith("visattn_before_") and before[name] is not type(
+        visattn.create_attention(name, 16))
+    torch.manual_seed(0)
+    model = visattn.create_model("resnet_fast", widths=(16, 32, 32), attention=name, attn_kwargs={"init": "identity"})
+    for p in model.parameters():  # every path live: the identity start would hide a wrong swap
+        p.data.add_(torch.randn_like(p) * 0.1)
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)  # float64: a formula would differ, not the rounding
+    old = blocks.swap_blocks(model.double().train(), name, before[name], {"init": "identity"}, x)
+    kinds = {type(m) for m in old.modules()}
+    assert before[name] in kinds and type(model.layers[0].units[0].attn) not in kinds
+    torch.testing.assert_close(old(x), model(x), rtol=1e-9, atol=1e-10)
+    gs = [torch.autograd.grad(m(x).square().sum(), list(m.parameters())) for m in (model, old)]
+    for a, b in zip(*gs):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_an_unknown_revision_is_one_line():
+    with pytest.raises(SystemExit, match="--before no-such-rev"):
+        blocks.load_before("no-such-rev")
+
+
+@pytest.mark.skipif(not _in_git(), reason="not a git checkout")
+def test_a_quick_run_writes_every_ratio_from_one_process(tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    blocks.main(["--quick", "--only", "se", "--batch", "4", "--before", "HEAD", "--out", str(out)])
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["quick"] is True and data["batch_size"] == 4 and data["precision"] in ("fp32", "bf16")
+    assert {(r["block"], r["path"], r["step"]) for r in data["rows"]} == {
+        ("none", "-", "eager"), ("se", "before", "eager"), ("se", "after", "eager")}
+    assert all(r["images_per_s"] > 0 for r in data["rows"])
+    ratios = data["ratios"]["se"]["eager"]
+    assert set(ratios) == {"before", "after"} and all(v > 0 for v in ratios.values())
+    assert data["met"]["se"] == {"eager": ratios["after"] >= 0.97} and data["targets"] == {"se": 0.97}
+    shapes = data["alone_ms"]["se"]  # the three feature maps the recipe's network feeds its blocks
+    assert list(shapes) == ["4x64x15x15", "4x256x7x7", "4x256x3x3"]
+    assert all(t["before"] > 0 and t["after"] > 0 for t in shapes.values())
+    assert data["cpu"] and data["kernels"] and data["threads"] >= 1 and "--quick" in data["command"]
+    assert isinstance(data["native_bf16"], bool) and data["precision"] in data["note"]
+    assert "| `se` |" in printed and "| `se` | 4x64x15x15 |" in printed and f"wrote {out}" in printed
+    report = _report()
+    assert report.speed_ratios(data) == {"none": 1.0, "se": pytest.approx(ratios["after"])}
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("attention_report", ROOT / "bench" / "attention_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
