@@ -10,7 +10,7 @@ network) trains on the 45,000 training images left after holding out the stratif
 split (``data.split_seed`` 0), once with ``attention: none`` and once with ``model.attention=cbam`` (inserted by
 ``insert_attention``, ``init: identity``), and is scored once, at the end, on that split with 6-view test-time
 augmentation. ``configs/cifar10_cpu.yaml`` (visattn's ``resnet_fast``, the CPU recipe) runs beside them with no
-block. Runs go seed-major, cheapest recipe first; each finished run is appended to
+block, after them. Runs go seed-major, cheapest recipe first; each finished run is appended to
 ``bench/results/foreign_models.json`` as ``{model, attention, seed, epochs, val_acc, images_per_s, precision,
 cpu, ...}`` (runs already there are skipped; a run killed part-way resumes from its checkpoint). Images/s is the
 run's own, with the machine's mean load beside it: compare speeds only between runs timed at the same load.
@@ -18,11 +18,13 @@ run's own, with the machine's mean load beside it: compare speeds only between r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -54,7 +56,7 @@ def row(recipe: str, attention: str, seed: int, run: dict) -> dict:
             "cpu": run["cpu"], "kernels": run["kernels"], "threads": run["threads"], "batch_size": cfg.train.batch_size,
             "lr": cfg.optim.lr, "optimizer": cfg.optim.name, "parameters": run["parameters"],
             "train_seconds": round(run["train_seconds"], 1), "load_mean": run["load_mean"],
-            "eval_split": run["eval_split"], "git": run["git"],
+            "eval_split": run["eval_split"], "git": run["git"], **({"resumed": True} if run.get("resumed") else {}),
             "command": f"python train.py --config {recipe} seed={seed}" + (f" model.attention={attention}"
                                                                            if attention != "none" else "")}
 
@@ -65,12 +67,25 @@ def done(results: List[dict], recipe: str, attention: str, seed: int, epochs: in
 
 
 def plan(recipes: Sequence[str], seeds: Sequence[int], reference: bool) -> List[tuple]:
-    """(recipe, attention, seed) in the order they train: seed-major, each recipe's arms together."""
-    out = []
-    for seed in seeds:
-        out += [(r, a, seed) for r in recipes for a in ARMS]
-        out += [(REFERENCE, "none", seed)] if reference else []
-    return out
+    """(recipe, attention, seed) in the order they train: seed-major, each recipe's arms together, then the
+    reference at every seed (it has runs of its own elsewhere; the recipes' pairs come first)."""
+    out = [(r, a, seed) for seed in seeds for r in recipes for a in ARMS]
+    return out + ([(REFERENCE, "none", seed) for seed in seeds] if reference else [])
+
+
+@contextlib.contextmanager
+def cpu_lock(path: Optional[str]) -> Iterator[None]:
+    """Hold ``flock(path)`` for one run (``--lock``): other jobs that take the same lock (``flock PATH CMD``) run
+    between runs, never beside one; none without a path."""
+    if not path:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -79,7 +94,8 @@ def train(args: argparse.Namespace) -> None:
         if done(results, recipe, attention, seed, args.epochs):
             continue
         extra = [f"model.attention={attention}"] if attention != "none" else []
-        run = run_one(recipe, seed, args.epochs, Path(args.runs), args.data_root, attention if extra else "", extra)
+        with cpu_lock(args.lock):
+            run = run_one(recipe, seed, args.epochs, Path(args.runs), args.data_root, attention if extra else "", extra)
         results.append(row(recipe, attention, seed, run))
         write_atomic(Path(args.results), json.dumps(results, indent=1))  # a kill mid-write keeps the old file
         print(f"{recipe} {attention} seed {seed}: val {100 * run['val_acc']:.2f}% at {run['images_per_s']:.0f} img/s",
@@ -104,7 +120,7 @@ def table(results: List[dict]) -> str:
                 f" ± {statistics.stdev(vals):.2f}" if len(vals) > 1 else "")
 
         def speed(a: str) -> str:
-            vals = [r["images_per_s"] for r in arm[a].values()]
+            vals = [r["images_per_s"] for r in arm[a].values() if not r.get("resumed")]  # a resumed run's time is split
             return f"{statistics.median(vals):.0f}" if vals else "—"
 
         diff = "—" if not pairs else " / ".join(f"{d:+.2f}" for d in pairs)
@@ -138,6 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--runs", default=str(ROOT / "runs" / "foreign_models"))
     ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--lock", default=None, help="a lock file held for each run (other jobs wait: flock FILE CMD)")
     ap.add_argument("--report", action="store_true", help="print the table from the results file; no training")
     ap.add_argument("--write", action="store_true", help="with --report: write the table into docs/results.md")
     args = ap.parse_args(argv)

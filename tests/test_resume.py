@@ -159,3 +159,13 @@ def test_metrics_follow_the_checkpoint_after_a_crash(tmp_path, reference, damage
         f.write(rows[1] if damage == "row-ahead" else rows[1][: len(rows[1]) // 2])
     run(_cfg(rd, "resnet", "resume=auto", "train.max_steps=null"), log=_quiet)
     assert metrics_rows(rd) == metrics_rows(ref)
+
+
+def test_a_resumed_epochs_images_per_s_counts_only_the_images_it_timed():
+    from visattn.trainer import EpochStats, Stat
+
+    total, new = [0.0] * len(Stat), [0.0] * len(Stat)
+    total[Stat.images], total[Stat.steps], total[Stat.finite_images] = 1000, 10, 1000
+    new[Stat.images], new[Stat.steps] = 300, 3  # stopped after 700 images, resumed for the last 300 in 3 s
+    assert EpochStats.of(total, new, 3.0).images_per_s == pytest.approx(100.0)
+    assert EpochStats.of(total, total, 10.0).images_per_s == pytest.approx(100.0)

@@ -178,6 +178,7 @@ class EpochStats:
     steps: int = 0
     new_steps: int = 0
     new_nonfinite: int = 0
+    new_images: Optional[int] = None  # the images this call ran (a resumed epoch's tail): what ``seconds`` timed
 
     @classmethod
     def of(cls, total: List[float], new: List[float], seconds: float) -> "EpochStats":
@@ -187,11 +188,14 @@ class EpochStats:
                    acc=total[Stat.correct] / good if good else float("nan"), images=int(total[Stat.images]),
                    seconds=seconds, nonfinite_steps=int(total[Stat.nonfinite]),
                    skipped_steps=int(total[Stat.scaler_skipped]), steps=int(total[Stat.steps]),
-                   new_steps=int(new[Stat.steps]), new_nonfinite=int(new[Stat.nonfinite]))
+                   new_steps=int(new[Stat.steps]), new_nonfinite=int(new[Stat.nonfinite]),
+                   new_images=int(new[Stat.images]))
 
     @property
     def images_per_s(self) -> float:
-        return self.images / max(self.seconds, 1e-9)
+        """Images per second of the steps this call timed (not a resumed epoch's images before the stop)."""
+        images = self.images if self.new_images is None else self.new_images
+        return images / max(self.seconds, 1e-9)
 
     @property
     def nothing_learned(self) -> bool:

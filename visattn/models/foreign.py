@@ -249,7 +249,8 @@ def load_pretrained(model: nn.Module, path: str, num_classes: int) -> Dict[str, 
     if problems:
         raise ValueError(f"model.pretrained_file: {path} does not fit this model (another architecture, or other "
                          f"model.kwargs / cifar_stem?): {'; '.join(problems)}")
-    model.load_state_dict(state, strict=False)
+    if not any(t.is_meta for t in own.values()):  # a check on the meta device (nothing to load into) stops here
+        model.load_state_dict(state, strict=False)
     return {"path": str(Path(path).expanduser().resolve()), "tensors": len(state), "replaced": replaced}
 
 
