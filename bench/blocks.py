@@ -72,11 +72,12 @@ except ImportError:  # pragma: no cover - older timm
 
 BLOCKS = ("se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
 BASELINE = "none"
-BEFORE = "cd0e7b4"  # the last revision before the blocks' speed work (issue 70)
+BEFORE = "4470a3c"  # the blocks as they were before their speed work (issue 70): its first commit's parent
 # the issue's targets for the whole step's speed against none's, eager and compiled (set for bf16 on a CPU)
 TARGETS = {"se": 0.97, "eca": 0.97, "gc": 0.97, "spatial": 0.95, "cbam": 0.95, "coord": 0.95, "nonlocal": 0.90,
            "mhsa2d": 0.75}
 IMPLS = ("before", "after")
+SPEED = ROOT / "bench" / "results" / "block_speed.json"  # the committed measurement: the attention summary's cost
 QUICK_CPU_BATCH = 16
 
 
@@ -262,17 +263,23 @@ def interleave(variants: List[Tuple[Key, Callable[[], None]]], repeats: int, war
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def summarise(med: Dict[Key, float], blocks: Sequence[str], images: int) -> dict:
-    """Images/s of every step variant, each block's ratio to ``none`` (same step kind), the blocks alone in ms."""
+def results(med: Dict[Key, float], blocks: Sequence[str], images: int, meta: dict) -> dict:
+    """The measurement as the JSON holds it: ``rows`` (one per config, implementation ``path`` and step kind, the
+    form ``bench/attention_report.py`` reads), each block's ratios to ``none`` (same step kind), the blocks alone
+    in ms, the issue's targets and whether the "after" ratio meets each, and the machine."""
     ips = {k[1:]: images / t for k, t in med.items() if k[0] == "step"}
     kinds = [k for k in ("eager", "compiled") if (BASELINE, "-", k) in ips]
+    rows = [{"config": f"configs/attention/resnet_fast_{b}.yaml", "block": b, "path": impl, "step": kind,
+             "images_per_s": v, "ratio": v / ips[BASELINE, "-", kind], "precision": meta["precision"],
+             "batch_size": meta["batch_size"]} for (b, impl, kind), v in ips.items()]
     ratios = {b: {k: {i: ips[b, i, k] / ips[BASELINE, "-", k] for i in IMPLS} for k in kinds} for b in blocks}
     alone: Dict[str, Dict[str, Dict[str, float]]] = {}
     for (what, b, impl, shape), t in med.items():
         if what == "alone":
             alone.setdefault(b, {}).setdefault(shape, {})[impl] = 1e3 * t
-    met = {b: {k: ratios[b][k]["after"] >= TARGETS[b] for k in kinds} for b in blocks}
-    return {"images_per_s": ips, "kinds": kinds, "ratios": ratios, "alone_ms": alone, "met": met}
+    return {**meta, "note": note(meta), "targets": {b: TARGETS[b] for b in blocks}, "ratios": ratios,
+            "met": {b: {k: ratios[b][k]["after"] >= TARGETS[b] for k in kinds} for b in blocks},
+            "alone_ms": alone, "rows": rows}
 
 
 def machine(args: argparse.Namespace, precision: str) -> dict:
@@ -282,58 +289,49 @@ def machine(args: argparse.Namespace, precision: str) -> dict:
     cuda = args.device.startswith("cuda")
     native = torch.cuda.is_bf16_supported() if cuda else evaluate.cpu_has_native_bf16()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    edited = subprocess.run(["git", "status", "--porcelain", "--", "visattn/attention"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    head = head.strip() + (" with uncommitted block edits" if edited else "")
     return {"command": " ".join(["python bench/blocks.py", *args.argv]), "device": args.device,
             "cpu": cpu_name(), "kernels": kernels(args.device), "native_bf16": bool(native), "precision": precision,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "batch_size": args.batch_or_recipe, "steps": args.steps, "repeats": args.repeats, "quick": args.quick,
-            "before": args.before, "after": head.strip() or "?"}
+            "before": args.before, "after": head or "?"}
 
 
 def note(meta: dict) -> str:
     """What the figures are, in a line for the JSON and the docs."""
     if meta["precision"] != "bf16" and not meta["native_bf16"] and meta["device"] == "cpu":
-        return (f"measured in {meta['precision']}, the precision the recipe runs at on this CPU ({meta['kernels']}, "
-                "no native bf16: bf16 autocast is emulated and many times slower than fp32, so a bf16 ratio here "
-                "would say nothing); the issue's targets, set for bf16, are checked against these fp32 figures, "
-                "and the bf16 line awaits a CPU with native bf16")
-    return f"measured in {meta['precision']} on {meta['kernels']}"
+        return (f"Measured in {meta['precision']}, the precision the recipe runs at on this CPU ({meta['kernels']}, no "
+                "native bf16: bf16 autocast is emulated there and many times slower than fp32, so a bf16 ratio would "
+                "say nothing). The issue's targets, set for bf16, are checked against these figures; the bf16 line "
+                "awaits a CPU with native bf16.")
+    return f"Measured in {meta['precision']} on {meta['kernels']}."
 
 
-def report(summary: dict, meta: dict, blocks: Sequence[str]) -> None:
-    """The two markdown tables: whole-step ratios to ``none``, then the blocks alone."""
-    ips, kinds, ratios = summary["images_per_s"], summary["kinds"], summary["ratios"]
-    print(f"{meta['device']} ({meta['cpu'] if meta['device'] == 'cpu' else meta['kernels']}), {meta['kernels']}, "
-          f"{meta['precision']}, {meta['threads']} threads, torch {meta['torch']}; batch {meta['batch_size']}, "
-          f"{meta['steps']} step(s) x {meta['repeats']} interleaved repeats (medians); before = {meta['before']}")
-    print(note(meta) + "\n")
-    cols = [f"{k} {i}" for k in kinds for i in IMPLS]
-    print("| block | " + " | ".join(cols) + " | target | met (after) |")
-    print("|---|" + "---:|" * len(cols) + "---:|---|")
-    print(f"| `{BASELINE}` (images/s) | " + " | ".join(f"{ips[BASELINE, '-', k]:.1f}" for k in kinds for _ in IMPLS)
-          + " | — | — |")
-    for b in blocks:
-        met = ", ".join(f"{k} {'yes' if summary['met'][b][k] else 'no'}" for k in kinds)
-        print(f"| `{b}` | " + " | ".join(f"{ratios[b][k][i]:.3f}" for k in kinds for i in IMPLS)
-              + f" | {TARGETS[b]:.2f} | {met} |")
-    print("\n| block alone, forward + backward | feature map | before ms | after ms | after / before |")
-    print("|---|---|---:|---:|---:|")
-    for b in blocks:
-        for shape, t in summary["alone_ms"].get(b, {}).items():
-            print(f"| `{b}` | {shape} | {t['before']:.1f} | {t['after']:.1f} | {t['after'] / t['before']:.2f} |")
-
-
-def write_results(path: Path, summary: dict, meta: dict, blocks: Sequence[str]) -> None:
-    """The measurement as JSON (replacing ``path`` atomically). ``rows`` keep the form
-    ``bench/attention_report.py`` reads: one per config, implementation (``path``) and step kind."""
-    rows = []
-    for (block, impl, kind), v in summary["images_per_s"].items():
-        rows.append({"config": f"configs/attention/resnet_fast_{block}.yaml", "block": block, "path": impl,
-                     "step": kind, "images_per_s": v, "precision": meta["precision"], "batch_size": meta["batch_size"],
-                     "ratio": v / summary["images_per_s"][BASELINE, "-", kind]})
-    data = {**meta, "note": note(meta), "targets": {b: TARGETS[b] for b in blocks}, "ratios": summary["ratios"],
-            "met": summary["met"], "alone_ms": summary["alone_ms"], "rows": rows}
-    write_atomic(path, json.dumps(data, indent=1) + "\n")
-    print(f"\nwrote {path}")
+def tables(data: dict) -> str:
+    """The measurement as markdown: a line on the machine, the note, the whole-step ratios to ``none`` (before and
+    after, eager and compiled, against the targets), then each block alone (ms, before -> after)."""
+    none = {r["step"]: r["images_per_s"] for r in data["rows"] if r["block"] == BASELINE}
+    kinds = [k for k in ("eager", "compiled") if k in none]
+    where = data["cpu"] if data["device"] == "cpu" else data["kernels"]
+    lines = [f"{where} ({data['kernels']}), {data['precision']}, {data['threads']} threads, torch {data['torch']}, "
+             f"{data['date']}; batch {data['batch_size']}, {data['steps']} step(s) per timing, median of "
+             f"{data['repeats']} interleaved repeats; before = {data['before']}, after = {data['after']}; `none`: "
+             + ", ".join(f"{none[k]:.1f} images/s {k}" for k in kinds) + (" (a quick run: no claim)" if data["quick"] else ""),
+             "", data["note"], "",
+             "| block | " + " | ".join(f"{k} {i}" for k in kinds for i in IMPLS) + " | target | met (after) |",
+             "|---|" + "---:|" * (2 * len(kinds)) + "---:|---|"]
+    for b, r in data["ratios"].items():
+        met = ", ".join(f"{k} {'yes' if data['met'][b][k] else 'no'}" for k in kinds)
+        lines.append(f"| `{b}` | " + " | ".join(f"{r[k][i]:.3f}" for k in kinds for i in IMPLS)
+                     + f" | {data['targets'][b]:.2f} | {met} |")
+    shapes = list(dict.fromkeys(s for b in data["alone_ms"].values() for s in b))
+    lines += ["", "| block alone, forward + backward, ms (before -> after) | " + " | ".join(shapes) + " |",
+              "|---|" + "---:|" * len(shapes)]
+    for b, by in data["alone_ms"].items():
+        lines.append(f"| `{b}` | " + " | ".join(f"{by[s]['before']:.1f} -> {by[s]['after']:.1f}" for s in shapes) + " |")
+    return "\n".join(lines)
 
 
 def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -353,6 +351,8 @@ def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
                    help=f"a dry run: one repeat of one step, eager only, batch {QUICK_CPU_BATCH} on a CPU "
                         "(unless --batch); its times are no claim")
     p.add_argument("--out", type=Path, default=None, help="write the JSON here (bench/results/block_speed.json)")
+    p.add_argument("--table", type=Path, nargs="?", const=SPEED, default=None, metavar="JSON",
+                   help="print the tables of a measurement's JSON (default: %(const)s) and stop: the docs' block")
     p.add_argument("--vs-timm", action="store_true",
                    help="instead: each block against timm's (its own options: bench/blocks.py --vs-timm --help)")
     args = p.parse_args(argv)
@@ -366,6 +366,9 @@ def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def recipe_main(argv: Sequence[str]) -> None:
     args = recipe_args(argv)
+    if args.table:
+        print(tables(json.loads(args.table.read_text())))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     before = load_before(args.before)
@@ -375,12 +378,12 @@ def recipe_main(argv: Sequence[str]) -> None:
     variants += alone_variants(args.only, before, kwargs, shapes, args.device, precision)
     t0 = time.perf_counter()
     med = interleave(variants, args.repeats, args.warmup, args.device)
-    summary = summarise(med, args.only, args.batch_or_recipe * args.steps)
-    meta = machine(args, precision)
-    meta["seconds"] = round(time.perf_counter() - t0)
-    report(summary, meta, args.only)
+    meta = dict(machine(args, precision), seconds=round(time.perf_counter() - t0))
+    data = results(med, args.only, args.batch_or_recipe * args.steps, meta)
+    print(tables(data))
     if args.out:
-        write_results(args.out, summary, meta, args.only)
+        write_atomic(args.out, json.dumps(data, indent=1) + "\n")
+        print(f"\nwrote {args.out}")
 
 
 # ---- against timm's blocks (--vs-timm) -----------------------------------------------------------------------

@@ -73,7 +73,8 @@ def test_a_quick_run_writes_every_ratio_from_one_process(tmp_path, capsys):
     assert all(t["before"] > 0 and t["after"] > 0 for t in shapes.values())
     assert data["cpu"] and data["kernels"] and data["threads"] >= 1 and "--quick" in data["command"]
     assert isinstance(data["native_bf16"], bool) and data["precision"] in data["note"]
-    assert "| `se` |" in printed and "| `se` | 4x64x15x15 |" in printed and f"wrote {out}" in printed
+    assert blocks.tables(data) in printed and printed.count("| `se` |") == 2 and f"wrote {out}" in printed
+    assert "| block alone, forward + backward, ms (before -> after) | 4x64x15x15 | 4x256x7x7 | 4x256x3x3 |" in printed
     report = _report()
     assert report.speed_ratios(data) == {"none": 1.0, "se": pytest.approx(ratios["after"])}
 

@@ -40,7 +40,10 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         q, k = F.pad(q, (0, size - dq)), F.pad(k, (0, size - dq))
     if size == dv:
         return sdpa(q, k, v, scale=scale)
-    return sdpa(q, k, F.pad(v, (0, size - dv)), scale=scale)[..., :dv]
+    out = sdpa(q, k, F.pad(v, (0, size - dv)), scale=scale)  # (B, n, N, size), laid out (B, N, n, size)
+    # cut in the layout the fused kernels write: the cut's backward then builds its zero-padded gradient in that
+    # layout too, and the kernel's backward reads it without a copy
+    return out.transpose(1, 2)[..., :dv].transpose(1, 2)
 
 
 def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
