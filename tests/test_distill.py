@@ -14,7 +14,7 @@ from visattn.cli import main
 from visattn.config import load_config
 from visattn.errors import CheckpointError, ConfigError
 from visattn.models import create_model
-from visattn.rundir import load_checkpoint
+from visattn.rundir import load_checkpoint, save_checkpoint
 from visattn.trainer import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def test_a_teacher_whose_logits_say_nothing_teaches_nothing(teacher, tmp_path):
     flat = load_checkpoint(teacher)
     flat["model"] = {k: (torch.zeros_like(v) if k.startswith("fc.") else v) for k, v in flat["model"].items()}
     assert any(k.startswith("fc.") for k in flat["model"])
-    torch.save(flat, tmp_path / "flat.pt")
+    save_checkpoint(flat, tmp_path / "flat.pt")  # a whole file: its digest written anew
     cfg = _cfg(tmp_path / "student", "train.epochs=3", f"train.distill.teacher={tmp_path / 'flat.pt'}",
                "train.distill.weight=1", "model.widths=[8,8,16]")
     assert run(cfg, log=lambda *a: None)["best_val_acc"] < 0.15
