@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from attention_table import run_one  # noqa: E402
 
 from visattn.errors import ConfigError, run_main  # noqa: E402
-from visattn.options import describe  # noqa: E402
+from visattn.options import ArgumentParser, describe  # noqa: E402
 from visattn.rundir import Interrupted, read_json, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "foreign_models.json"
@@ -146,7 +146,7 @@ def write_doc(text: str, doc: Path = DOC) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = ArgumentParser(description=describe(__doc__))
     ap.add_argument("--recipes", nargs="*", default=RECIPES)
     ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1])
     ap.add_argument("--epochs", type=int, default=4, help="the budget of every run (the CPU recipe's 4)")
@@ -154,6 +154,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--runs", default=str(ROOT / "runs" / "foreign_models"))
     ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own); 1 keeps a run's "
+                    "speed steady beside other work on 2 cores (no thread waits on a preempted one)")
     ap.add_argument("--lock", default=None, help="a lock file held for each run (other jobs wait: flock FILE CMD)")
     ap.add_argument("--report", action="store_true", help="print the table from the results file; no training")
     ap.add_argument("--write", action="store_true", help="with --report: write the table into docs/results.md")
@@ -163,6 +165,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for recipe in args.recipes:
         if not (ROOT / recipe).is_file():
             raise ConfigError(f"--recipes: {recipe} not found")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     if args.report:
         text = table([r for r in read_json(Path(args.results), list) if all(k in r for k in ROW_KEYS)])
         print(text)

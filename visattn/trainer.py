@@ -40,6 +40,7 @@ from .data.loaders import EpochLoader
 from .errors import CheckpointError, ConfigError, TrainingError
 from .evaluate import autocast, cpu_has_native_bf16, evaluate, resolve_precision
 from .maps import find_taps
+from .maps.record import foreign_modules
 from .maps.tensorboard import MapLogger
 from .models import create_model
 from .models.foreign import without_weights
@@ -1208,7 +1209,7 @@ def _open_outputs(run: Run) -> None:
         hparams = run_hparams(cfg, run.policy.precision, info["parameters"], run.dist.world_size)
         start_hparams(run_dir / "tb", hparams, run.say)  # the HParams dashboard's row of this run
         run.writer = SummaryWriter(str(run_dir / "tb"), purge_step=run.step if run.resume_from else None)
-    if cfg.log.maps_every and find_taps(run.model):
+    if cfg.log.maps_every and (find_taps(run.model) or foreign_modules(run.model)):  # blocks, or a timm ViT's own
         ev = run.splits.eval
         pick = spread_indices(ev.y, cfg.log.probe_size)  # fixed: one image per class in turn
         px = torch.from_numpy(ev.x[pick]).permute(0, 3, 1, 2)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..attention import insert_attention
+from ..attention.insert import SUPPORTED_FAMILIES
 from ..registry import MODELS
 
 PACKAGES = ("timm", "torchvision")
@@ -91,7 +92,7 @@ def check_options(package: str, arch: str, options: Dict[str, Any]) -> None:
     for key, types in kinds.items():
         value = options.get(key)
         if value is not None and not isinstance(value, types):
-            want = {dict: "a mapping", str: "a string", list: "a list of module names"}[types[-1]]
+            want = {dict: "a mapping", str: "a string", tuple: "a module name or a list of them"}[types[-1]]
             raise ValueError(f"option {key!r} of model {package}/{arch} must be {want}, not {value!r}")
     if "cifar_stem" in options and not isinstance(options["cifar_stem"], bool):
         raise ValueError(f"option 'cifar_stem' of model {package}/{arch} must be true or false, not {options['cifar_stem']!r}")
@@ -304,6 +305,10 @@ def build_foreign(package: str, arch: str, num_classes: int = 10, *, attention: 
         try:
             insert_attention(model, attention, at=attn_at, **dict(attn_kwargs or {}))
         except (ValueError, TypeError) as e:
+            if attn_at is None and "found no residual blocks" in str(e):
+                e = ValueError(f"insert_attention has no rule for {type(model).__name__} (it has one for "
+                               f"{SUPPORTED_FAMILIES}); name the modules to follow with model.attn_at=[NAME, ...] "
+                               "(patterns of model.named_modules(), each a conv or norm of (B, C, H, W) output)")
             raise ValueError(f"model.attention={attention} in {package}/{arch}: {e}") from None
     elif attn_kwargs or attn_at:
         raise ValueError(f"model.attn_kwargs / attn_at are set but model.attention is none ({package}/{arch})")

@@ -1,0 +1,348 @@
+"""timm and torchvision models by name (``model.name: timm/<name>``, ``torchvision/<name>``) through the one model path:
+the builder, the CIFAR stem, local weights, the inserted blocks, and everything downstream of the builder
+(precision, layouts, compile, resume, ``model.init_from``, EMA, maps, HParams, ``evaluate``, ``visualize``,
+placed objects), each on a few synthetic steps; and the bad inputs, each one line and exit 2 before anything is
+written."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+import timm
+import torch
+import torchvision
+from conftest import ROOT, metrics_rows, run_cli
+
+import visattn
+from visattn.config import load_config
+from visattn.data import Placement, build_loader, load_splits
+from visattn.evaluate import evaluate
+from visattn.evaluate import main as evaluate_main
+from visattn.rundir import load_checkpoint, logged_hparams
+from visattn.trainer import run
+from visattn.visualize import main as visualize_main
+
+SMOKE = ROOT / "configs" / "smoke.yaml"
+SMALL = "model.kwargs.channels=[8,8,16,16]"  # a timm ResNet-18 of the same depth at a few channels: seconds a run
+TINY = ["data.synthetic_size=240", "data.val_size=40", "train.batch_size=40", "eval.batch_size=100",
+        "log.progress=false", "train.epochs=1", "device=cpu"]
+RESNET = ["model.name=timm/resnet18", "model.cifar_stem=true", SMALL]
+
+
+def _quiet(*a, **k) -> None:
+    pass
+
+
+def _cfg(tmp_path: Path, *extra: str, name: str = "run"):
+    return load_config(SMOKE, [*RESNET, *TINY, f"run_dir={tmp_path / name}", *extra])
+
+
+def _tags(run_dir: Path) -> tuple:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    return set(acc.Tags()["images"]), set(acc.Tags()["scalars"])
+
+
+# ---- the builder -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,attention,blocks", [("timm/resnet18", "cbam", 8), ("torchvision/mobilenet_v3_small", "eca", 11),
+                                                   ("timm/regnetx_002", "se", 13), ("torchvision/resnet18", "coord", 8)])
+def test_a_package_model_by_name_holds_the_blocks_insert_attention_puts(name, attention, blocks):
+    model = visattn.create_model(name, num_classes=7, attention=attention, cifar_stem=True)
+    put = [n for n, m in model.named_modules() if getattr(m, "_visattn_attention", None) == attention]
+    assert len(put) == blocks
+    assert model.eval()(torch.randn(2, 3, 32, 32)).shape == (2, 7)
+
+
+def test_the_cifar_stem_keeps_32_pixels_to_the_first_stage():
+    for name, stem in (("timm/resnet18", "conv1"), ("torchvision/resnet18", "conv1"), ("timm/mobilenetv3_small_100", "conv_stem"),
+                       ("timm/convnext_atto", "stem.0"), ("torchvision/regnet_x_400mf", "stem.0")):
+        plain, cifar = (visattn.create_model(name, cifar_stem=c) for c in (False, True))
+        conv = cifar.get_submodule(stem)
+        assert (conv.kernel_size, conv.stride) == ((3, 3), (1, 1)), name
+        assert plain.get_submodule(stem).stride != (1, 1), name
+        assert not isinstance(getattr(cifar, "maxpool", torch.nn.Identity()), torch.nn.MaxPool2d), name
+
+
+def test_a_model_name_switch_keeps_only_the_options_the_new_model_takes():
+    cfg = load_config(SMOKE, ["model.name=timm/resnet18"])  # smoke.yaml's widths and stem_width are resnet_fast's
+    assert cfg.model.options() == {"attention": "cbam"}
+    cfg = load_config(ROOT / "configs" / "timm" / "vit_tiny.yaml")  # its base's model options are a ResNet's
+    assert cfg.model.options() == {"attention": "none", "kwargs": {"img_size": 32, "patch_size": 4}}
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "configs" / "timm").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_timm_recipe_builds_and_takes_32_pixel_images(recipe):
+    cfg = load_config(recipe)
+    assert cfg.train.epochs == 4 and cfg.model.name.startswith("timm/")
+    model = visattn.create_model(cfg.model.name, num_classes=10, **cfg.model.options())
+    assert model.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+    assert len((recipe.read_text()).splitlines()) <= 30
+
+
+# ---- weights from a local file -----------------------------------------------------------------------------
+
+
+def _small_resnet(num_classes: int = 10, arch: str = "resnet18") -> torch.nn.Module:
+    model = timm.create_model(arch, num_classes=num_classes, channels=(8, 8, 16, 16))
+    visattn.models.foreign.apply_cifar_stem(model, arch)
+    with torch.no_grad():  # trained-looking BN statistics, so the eval-mode output is not the init's
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("form", ["safetensors", "pth", "timm"])
+def test_a_run_from_a_weights_file_scores_at_step_0_what_the_files_model_scores(tmp_path, form):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(3)
+    net = _small_resnet()
+    path = tmp_path / ("w.safetensors" if form == "safetensors" else "w.pth")
+    if form == "safetensors":
+        save_file(net.state_dict(), str(path))
+    else:
+        torch.save(net.state_dict() if form == "pth" else {"epoch": 3, "state_dict": net.state_dict()}, path)
+    cfg = _cfg(tmp_path, "model.attention=cbam", f"model.pretrained_file={path}", "log.maps_every=0",
+               "precision=fp32", "eval.tta=none")
+    lines: List[str] = []
+    summary = run(cfg, log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    splits = load_splits(cfg.data, cfg.seed)
+    loader = build_loader(splits.eval, cfg.data, 100, False, cfg.seed, Placement(torch.device("cpu")))
+    own = evaluate(net, loader, device=torch.device("cpu"), precision="fp32", tta="none")
+    assert summary["init_from"]["val_acc"] == own["acc"] and summary["init_from"]["val_loss"] == pytest.approx(own["loss"], abs=1e-5)
+    assert any(line.startswith("step 0 (model.pretrained_file") for line in lines)
+    info = json.loads((tmp_path / "run" / "run_info.json").read_text())
+    assert info["init_from"]["weights"] == "pretrained_file" and info["init_from"]["replaced"] == []
+
+
+def test_a_classifier_of_another_class_count_is_replaced_and_said(tmp_path):
+    path = tmp_path / "in1k.pth"
+    torch.save(_small_resnet(num_classes=1000).state_dict(), path)
+    lines: List[str] = []
+    run(_cfg(tmp_path, f"model.pretrained_file={path}", "log.maps_every=0", "train.max_steps=1"),
+        log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+    said = [line for line in lines if line.startswith("model.pretrained_file:")]
+    assert len(said) == 1 and "fc.weight" in said[0] and "replaced by a fresh one" in said[0]
+
+
+# ---- downstream: every path of the trainer on a package model ----------------------------------------------
+
+
+def test_the_cli_trains_logs_the_blocks_maps_and_evaluate_scores_it(tmp_path):
+    rd = tmp_path / "run"
+    proc = run_cli(["--config", SMOKE, *RESNET, "model.attention=cbam", *TINY, f"run_dir={rd}", "log.faithfulness=true"])
+    assert proc.returncode == 0, proc.stderr
+    images, scalars = _tags(rd)
+    assert any(t.startswith("maps/") and "spatial" in t for t in images), images
+    assert any(t.startswith("faithfulness/") for t in scalars)
+    hp, _ = logged_hparams(rd / "tb")
+    assert hp["model"] == "timm/resnet18" and hp["family"] == "timm" and hp["attention"] == "cbam"
+    assert hp["attn_init"] == "identity"
+    ev = run_cli(["--checkpoint", str(rd / "best.pt"), "--data", "synthetic", "--json"], tool=evaluate_main)
+    assert ev.returncode == 0, ev.stderr
+    assert json.loads(ev.stdout)["acc"] == pytest.approx(metrics_rows(rd)[-1]["val_acc"])
+    vis = run_cli(["--checkpoint", str(rd / "best.pt"), "--validation", "2", "--data", "synthetic", "--out",
+                   str(tmp_path / "vis"), "--device", "cpu"], tool=visualize_main)
+    assert vis.returncode == 0, vis.stderr
+    assert len(list((tmp_path / "vis").glob("*.png"))) >= 2
+
+
+def test_torchvision_mobilenet_with_eca_trains_and_the_checkpoint_rebuilds_without_the_config(tmp_path):
+    rd = tmp_path / "run"
+    cfg = load_config(SMOKE, ["model.name=torchvision/mobilenet_v3_small", "model.attention=eca", "model.cifar_stem=true",
+                              "model.kwargs.width_mult=0.25", *TINY, f"run_dir={rd}", "log.maps_every=0"])
+    run(cfg, log=_quiet)
+    (rd / "config.yaml").unlink()  # the checkpoint's spec alone rebuilds the model
+    model, stored, _ = visattn.load_model_from_checkpoint(str(rd / "best.pt"), torch.device("cpu"))
+    assert stored.model.name == "torchvision/mobilenet_v3_small"
+    assert sum(1 for m in model.modules() if getattr(m, "_visattn_attention", None) == "eca") == 11
+
+
+def test_a_timm_vits_own_attention_is_logged_as_maps(tmp_path):
+    rd = tmp_path / "run"
+    cfg = load_config(SMOKE, ["model.name=timm/vit_tiny_patch16_224", "model.attention=none",
+                              "model.kwargs={img_size: 32, patch_size: 8, embed_dim: 32, depth: 2, num_heads: 2}",
+                              *TINY, f"run_dir={rd}", "log.faithfulness=true"])
+    run(cfg, log=_quiet)
+    images, scalars = _tags(rd)
+    assert any("rollout" in t for t in images) and any(t.startswith("faithfulness/") for t in scalars)
+
+
+@pytest.mark.parametrize("extra", [["precision=bf16"], ["precision=fp16"], ["channels_last=false", "precision=fp32"],
+                                   ["train.ema_decay=0.9"], ["compile=true"]],
+                         ids=["bf16", "fp16", "contiguous", "ema", "compile"])
+def test_each_precision_layout_ema_and_compile_trains_a_package_model(tmp_path, extra):
+    summary = run(_cfg(tmp_path, "model.attention=cbam", "log.maps_every=0", "train.batch_size=100", *extra), log=_quiet)
+    rows = metrics_rows(tmp_path / "run")  # one epoch of 2 steps
+    assert summary["epochs"] == 1 and len(rows) == 1 and math.isfinite(rows[0]["train_loss"])
+    state = load_checkpoint(tmp_path / "run" / "last.pt")
+    assert state["step"] == 2 and (state.get("ema") is not None) == ("train.ema_decay=0.9" in extra)
+
+
+def test_resume_continues_a_package_model_exactly(tmp_path):
+    straight = _cfg(tmp_path, "model.attention=cbam", "log.maps_every=0", "train.epochs=2", "precision=fp32", name="a")
+    run(straight, log=_quiet)
+    half = _cfg(tmp_path, "model.attention=cbam", "log.maps_every=0", "train.epochs=2", "precision=fp32",
+                "train.max_steps=6", name="b")  # 5 steps an epoch: stopped mid-epoch 2
+    run(half, log=_quiet)
+    run(_cfg(tmp_path, "model.attention=cbam", "log.maps_every=0", "train.epochs=2", "precision=fp32", "resume=auto",
+             name="b"), log=_quiet)
+    a, b = (load_checkpoint(tmp_path / n / "last.pt")["model"] for n in ("a", "b"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_init_from_a_package_model_adds_a_block_at_identity(tmp_path):
+    run(_cfg(tmp_path, "model.attention=none", "log.maps_every=0", "precision=fp32", "eval.tta=none", name="base"),
+        log=_quiet)
+    base_acc = metrics_rows(tmp_path / "base")[-1]["val_acc"]
+    summary = run(_cfg(tmp_path, "model.attention=cbam", f"model.init_from={tmp_path / 'base' / 'best.pt'}",
+                       "log.maps_every=0", "precision=fp32", "eval.tta=none", "train.max_steps=1", name="ft"), log=_quiet)
+    assert summary["init_from"]["val_acc"] == base_acc and len(summary["init_from"]["new_blocks"]) == 8
+
+
+@pytest.mark.slow
+def test_torchrun_trains_a_package_model_on_two_ranks(tmp_path):
+    rd = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(ROOT / "train.py"),
+           "--config", str(SMOKE), *RESNET, "model.attention=cbam", *TINY, f"run_dir={rd}", "log.maps_every=0"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((rd / "run_info.json").read_text())["world_size"] == 2 and (rd / "last.pt").is_file()
+
+
+def test_placed_objects_on_a_package_model_are_scored_by_the_localization_bench(tmp_path):
+    rd = tmp_path / "run"
+    cfg = load_config(SMOKE, [*RESNET, "model.attention=cbam", *TINY, f"run_dir={rd}", "log.maps_every=0",
+                              "data.source=placed", "data.placed.source=synthetic"])  # 80-px canvases
+    run(cfg, log=_quiet)
+    out = tmp_path / "loc.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "localization.py"), str(rd), "--out", str(out),
+                           "--images", "20", "--faith-images", "4", "--device", "cpu"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    kinds = {r.get("kind") for r in rows}
+    assert "attention" in kinds and "gradcam" in kinds
+
+
+# ---- bad input: one line, exit 2, nothing written ----------------------------------------------------------
+
+
+def _refused(tmp_path: Path, *argv: str, spawn: bool = False) -> str:
+    rd = tmp_path / "run"
+    args = ["--config", str(SMOKE), *TINY, f"run_dir={rd}", *argv]
+    if spawn:
+        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    else:
+        proc = run_cli(args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not (rd / "config.yaml").exists()
+    return lines[0]
+
+
+def test_an_unknown_name_is_one_line_with_the_nearest_names(tmp_path):
+    line = _refused(tmp_path, "model.name=timm/resnet181", spawn=True)
+    assert "unknown timm model 'resnet181'" in line and "resnet18," in line
+    assert "torchvision model 'resnt18'" in _refused(tmp_path, "model.name=torchvision/resnt18")
+
+
+def test_a_resnet34_weights_file_given_to_resnet18_is_one_line_naming_the_file(tmp_path):
+    path = tmp_path / "r34.pth"
+    torch.save(_small_resnet(arch="resnet34").state_dict(), path)
+    line = _refused(tmp_path, *RESNET, f"model.pretrained_file={path}", spawn=True)
+    assert str(path) in line and "layer1.2.conv1.weight" in line
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["model.name=torchvision/fasterrcnn_resnet50_fpn"], "is not a classifier"),
+    (["model.name=timm/vit_tiny_patch16_224", "model.attention=none"], "cannot take this data's 32x32 images"),
+    ([*RESNET, "model.kwargs.drop_path_rate=.nan"], "kwargs.drop_path_rate must be a finite number"),
+    ([*RESNET, "model.kwargs.drop_path_rate=2"], "kwargs.drop_path_rate must be in [0, 1)"),
+    ([*RESNET, "model.kwargs.zero_init=true"], "unexpected keyword argument 'zero_init'"),
+    ([*RESNET, "model.kwargs.channels=[-8,8,16,16]"], "model.kwargs: timm/resnet18 refused"),
+    ([*RESNET, "model.kwargs.num_classes=5"], "the class count comes from the data"),
+    ([*RESNET, "model.pretrained=true"], "download the weights once"),
+    ([*RESNET, "model.kwargs.pretrained=true"], "download the weights once"),
+    (["model.name=timm/vit_tiny_patch16_224", "model.attention=cbam", "model.kwargs={img_size: 32, patch_size: 8}"],
+     "model.attn_at"),
+    ([*RESNET, "model.cifar_stem=2"], "must be true or false"),
+    ([*RESNET, "model.attn_kwargs=[[init, identity]]"], "must be a mapping"),
+    ([*RESNET, "model.attn_at=3"], "attn_at"),
+    ([*RESNET, "model.pretrained_file=nothing_here.pth"], "not found"),
+])
+def test_bad_package_model_options_are_one_line_before_anything_is_written(tmp_path, argv, says):
+    assert says in _refused(tmp_path, *argv)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "text", "nan", "pickle", "empty_dict"])
+def test_a_damaged_or_non_finite_weights_file_is_one_line(tmp_path, damage):
+    path = tmp_path / "w.pth"
+    state = _small_resnet().state_dict()
+    if damage == "truncated":
+        torch.save(state, path)
+        path.write_bytes(path.read_bytes()[:5000])
+    elif damage == "text":
+        path.write_text("not weights")
+    elif damage == "nan":
+        state["layer1.0.conv1.weight"][0, 0, 0, 0] = float("nan")
+        torch.save(state, path)
+    elif damage == "pickle":
+        torch.save({"fc.weight": torch.zeros(1), "why": object.__new__(torchvision.ops.misc.Permute)}, path)
+    else:
+        torch.save({}, path)
+    line = _refused(tmp_path, *RESNET, f"model.pretrained_file={path}")
+    assert str(path) in line
+    assert {"nan": "non-finite", "pickle": "pickled objects", "empty_dict": "no state dict"}.get(damage, "damaged") in line
+
+
+# ---- the results table ---------------------------------------------------------------------------------------
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import foreign_models
+
+    return foreign_models
+
+
+def test_the_docs_table_is_the_one_the_results_give():
+    bench = _bench()
+    doc = (ROOT / "docs" / "results.md").read_text()
+    block = doc[doc.index(bench.BEGIN) + len(bench.BEGIN): doc.index(bench.END)].strip()
+    assert block == bench.table(json.loads(bench.RESULTS.read_text())), (
+        "docs/results.md's foreign models table is stale: run `python bench/foreign_models.py --report --write`")
+
+
+def test_the_table_pairs_cbam_with_none_by_seed_and_keeps_resumed_runs_out_of_the_speeds():
+    bench = _bench()
+    base = {"epochs": 4, "precision": "fp32", "cpu": "CPU", "kernels": "avx2", "threads": 1, "parameters": 2e6,
+            "train_seconds": 1.0, "load_mean": 1.0, "eval_split": "validation split", "git": "x"}
+    rows = [bench.row("configs/timm/regnetx_002.yaml", arm, seed, dict(base, val_acc=0.6 + 0.01 * seed + 0.002 * (arm == "cbam"),
+                                                                      images_per_s=100.0 + seed, resumed=(seed == 1)))
+            for seed in (0, 1) for arm in bench.ARMS]
+    line = bench.table(rows).splitlines()[2]
+    assert "+0.20 / +0.20" in line and "| 100 / 100 |" in line and "60.50 ± 0.71" in line
+
+
+@pytest.mark.parametrize("argv", [["--epochs", "0"], ["--seeds"], ["--threads", "0"], ["--recipes", "no.yaml"]])
+def test_the_bench_refuses_bad_flags_in_one_line(argv):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "foreign_models.py"), *argv, "--report"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
