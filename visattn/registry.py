@@ -242,5 +242,8 @@ def model_defaults(name: str) -> Dict[str, Any]:
 
 
 def create_model(name: str, num_classes: int = 10, **kwargs: Any) -> nn.Module:
-    """Build model ``name``; keyword options are the builder's (``model_options(name)`` lists them)."""
+    """Build model ``name``; keyword options are the builder's (``model_options(name)`` lists them). ``name`` may
+    also be ``timm/<name>`` or ``torchvision/<name>``: any classifier of the installed package
+    (:mod:`visattn.models.foreign`: ``attention``, ``attn_kwargs``, ``attn_at``, ``cifar_stem``, ``kwargs``,
+    ``pretrained_file``)."""
     return MODELS.create(name, num_classes=num_classes, **kwargs)
