@@ -245,14 +245,18 @@ def _fwd_bwd(block: nn.Module, x: torch.Tensor, g: torch.Tensor, precision: str)
 
 
 def interleave(variants: List[Tuple[Key, Callable[[], None]]], repeats: int, warmup: int,
-               device: str) -> Dict[Key, float]:
-    """Each variant's median seconds over ``repeats`` interleaved repeats (the order reversed every other one),
-    after ``warmup`` untimed calls each (where the compiled variants compile)."""
+               device: str) -> Tuple[Dict[Key, List[float]], Dict[Key, float]]:
+    """Each variant's seconds per call in ``repeats`` interleaved repeats (the order reversed every other one),
+    after ``warmup`` untimed calls each (where the compiled variants compile), and those warm-ups' seconds."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for _, fn in variants:
+    times: Dict[Key, List[float]] = {k: [] for k, _ in variants}
+    warm: Dict[Key, float] = {}
+    for key, fn in variants:
+        t = time.perf_counter()
         for _ in range(warmup):
             fn()
-    times: Dict[Key, List[float]] = {k: [] for k, _ in variants}
+        sync()
+        warm[key] = time.perf_counter() - t
     for r in range(repeats):
         for key, fn in variants if r % 2 == 0 else variants[::-1]:
             sync()
@@ -260,13 +264,16 @@ def interleave(variants: List[Tuple[Key, Callable[[], None]]], repeats: int, war
             fn()
             sync()
             times[key].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times, warm
 
 
-def results(med: Dict[Key, float], blocks: Sequence[str], images: int, meta: dict) -> dict:
+def results(times: Dict[Key, List[float]], warm: Dict[Key, float], blocks: Sequence[str], images: int,
+            meta: dict) -> dict:
     """The measurement as the JSON holds it: ``rows`` (one per config, implementation ``path`` and step kind, the
-    form ``bench/attention_report.py`` reads), each block's ratios to ``none`` (same step kind), the blocks alone
-    in ms, the issue's targets and whether the "after" ratio meets each, and the machine."""
+    form ``bench/attention_report.py`` reads), each block's ratios to ``none`` (same step kind, medians), the
+    blocks alone in ms, the issue's targets and whether the "after" ratio meets each, the machine, and every
+    timed call's seconds with each variant's warm-up (compilation) seconds."""
+    med = {k: statistics.median(v) for k, v in times.items()}
     ips = {k[1:]: images / t for k, t in med.items() if k[0] == "step"}
     kinds = [k for k in ("eager", "compiled") if (BASELINE, "-", k) in ips]
     rows = [{"config": f"configs/attention/resnet_fast_{b}.yaml", "block": b, "path": impl, "step": kind,
@@ -279,7 +286,8 @@ def results(med: Dict[Key, float], blocks: Sequence[str], images: int, meta: dic
             alone.setdefault(b, {}).setdefault(shape, {})[impl] = 1e3 * t
     return {**meta, "note": note(meta), "targets": {b: TARGETS[b] for b in blocks}, "ratios": ratios,
             "met": {b: {k: ratios[b][k]["after"] >= TARGETS[b] for k in kinds} for b in blocks},
-            "alone_ms": alone, "rows": rows}
+            "alone_ms": alone, "rows": rows, "seconds": {"/".join(k): [round(t, 4) for t in v] for k, v in times.items()},
+            "warmup_seconds": {"/".join(k): round(t, 2) for k, t in warm.items()}}
 
 
 def machine(args: argparse.Namespace, precision: str) -> dict:
@@ -377,9 +385,9 @@ def recipe_main(argv: Sequence[str]) -> None:
     variants = step_variants(models, batches, precision, args.compile)
     variants += alone_variants(args.only, before, kwargs, shapes, args.device, precision)
     t0 = time.perf_counter()
-    med = interleave(variants, args.repeats, args.warmup, args.device)
-    meta = dict(machine(args, precision), seconds=round(time.perf_counter() - t0))
-    data = results(med, args.only, args.batch_or_recipe * args.steps, meta)
+    times, warm = interleave(variants, args.repeats, args.warmup, args.device)
+    meta = dict(machine(args, precision), total_seconds=round(time.perf_counter() - t0))
+    data = results(times, warm, args.only, args.batch_or_recipe * args.steps, meta)
     print(tables(data))
     if args.out:
         write_atomic(args.out, json.dumps(data, indent=1) + "\n")

@@ -71,6 +71,9 @@ def test_a_quick_run_writes_every_ratio_from_one_process(tmp_path, capsys):
     shapes = data["alone_ms"]["se"]  # the three feature maps the recipe's network feeds its blocks
     assert list(shapes) == ["4x64x15x15", "4x256x7x7", "4x256x3x3"]
     assert all(t["before"] > 0 and t["after"] > 0 for t in shapes.values())
+    # every timed call is kept: 3 steps (none, se before and after) and se alone on 3 maps, before and after
+    assert len(data["seconds"]) == 3 + 2 * 3 and all(len(v) == 1 for v in data["seconds"].values())
+    assert set(data["warmup_seconds"]) == set(data["seconds"])
     assert data["cpu"] and data["kernels"] and data["threads"] >= 1 and "--quick" in data["command"]
     assert isinstance(data["native_bf16"], bool) and data["precision"] in data["note"]
     assert blocks.tables(data) in printed and printed.count("| `se` |") == 2 and f"wrote {out}" in printed
