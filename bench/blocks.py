@@ -207,6 +207,9 @@ def step_variants(models, batches, precision: str, compile_: bool) -> List[Tuple
     import throughput
 
     out = []
+    if compile_:  # one network per variant, all through the same forward code: past dynamo's default of 8
+        # compilations per code object the later ones would quietly run eager
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(models))
     for (block, impl), model in models.items():
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, nesterov=True)
         kinds = [("eager", model)] + ([("compiled", torch.compile(model, dynamic=False))] if compile_ else [])
