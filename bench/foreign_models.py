@@ -132,8 +132,9 @@ def table(results: List[dict]) -> str:
     first = results[0]
     lines.append("")
     lines.append(f"{first['epochs']} epochs, {first['precision']} on {first['cpu']} ({first['kernels']}, "
-                 f"{first['threads']} threads); scored on the {first['eval_split']}; images/s is each run's own "
-                 "(the machine's load differed between runs: compare speeds with care).")
+                 f"{first['threads']} threads); scored on the {first['eval_split']}; images/s is the median of the runs "
+                 "timed in one sitting (—: every run of the arm was stopped and resumed, its time split), each under the "
+                 "machine's load of the day: compare speeds with care.")
     return "\n".join(lines)
 
 
