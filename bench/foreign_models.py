@@ -34,7 +34,7 @@ from attention_table import run_one  # noqa: E402
 
 from visattn.errors import ConfigError, run_main  # noqa: E402
 from visattn.options import ArgumentParser, describe  # noqa: E402
-from visattn.rundir import Interrupted, read_json, write_atomic  # noqa: E402
+from visattn.rundir import Interrupted, check_rows, read_json, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "foreign_models.json"
 DOC = ROOT / "docs" / "results.md"
@@ -43,7 +43,10 @@ REFERENCE = "configs/cifar10_cpu.yaml"  # visattn's resnet_fast, no block
 ARMS = ("none", "cbam")
 BEGIN = "<!-- foreign models table: python bench/foreign_models.py --report --write -->"
 END = "<!-- end of foreign models table -->"
-ROW_KEYS = ("model", "recipe", "attention", "seed", "epochs", "val_acc", "images_per_s", "precision", "cpu")
+ROW_FIELDS = {"model": "str", "recipe": "str", "attention": "str", "seed": "int", "epochs": "int", "val_acc": "number",
+              "images_per_s": "number", "precision": "str", "cpu": "str", "kernels": "str", "threads": "int",
+              "batch_size": "int", "lr": "number", "optimizer": "str", "parameters": "int", "eval_split": "str",
+              "resumed": "bool?"}
 
 
 def row(recipe: str, attention: str, seed: int, run: dict) -> dict:
@@ -106,7 +109,7 @@ def table(results: List[dict]) -> str:
     """Markdown: per model, mean validation accuracy of each arm over its seeds, the paired CBAM - none difference,
     images/s (median over the runs), batch and learning rate."""
     if not results:
-        raise ConfigError(f"{RESULTS.name}: no runs to report")
+        raise ConfigError(f"{RESULTS.name}: no runs to report (train some first: python bench/foreign_models.py)")
     lines = ["| model (recipe) | params | none | CBAM (identity init) | CBAM - none, paired | images/s none / CBAM | "
              "batch, lr | seeds |", "|---|---|---|---|---|---|---|---|"]
     for recipe in dict.fromkeys(r["recipe"] for r in results):
@@ -173,7 +176,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
         torch.set_num_threads(args.threads)
     if args.report:
-        text = table([r for r in read_json(Path(args.results), list) if all(k in r for k in ROW_KEYS)])
+        path = Path(args.results)
+        text = table(check_rows(path, read_json(path, list), ROW_FIELDS))  # a damaged row: one line naming it
         print(text)
         if args.write:
             write_doc(text)

@@ -360,3 +360,15 @@ def test_the_bench_refuses_bad_flags_in_one_line(argv):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "foreign_models.py"), *argv, "--report"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("content,says", [("[]", "no runs to report"), ("[{}]", "row 1 has no 'model'"), ("{", "not a readable JSON file"),
+                                          ('[{"model": true}]', "'model', which must be a string")])
+def test_the_report_refuses_a_damaged_or_empty_results_file_in_one_line(tmp_path, content, says):
+    out = tmp_path / "r.json"
+    out.write_text(content)
+    doc = (ROOT / "docs" / "results.md").read_bytes()
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "foreign_models.py"), "--report", "--write", "--results",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert says in proc.stderr and (ROOT / "docs" / "results.md").read_bytes() == doc and out.read_text() == content
