@@ -15,10 +15,13 @@ CONFIGS = sorted(ROOT.glob("configs/**/*.yaml"))
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT / "configs")) for p in CONFIGS])
 def test_config_trains_a_few_steps(path, tmp_path):
     synthetic = "data.placed.source=synthetic" if "placed" in path.parts else "data.source=synthetic"  # keep the canvas
+    shipped = load_config(path)  # a warmup or a lookahead interval longer than these 2 steps is refused: shortened
+    shorter = ([f"sched.warmup_epochs={min(shipped.sched.warmup_epochs, 1)}"]
+               + [f"train.lookahead_every={min(shipped.train.lookahead_every, 2)}"])
     cfg = load_config(path, [
         f"run_dir={tmp_path / 'run'}", synthetic, "data.synthetic_size=120", "data.val_size=40",
         "train.batch_size=40", "train.epochs=1", "eval.batch_size=40", "log.progress=false", "log.probe_size=2",
-        "compile=false",  # torch.compile itself is covered by tests/test_train.py::test_compile_on_cpu
+        "compile=false", *shorter,  # torch.compile itself is covered by tests/test_train.py::test_compile_on_cpu
     ])
     summary = run(cfg, log=lambda *a: None)
     assert summary["epochs"] == 1 and summary["final"]["images_per_s"] > 0
