@@ -316,17 +316,8 @@ class DistillConfig(_Section):
 
     teacher: Optional[str] = None  # path to a visattn checkpoint (a run's last.pt); None: no distillation
     weight: float = Field(0.5, ge=0, le=1)
-    temperature: float = Field(1.0, le=100)  # at least MIN_TEMPERATURE (_check_temperature)
+    temperature: float = Field(1.0, gt=0, le=100)  # a run refuses one below MIN_TEMPERATURE (check_for_training)
     kind: Literal["soft", "hard"] = "soft"
-
-    @field_validator("temperature")
-    @classmethod
-    def _check_temperature(cls, v: float) -> float:
-        if not v >= MIN_TEMPERATURE:
-            raise ValueError(f"must be >= {MIN_TEMPERATURE:g}: the soft term is the KL divergence times temperature**2, "
-                             "which shrinks with the temperature below 1 (to 0 in fp32 near 1e-19), so a smaller one "
-                             "all but switches distillation off")
-        return v
 
 
 class TrainConfig(_Section):
@@ -401,21 +392,8 @@ class Config(_Section):
         raise ValueError("must be one of auto, cpu, cuda, cuda:N")
 
     @model_validator(mode="after")
-    def _check_together(self) -> "Config":
-        """Values valid alone but not with the rest of the config; and ``~`` in the paths of run folders and
-        checkpoints is the home folder, as in ``data.root``."""
-        w, e, sched = self.sched.warmup_epochs, self.train.epochs, self.sched.name
-        if sched != "constant" and w > e:
-            raise ValueError(f"sched.warmup_epochs={w:g} is longer than the run (train.epochs={e}): the {sched} schedule "
-                             "cannot warm up and then decay within it; give a warmup of at most train.epochs")
-        aug, placed = self.data.augment, self.data.source == "placed"
-        size, key = (self.data.placed.canvas, "data.placed.canvas") if placed else (self.data.image_size, "data.image_size")
-        if aug.cutout > size:
-            raise ValueError(f"data.augment.cutout={aug.cutout} is larger than the {size}x{size} images ({key}={size}): "
-                             "its hole would blank most or all of every image")
-        if aug.crop_padding >= size and aug.padding_mode == "reflect":
-            raise ValueError(f"data.augment.crop_padding={aug.crop_padding} with padding_mode=reflect needs images wider "
-                             f"than the padding ({key}={size}); use a smaller padding or padding_mode=constant")
+    def _home_folder(self) -> "Config":
+        """``~`` in the paths of run folders and checkpoints is the home folder, as in ``data.root``."""
         for section, key in ((self, "run_dir"), (self, "resume"), (self.model, "init_from"), (self.train.distill, "teacher")):
             path = getattr(section, key)
             if isinstance(path, str) and path.startswith("~"):
@@ -424,6 +402,30 @@ class Config(_Section):
 
     def to_dict(self) -> Dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def check_for_training(cfg: Config) -> None:
+    """What a run refuses before it builds anything, though each value is valid alone: a stored config (a
+    checkpoint's, read by evaluate and visualize) may hold them, so they are not the schema's. A warmup longer
+    than the run, a cutout hole larger than the images, reflect padding as wide as them, a distillation
+    temperature that switches the teacher off; one :class:`ConfigError` line each."""
+    w, e, sched = cfg.sched.warmup_epochs, cfg.train.epochs, cfg.sched.name
+    if sched != "constant" and w > e:
+        raise ConfigError(f"sched.warmup_epochs={w:g} is longer than the run (train.epochs={e}): the {sched} schedule "
+                          "cannot warm up and then decay within it; give a warmup of at most train.epochs")
+    aug, placed = cfg.data.augment, cfg.data.source == "placed"
+    size, key = (cfg.data.placed.canvas, "data.placed.canvas") if placed else (cfg.data.image_size, "data.image_size")
+    if aug.cutout > size:
+        raise ConfigError(f"data.augment.cutout={aug.cutout} is larger than the {size}x{size} images ({key}={size}): its "
+                          "hole would blank most or all of every image")
+    if aug.crop_padding >= size and aug.padding_mode == "reflect":
+        raise ConfigError(f"data.augment.crop_padding={aug.crop_padding} with padding_mode=reflect needs images wider "
+                          f"than the padding ({key}={size}); use a smaller padding or padding_mode=constant")
+    t = cfg.train.distill.temperature
+    if t < MIN_TEMPERATURE:
+        raise ConfigError(f"train.distill.temperature={t:g} is below {MIN_TEMPERATURE:g}: the soft term is the KL "
+                          "divergence times temperature**2, which shrinks with the temperature below 1 (to 0 in fp32 "
+                          "near 1e-19), so a smaller one all but switches distillation off")
 
 
 # ----------------------------------------------------------------------------------------------- loading

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .config import Config, DistillConfig, with_defaults
+from .config import Config, DistillConfig, check_for_training, with_defaults
 from .data import Placement, Splits, build_loader, check_augment, load_splits, normalize, spread_indices
 from .data.loaders import EpochLoader
 from .errors import CheckpointError, ConfigError, TrainingError
@@ -291,6 +291,7 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
         torch.cuda.set_device(device)
     precision = resolve_precision(cfg.precision, device)
     run_dir = Path(cfg.run_dir)
+    check_for_training(cfg)
     _check_init_folder(cfg, run_dir)
     resume_from = _resume_path(cfg, run_dir)
     check_augment(cfg.data)
