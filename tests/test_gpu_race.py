@@ -146,8 +146,9 @@ def test_the_gpu_recipes_steps_read_the_host_only_at_the_checks(tmp_path, monkey
     schedule and lookahead: between two checks a step makes no host read at all (loader included), and a check
     step makes one (the run of non-finite losses); the loader draws its augmentation on its own device."""
     check = 4
-    cfg = load_config(GPU, [*TINY_RECIPE, "train.epochs=1", "data.synthetic_size=440", "train.batch_size=16",
-                            f"train.check_every={check}", "compile=false", f"run_dir={tmp_path / 'r'}"])
+    cfg = load_config(GPU, [*TINY_RECIPE, "train.epochs=1", "sched.warmup_epochs=0.23", "data.synthetic_size=440",
+                            "train.batch_size=16", f"train.check_every={check}", "compile=false",
+                            f"run_dir={tmp_path / 'r'}"])  # (a warmup within the one epoch, as a run needs)
     run = trainer.build(cfg, log=lambda *a, **k: None)
     assert run.train_loader.gen.device == run.device and run.opt.lookahead is not None
     monkeypatch.setattr(trainer, "host_check_every", lambda policy: policy.check_every)
@@ -174,7 +175,8 @@ def test_no_synchronising_cuda_call_between_checks(tmp_path, monkeypatch):
     """On a GPU: steps 2-8 of the recipe (checks every 1,000 steps) under CUDA's sync guard, which raises on any
     synchronising call (a host read, a copy from pageable memory)."""
     cfg = load_config(GPU, [*SYNTHETIC, "data.synthetic_size=2200", "train.batch_size=128", "train.epochs=1",
-                            "train.check_every=1000", "compile=false", "device=cuda", f"run_dir={tmp_path / 'r'}"])
+                            "sched.warmup_epochs=0.23", "train.check_every=1000", "compile=false", "device=cuda",
+                            f"run_dir={tmp_path / 'r'}"])
     run = trainer.build(cfg, log=lambda *a, **k: None)
 
     def after_step(run, step: int) -> bool:
