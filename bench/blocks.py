@@ -321,27 +321,25 @@ def note(meta: dict) -> str:
 
 
 def tables(data: dict) -> str:
-    """The measurement as markdown: a line on the machine, the note, the whole-step ratios to ``none`` (before and
-    after, eager and compiled, against the targets), then each block alone (ms, before -> after)."""
+    """The measurement as markdown: a line on the machine and the note, then one row per block: its whole-step ratios to
+    ``none`` (before and after, eager and compiled) against its target, and the block alone (forward + backward ms
+    summed over the three feature maps, before -> after; each map's figure is in the JSON)."""
     none = {r["step"]: r["images_per_s"] for r in data["rows"] if r["block"] == BASELINE}
     kinds = [k for k in ("eager", "compiled") if k in none]
     where = data["cpu"] if data["device"] == "cpu" else data["kernels"]
     lines = [f"{where} ({data['kernels']}), {data['precision']}, {data['threads']} threads, torch {data['torch']}, "
              f"{data['date']}; batch {data['batch_size']}, {data['steps']} step(s) per timing, median of "
              f"{data['repeats']} interleaved repeats; before = {data['before']}, after = {data['after']}; `none`: "
-             + ", ".join(f"{none[k]:.1f} images/s {k}" for k in kinds) + (" (a quick run: no claim)" if data["quick"] else ""),
-             "", data["note"], "",
-             "| block | " + " | ".join(f"{k} {i}" for k in kinds for i in IMPLS) + " | target | met (after) |",
-             "|---|" + "---:|" * (2 * len(kinds)) + "---:|---|"]
+             + ", ".join(f"{none[k]:.1f} images/s {k}" for k in kinds) + (" (a quick run: no claim)" if data["quick"] else "")
+             + ". " + data["note"], "",
+             "| block | " + " | ".join(f"{k} {i}" for k in kinds for i in IMPLS)
+             + " | target | met (after) | alone, ms (3 maps) |",
+             "|---|" + "---:|" * (2 * len(kinds)) + "---:|---|---:|"]
     for b, r in data["ratios"].items():
-        met = ", ".join(f"{k} {'yes' if data['met'][b][k] else 'no'}" for k in kinds)
+        met = " / ".join("yes" if data["met"][b][k] else "no" for k in kinds)
+        alone = [sum(t[i] for t in data["alone_ms"].get(b, {}).values()) for i in IMPLS]
         lines.append(f"| `{b}` | " + " | ".join(f"{r[k][i]:.3f}" for k in kinds for i in IMPLS)
-                     + f" | {data['targets'][b]:.2f} | {met} |")
-    shapes = list(dict.fromkeys(s for b in data["alone_ms"].values() for s in b))
-    lines += ["", "| block alone, forward + backward, ms (before -> after) | " + " | ".join(shapes) + " |",
-              "|---|" + "---:|" * len(shapes)]
-    for b, by in data["alone_ms"].items():
-        lines.append(f"| `{b}` | " + " | ".join(f"{by[s]['before']:.1f} -> {by[s]['after']:.1f}" for s in shapes) + " |")
+                     + f" | {data['targets'][b]:.2f} | {met} | {alone[0]:.0f} -> {alone[1]:.0f} |")
     return "\n".join(lines)
 
 
