@@ -317,6 +317,8 @@ def note(meta: dict) -> str:
                 "native bf16: bf16 autocast is emulated there and many times slower than fp32, so a bf16 ratio would "
                 "say nothing). The issue's targets, set for bf16, are checked against these figures; the bf16 line "
                 "awaits a CPU with native bf16.")
+    if meta["precision"] == "bf16" and not meta["native_bf16"]:
+        return f"Measured in bf16, emulated on this {meta['kernels']} CPU (no native bf16): no guide to a CPU that has it."
     return f"Measured in {meta['precision']} on {meta['kernels']}."
 
 
