@@ -38,8 +38,12 @@ from visattn.rundir import Interrupted, check_rows, read_json, write_atomic  # n
 
 RESULTS = ROOT / "bench" / "results" / "foreign_models.json"
 DOC = ROOT / "docs" / "results.md"
-RECIPES = ["configs/timm/regnetx_002.yaml", "configs/timm/mobilenetv3_small.yaml", "configs/timm/resnet18_half.yaml"]
+RECIPES = ["configs/timm/regnetx_002.yaml", "configs/timm/mobilenetv3_small.yaml", "configs/timm/resnet18_quarter.yaml"]
 REFERENCE = "configs/cifar10_cpu.yaml"  # visattn's resnet_fast, no block
+# where the reference has no runs of its own here: the attention table's baseline, the same recipe and budget
+# (configs/attention/resnet_fast_none.yaml is configs/cifar10_cpu.yaml with its maps logged each epoch)
+TABLE_RESULTS = ROOT / "bench" / "results" / "attention_table.json"
+TABLE_REFERENCE = "configs/attention/resnet_fast_none.yaml"
 ARMS = ("none", "cbam")
 BEGIN = "<!-- foreign models table: python bench/foreign_models.py --report --write -->"
 END = "<!-- end of foreign models table -->"
@@ -105,15 +109,40 @@ def train(args: argparse.Namespace) -> None:
               flush=True)
 
 
-def table(results: List[dict]) -> str:
+def reference_rows(results: List[dict], table_results: Path = TABLE_RESULTS) -> List[dict]:
+    """``resnet_fast`` beside the recipes: its runs in ``results`` (the sweep without ``--no-reference``), else the
+    attention table's ``resnet_fast_none`` runs at the same budget, precision and kernel family (each row's
+    ``recipe`` says which file it came from); none where neither has one."""
+    own = [r for r in results if r["recipe"] == REFERENCE]
+    if own or not results or not table_results.is_file():
+        return own
+    first = results[0]
+    rows = read_json(table_results, (list, dict))
+    rows = rows["rows"] if isinstance(rows, dict) else rows
+    same = [r for r in rows if isinstance(r, dict) and r.get("config") == TABLE_REFERENCE and not r.get("overrides")
+            and all(r.get(k) == first[k] for k in ("epochs", "precision", "kernels"))]
+    if not same:
+        return []
+    from visattn.config import load_config
+
+    cfg = load_config(ROOT / TABLE_REFERENCE)
+    return [{"model": cfg.model.name, "recipe": f"{TABLE_REFERENCE} ({table_results.name})", "attention": "none",
+             "seed": r["seed"], "epochs": r["epochs"], "val_acc": r["val_acc"], "images_per_s": r["images_per_s"],
+             "parameters": r["parameters"], "batch_size": cfg.train.batch_size, "lr": cfg.optim.lr,
+             "optimizer": cfg.optim.name} for r in same]
+
+
+def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
     """Markdown: per model, mean validation accuracy of each arm over its seeds, the paired CBAM - none difference,
     images/s (median over the runs), batch and learning rate."""
     if not results:
         raise ConfigError(f"{RESULTS.name}: no runs to report (train some first: python bench/foreign_models.py)")
     lines = ["| model (recipe) | params | none | CBAM (identity init) | CBAM - none, paired | images/s none / CBAM | "
              "batch, lr | seeds |", "|---|---|---|---|---|---|---|---|"]
-    for recipe in dict.fromkeys(r["recipe"] for r in results):
-        runs = [r for r in results if r["recipe"] == recipe]
+    rows = [r for r in results if r["recipe"] != REFERENCE]
+    rows += reference_rows(results) if reference is None else reference
+    for recipe in dict.fromkeys(r["recipe"] for r in rows):
+        runs = [r for r in rows if r["recipe"] == recipe]
         arm: Dict[str, Dict[int, dict]] = {a: {r["seed"]: r for r in runs if r["attention"] == a} for a in ARMS}
         pairs = [100 * (arm["cbam"][s]["val_acc"] - arm["none"][s]["val_acc"]) for s in arm["none"] if s in arm["cbam"]]
 
@@ -129,7 +158,9 @@ def table(results: List[dict]) -> str:
         diff = "—" if not pairs else " / ".join(f"{d:+.2f}" for d in pairs)
         first = runs[0]
         seeds = sorted({r["seed"] for r in runs})
-        lines.append(f"| {first['model']} (`{Path(recipe).name}`) | {first['parameters'] / 1e6:.1f}M | {acc('none')} | "
+        file, _, source = recipe.partition(" (")
+        where = f"`{Path(file).name}`" + (f", runs of {source.rstrip(')')}" if source else "")
+        lines.append(f"| {first['model']} ({where}) | {first['parameters'] / 1e6:.1f}M | {acc('none')} | "
                      f"{acc('cbam')} | {diff} | {speed('none')} / {speed('cbam')} | {first['batch_size']}, "
                      f"{first['optimizer']} {first['lr']:g} | {', '.join(map(str, seeds))} |")
     first = results[0]
