@@ -40,11 +40,12 @@ RESULTS = ROOT / "bench" / "results" / "foreign_models.json"
 DOC = ROOT / "docs" / "results.md"
 RECIPES = ["configs/timm/regnetx_002.yaml", "configs/timm/mobilenetv3_small.yaml", "configs/timm/resnet18_quarter.yaml"]
 REFERENCE = "configs/cifar10_cpu.yaml"  # visattn's resnet_fast, no block
-# where the reference has no runs of its own here: the attention table's baseline, the same recipe and budget
-# (configs/attention/resnet_fast_none.yaml is configs/cifar10_cpu.yaml with its maps logged each epoch)
-TABLE_RESULTS = ROOT / "bench" / "results" / "attention_table.json"
-TABLE_REFERENCE = "configs/attention/resnet_fast_none.yaml"
 ARMS = ("none", "cbam")
+# where the reference has no runs of its own here: the attention table's, the same recipe and budget
+# (configs/attention/resnet_fast_none.yaml is configs/cifar10_cpu.yaml with its maps logged each epoch;
+# resnet_fast_cbam.yaml adds CBAM at identity, one per group)
+TABLE_RESULTS = ROOT / "bench" / "results" / "attention_table.json"
+TABLE_REFERENCE = {arm: f"configs/attention/resnet_fast_{arm}.yaml" for arm in ARMS}
 BEGIN = "<!-- foreign models table: python bench/foreign_models.py --report --write -->"
 END = "<!-- end of foreign models table -->"
 ROW_FIELDS = {"model": "str", "recipe": "str", "attention": "str", "seed": "int", "epochs": "int", "val_acc": "number",
@@ -111,23 +112,28 @@ def train(args: argparse.Namespace) -> None:
 
 def reference_rows(results: List[dict], table_results: Path = TABLE_RESULTS) -> List[dict]:
     """``resnet_fast`` beside the recipes: its runs in ``results`` (the sweep without ``--no-reference``), else the
-    attention table's ``resnet_fast_none`` runs at the same budget, precision and kernel family (each row's
-    ``recipe`` says which file it came from); none where neither has one."""
+    attention table's ``resnet_fast_none`` and ``resnet_fast_cbam`` runs at the same budget, precision and kernel
+    family (each row's ``recipe`` says which file it came from); none where neither has a run without a block."""
     own = [r for r in results if r["recipe"] == REFERENCE]
     if own or not results or not table_results.is_file():
         return own
     first = results[0]
     rows = read_json(table_results, (list, dict))
     rows = rows["rows"] if isinstance(rows, dict) else rows
-    same = [r for r in rows if isinstance(r, dict) and r.get("config") == TABLE_REFERENCE and not r.get("overrides")
-            and all(r.get(k) == first[k] for k in ("epochs", "precision", "kernels"))]
-    if not same:
-        return []
     from visattn.config import load_config
 
-    cfg = load_config(ROOT / TABLE_REFERENCE)
-    return [{"model": cfg.model.name, "recipe": f"{TABLE_REFERENCE} ({table_results.name})", "attention": "none",
-             "seed": r["seed"], "epochs": r["epochs"], "val_acc": r["val_acc"], "images_per_s": r["images_per_s"],
+    arm_of = {config: arm for arm, config in TABLE_REFERENCE.items()}
+    same = [r for r in rows if isinstance(r, dict) and r.get("config") in arm_of
+            and all(r.get(k) == first[k] for k in ("epochs", "precision", "kernels"))]
+    # a run with overrides counts where they restate its file (the table's runs name the block's init and position)
+    same = [r for r in same if not r.get("overrides")
+            or load_config(ROOT / r["config"], r["overrides"]) == load_config(ROOT / r["config"])]
+    if not any(arm_of[r["config"]] == "none" for r in same):
+        return []
+    cfg = load_config(ROOT / TABLE_REFERENCE["none"])
+    label = f"configs/attention/resnet_fast_{{{','.join(ARMS)}}}.yaml ({table_results.name})"
+    return [{"model": cfg.model.name, "recipe": label, "attention": arm_of[r["config"]], "seed": r["seed"],
+             "epochs": r["epochs"], "val_acc": r["val_acc"], "images_per_s": r["images_per_s"],
              "parameters": r["parameters"], "batch_size": cfg.train.batch_size, "lr": cfg.optim.lr,
              "optimizer": cfg.optim.name} for r in same]
 

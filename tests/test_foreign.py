@@ -360,19 +360,23 @@ def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_pr
     base = {"epochs": 4, "precision": "fp32", "cpu": "CPU", "kernels": "avx2", "threads": 2, "parameters": 2e6,
             "train_seconds": 1.0, "load_mean": 1.0, "eval_split": "validation split", "git": "x", "images_per_s": 9.0}
     ours = [bench.row("configs/timm/regnetx_002.yaml", "none", 0, dict(base, val_acc=0.6))]
-    ref = {"config": bench.TABLE_REFERENCE, "seed": 1, "epochs": 4, "val_acc": 0.87, "images_per_s": 150.0,
+    ref = {"config": bench.TABLE_REFERENCE["none"], "seed": 1, "epochs": 4, "val_acc": 0.87, "images_per_s": 150.0,
            "parameters": 1972792, "precision": "fp32", "kernels": "avx2", "overrides": []}
+    cbam = dict(ref, config=bench.TABLE_REFERENCE["cbam"], val_acc=0.875,
+                overrides=["model.attn_kwargs.init=identity", "model.attn_position=unit_bn"])  # its file's own values
     other = [dict(ref, seed=2, kernels="amx"), dict(ref, seed=3, epochs=8), dict(ref, seed=4, precision="bf16"),
-             dict(ref, seed=5, overrides=["model.attention=se"]), dict(ref, seed=6, config="configs/attention/resnet_fast_se.yaml")]
+             dict(ref, seed=5, overrides=["model.attention=se"]), dict(ref, seed=6, config="configs/attention/resnet_fast_se.yaml"),
+             dict(cbam, seed=7, overrides=["model.attn_position=unit_act"])]
     table_file = tmp_path / "attention_table.json"
-    table_file.write_text(json.dumps([ref, *other]))
+    table_file.write_text(json.dumps([ref, cbam, *other]))
     rows = bench.reference_rows(ours, table_file)
-    assert [r["seed"] for r in rows] == [1] and rows[0]["model"] == "resnet_fast" and rows[0]["val_acc"] == 0.87
+    assert [(r["seed"], r["attention"]) for r in rows] == [(1, "none"), (1, "cbam")] and rows[0]["model"] == "resnet_fast"
     line = bench.table(ours, rows).splitlines()[3]
-    assert line.startswith("| resnet_fast (`resnet_fast_none.yaml`, runs of attention_table.json) |") and "87.00" in line
+    assert line.startswith("| resnet_fast (`resnet_fast_{none,cbam}.yaml`, runs of attention_table.json) |")
+    assert "| 87.00 | 87.50 | +0.50 |" in line
     own = bench.row(bench.REFERENCE, "none", 0, dict(base, val_acc=0.86))
     assert bench.reference_rows([*ours, own], table_file) == [own]  # the sweep's own runs come first
-    table_file.write_text(json.dumps(other))
+    table_file.write_text(json.dumps([cbam, *other]))  # CBAM alone: nothing to pair it with
     assert bench.reference_rows(ours, table_file) == []
 
 
