@@ -46,6 +46,8 @@ ARMS = ("none", "cbam")
 # resnet_fast_cbam.yaml adds CBAM at identity, one per group)
 TABLE_RESULTS = ROOT / "bench" / "results" / "attention_table.json"
 TABLE_REFERENCE = {arm: f"configs/attention/resnet_fast_{arm}.yaml" for arm in ARMS}
+TABLE_FIELDS = {"config": "str", "seed": "int", "epochs": "int", "val_acc": "number", "images_per_s": "number",
+                "parameters": "int", "precision": "str?", "kernels": "str?", "overrides": "list?"}
 BEGIN = "<!-- foreign models table: python bench/foreign_models.py --report --write -->"
 END = "<!-- end of foreign models table -->"
 ROW_FIELDS = {"model": "str", "recipe": "str", "attention": "str", "seed": "int", "epochs": "int", "val_acc": "number",
@@ -113,29 +115,28 @@ def train(args: argparse.Namespace) -> None:
 def reference_rows(results: List[dict], table_results: Path = TABLE_RESULTS) -> List[dict]:
     """``resnet_fast`` beside the recipes: its runs in ``results`` (the sweep without ``--no-reference``), else the
     attention table's ``resnet_fast_none`` and ``resnet_fast_cbam`` runs at the same budget, precision and kernel
-    family (each row's ``recipe`` says which file it came from); none where neither has a run without a block."""
+    family (their ``source`` names the file); none where neither has a run without a block. A damaged row of the
+    attention table is one line naming it."""
     own = [r for r in results if r["recipe"] == REFERENCE]
     if own or not results or not table_results.is_file():
         return own
-    first = results[0]
-    rows = read_json(table_results, (list, dict))
-    rows = rows["rows"] if isinstance(rows, dict) else rows
     from visattn.config import load_config
 
+    first = results[0]
     arm_of = {config: arm for arm, config in TABLE_REFERENCE.items()}
-    same = [r for r in rows if isinstance(r, dict) and r.get("config") in arm_of
-            and all(r.get(k) == first[k] for k in ("epochs", "precision", "kernels"))]
+    config = {c: load_config(ROOT / c) for c in arm_of}
+    rows = check_rows(table_results, read_json(table_results, list), TABLE_FIELDS, lambda r: r.get("config") in arm_of)
+    same = [r for r in rows if r.get("config") in arm_of and all(r.get(k) == first[k] for k in ("epochs", "precision",
+                                                                                                  "kernels"))]
     # a run with overrides counts where they restate its file (the table's runs name the block's init and position)
-    same = [r for r in same if not r.get("overrides")
-            or load_config(ROOT / r["config"], r["overrides"]) == load_config(ROOT / r["config"])]
+    same = [r for r in same if not r.get("overrides") or load_config(ROOT / r["config"], r["overrides"]) == config[r["config"]]]
     if not any(arm_of[r["config"]] == "none" for r in same):
         return []
-    cfg = load_config(ROOT / TABLE_REFERENCE["none"])
-    label = f"configs/attention/resnet_fast_{{{','.join(ARMS)}}}.yaml ({table_results.name})"
-    return [{"model": cfg.model.name, "recipe": label, "attention": arm_of[r["config"]], "seed": r["seed"],
-             "epochs": r["epochs"], "val_acc": r["val_acc"], "images_per_s": r["images_per_s"],
-             "parameters": r["parameters"], "batch_size": cfg.train.batch_size, "lr": cfg.optim.lr,
-             "optimizer": cfg.optim.name} for r in same]
+    cfg = config[TABLE_REFERENCE["none"]]
+    return [{"model": cfg.model.name, "recipe": f"configs/attention/resnet_fast_{{{','.join(ARMS)}}}.yaml",
+             "source": table_results.name, "attention": arm_of[r["config"]], "seed": r["seed"], "epochs": r["epochs"],
+             "val_acc": r["val_acc"], "images_per_s": r["images_per_s"], "parameters": r["parameters"],
+             "batch_size": cfg.train.batch_size, "lr": cfg.optim.lr, "optimizer": cfg.optim.name} for r in same]
 
 
 def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
@@ -164,8 +165,7 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
         diff = "—" if not pairs else " / ".join(f"{d:+.2f}" for d in pairs)
         first = runs[0]
         seeds = sorted({r["seed"] for r in runs})
-        file, _, source = recipe.partition(" (")
-        where = f"`{Path(file).name}`" + (f", runs of {source.rstrip(')')}" if source else "")
+        where = f"`{Path(recipe).name}`" + (f", runs of {first['source']}" if first.get("source") else "")
         lines.append(f"| {first['model']} ({where}) | {first['parameters'] / 1e6:.1f}M | {acc('none')} | "
                      f"{acc('cbam')} | {diff} | {speed('none')} / {speed('cbam')} | {first['batch_size']}, "
                      f"{first['optimizer']} {first['lr']:g} | {', '.join(map(str, seeds))} |")

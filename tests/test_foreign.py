@@ -378,6 +378,14 @@ def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_pr
     assert bench.reference_rows([*ours, own], table_file) == [own]  # the sweep's own runs come first
     table_file.write_text(json.dumps([cbam, *other]))  # CBAM alone: nothing to pair it with
     assert bench.reference_rows(ours, table_file) == []
+    from visattn.errors import DataError
+
+    for bad, says in ((dict(ref, val_acc="0.87"), "'val_acc'"), (dict(ref, seed=True), "'seed'"), ({"config": ref["config"]}, "'seed'")):
+        table_file.write_text(json.dumps([ref, bad]))
+        with pytest.raises(DataError, match=f"attention_table.json: row 2 .*{says}"):
+            bench.reference_rows(ours, table_file)  # a damaged row of the reference: one line naming it
+    table_file.write_text(json.dumps([ref, {"config": "configs/attention/resnet_fast_se.yaml", "seed": "x"}]))
+    assert len(bench.reference_rows(ours, table_file)) == 1  # another config's rows are not the reference's to check
 
 
 @pytest.mark.parametrize("argv", [["--epochs", "0"], ["--seeds"], ["--threads", "0"], ["--recipes", "no.yaml"]])
