@@ -15,6 +15,10 @@ backward, SGD step) at the recipe's batch of 512, channels-last, on batches alre
 the model's blocks swapped for them with the same weights). Repeats are interleaved (every variant once per repeat,
 the order reversed every other repeat) and each variant's median is taken; a block's ratio is its images/s over
 ``none``'s in the same kind of step, so every ratio, before and after, comes from this one process.
+**FLOP ceiling**: each network's FLOP per step (``torch.utils.flop_counter``: convolutions and matmuls, the CPU
+flash-attention kernel counted with the counter's formulas for the fused GPU kernels); ``none``'s over a block's
+is the best ratio the block could reach, were its added FLOP free of every overhead. A target above it cannot be
+met by making the block's code faster, only by giving it less to compute.
 **Blocks alone**: forward + backward (train mode, eager, a dense upstream gradient) of each block, before and
 after, on the three feature maps the recipe feeds it (recorded from ``none``'s network), in the same repeats.
 
@@ -202,6 +206,15 @@ def build_recipe(args: argparse.Namespace, before: Dict[str, type]):
     return models, batches, precision, kwargs, shapes
 
 
+def step_flop(models, batch, precision: str) -> Dict[str, int]:
+    """FLOP of one recipe step of each config's network (``none`` and every block as it is now) on ``batch``:
+    convolutions and matmuls, the CPU flash-attention kernel included (``throughput.step_flops``)."""
+    import throughput
+
+    return {block: throughput.step_flops(model, *batch, precision, cpu_attention=True)
+            for (block, impl), model in models.items() if impl != "before"}
+
+
 def step_variants(models, batches, precision: str, compile_: bool) -> List[Tuple[Key, Callable[[], None]]]:
     """One callable per (block, implementation, eager or compiled): the recipe's training steps on ``batches``."""
     import throughput
@@ -271,11 +284,13 @@ def interleave(variants: List[Tuple[Key, Callable[[], None]]], repeats: int, war
 
 
 def results(times: Dict[Key, List[float]], warm: Dict[Key, float], blocks: Sequence[str], images: int,
-            meta: dict) -> dict:
+            meta: dict, flop: Optional[Dict[str, int]] = None) -> dict:
     """The measurement as the JSON holds it: ``rows`` (one per config, implementation ``path`` and step kind, the
     form ``bench/attention_report.py`` reads), each block's ratios to ``none`` (same step kind, medians), the
     blocks alone in ms, the issue's targets and whether the "after" ratio meets each, the machine, and every
-    timed call's seconds with each variant's warm-up (compilation) seconds."""
+    timed call's seconds with each variant's warm-up (compilation) seconds. With ``flop`` (each config's FLOP per
+    step), ``gflop`` and each block's ``flop_ceiling``: ``none``'s FLOP over the block network's, the whole-step
+    ratio the block would reach if its added FLOP ran as fast as the rest of the step (no overhead at all)."""
     med = {k: statistics.median(v) for k, v in times.items()}
     ips = {k[1:]: images / t for k, t in med.items() if k[0] == "step"}
     kinds = [k for k in ("eager", "compiled") if (BASELINE, "-", k) in ips]
@@ -289,6 +304,8 @@ def results(times: Dict[Key, List[float]], warm: Dict[Key, float], blocks: Seque
             alone.setdefault(b, {}).setdefault(shape, {})[impl] = 1e3 * t
     return {**meta, "note": note(meta), "targets": {b: TARGETS[b] for b in blocks}, "ratios": ratios,
             "met": {b: {k: ratios[b][k]["after"] >= TARGETS[b] for k in kinds} for b in blocks},
+            **({"gflop": {b: round(f / 1e9, 2) for b, f in flop.items()},
+                "flop_ceiling": {b: flop[BASELINE] / flop[b] for b in blocks}} if flop else {}),
             "alone_ms": alone, "rows": rows, "seconds": {"/".join(k): [round(t, 4) for t in v] for k, v in times.items()},
             "warmup_seconds": {"/".join(k): round(t, 2) for k, t in warm.items()}}
 
@@ -324,7 +341,8 @@ def note(meta: dict) -> str:
 
 def tables(data: dict) -> str:
     """The measurement as markdown: a line on the machine and the note, then one row per block: its whole-step ratios to
-    ``none`` (before and after, eager and compiled) against its target, and the block alone (forward + backward ms
+    ``none`` (before and after, eager and compiled) against its target and its FLOP ceiling (the ratio with no
+    overhead at all: ``none``'s FLOP per step over the block network's), and the block alone (forward + backward ms
     summed over the three feature maps, before -> after; each map's figure is in the JSON)."""
     none = {r["step"]: r["images_per_s"] for r in data["rows"] if r["block"] == BASELINE}
     kinds = [k for k in ("eager", "compiled") if k in none]
@@ -335,13 +353,16 @@ def tables(data: dict) -> str:
              + ", ".join(f"{none[k]:.1f} images/s {k}" for k in kinds) + (" (a quick run: no claim)" if data["quick"] else "")
              + ". " + data["note"], "",
              "| block | " + " | ".join(f"{k} {i}" for k in kinds for i in IMPLS)
-             + " | target | met (after) | alone, ms (3 maps) |",
-             "|---|" + "---:|" * (2 * len(kinds)) + "---:|---|---:|"]
+             + " | target | FLOP ceiling | met (after) | alone, ms (3 maps) |",
+             "|---|" + "---:|" * (2 * len(kinds)) + "---:|---:|---|---:|"]
+    def ceiling(b: str) -> str:  # absent from measurements made before it was counted
+        return f"{data['flop_ceiling'][b]:.3f}" if "flop_ceiling" in data else "-"
+
     for b, r in data["ratios"].items():
         met = " / ".join("yes" if data["met"][b][k] else "no" for k in kinds)
         alone = [sum(t[i] for t in data["alone_ms"].get(b, {}).values()) for i in IMPLS]
         lines.append(f"| `{b}` | " + " | ".join(f"{r[k][i]:.3f}" for k in kinds for i in IMPLS)
-                     + f" | {data['targets'][b]:.2f} | {met} | {alone[0]:.0f} -> {alone[1]:.0f} |")
+                     + f" | {data['targets'][b]:.2f} | {ceiling(b)} | {met} | {alone[0]:.0f} -> {alone[1]:.0f} |")
     return "\n".join(lines)
 
 
@@ -385,12 +406,13 @@ def recipe_main(argv: Sequence[str]) -> None:
     before = load_before(args.before)
     models, batches, precision, kwargs, shapes = build_recipe(args, before)
     args.batch_or_recipe = batches[0][0].shape[0]
+    flop = step_flop(models, batches[0], precision)
     variants = step_variants(models, batches, precision, args.compile)
     variants += alone_variants(args.only, before, kwargs, shapes, args.device, precision)
     t0 = time.perf_counter()
     times, warm = interleave(variants, args.repeats, args.warmup, args.device)
     meta = dict(machine(args, precision), total_seconds=round(time.perf_counter() - t0))
-    data = results(times, warm, args.only, args.batch_or_recipe * args.steps, meta)
+    data = results(times, warm, args.only, args.batch_or_recipe * args.steps, meta, flop)
     print(tables(data))
     if args.out:
         write_atomic(args.out, json.dumps(data, indent=1) + "\n")

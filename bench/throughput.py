@@ -67,10 +67,23 @@ def matmul_tflops(n: int, dtype: torch.dtype, repeats: int) -> float:
     return 2 * n**3 / statistics.median(times) / 1e12
 
 
-def step_flops(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str) -> int:
-    from torch.utils.flop_counter import FlopCounterMode
+def step_flops(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
+               cpu_attention: bool = False) -> int:
+    """FLOP of one training step (forward and backward), convolutions and matmuls. ``cpu_attention`` also counts
+    the CPU flash-attention kernel (for which the counter has no formula) with the counter's formulas for the
+    GPU's fused kernels: ``4 N^2 d`` forward and ``10 N^2 d`` backward per head, as those count them."""
+    from torch.utils import flop_counter
 
-    with FlopCounterMode(display=False) as fc:
+    def forward(q, k, v, *args, out_shape=None, **kwargs) -> int:  # shapes: the counter hands them over
+        return flop_counter.sdpa_flop_count(q, k, v)
+
+    def backward(grad_out, q, k, v, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.sdpa_backward_flop_count(grad_out, q, k, v)
+
+    aten = torch.ops.aten
+    extra = {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+             aten._scaled_dot_product_flash_attention_for_cpu_backward: backward}
+    with flop_counter.FlopCounterMode(display=False, custom_mapping=extra if cpu_attention else None) as fc:
         with evaluate.autocast(x.device, precision):
             out = model(x)
         F.cross_entropy(out.float(), y).backward()

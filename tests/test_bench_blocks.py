@@ -81,8 +81,26 @@ def test_a_quick_run_writes_every_ratio_from_one_process(tmp_path, capsys):
     assert row[1:3] == [f"{ratios['before']:.3f}", f"{ratios['after']:.3f}"] and row[3] == "0.97"
     alone = [sum(t[i] for t in shapes.values()) for i in ("before", "after")]
     assert row[-1] == f"{alone[0]:.0f} -> {alone[1]:.0f} |"
+    # se adds a few FLOP per image to a step of ~7e8 per image: its ceiling is 1 to 3 places; the table shows it
+    assert set(data["gflop"]) == {"none", "se"} and 0.999 < data["flop_ceiling"]["se"] < 1.0
+    assert row[4] == f"{data['flop_ceiling']['se']:.3f}"
     report = _report()
     assert report.speed_ratios(data) == {"none": 1.0, "se": pytest.approx(ratios["after"])}
+
+
+def test_the_flop_count_includes_the_cpu_flash_attention_kernel():
+    """The FLOP ceiling of nonlocal and mhsa2d counts their attention products, which run in a kernel the
+    counter has no formula for: 4 N^2 d forward and 10 N^2 d backward per head."""
+    import throughput
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(visattn.create_attention("nonlocal", 16), torch.nn.AdaptiveAvgPool2d(1),
+                                torch.nn.Flatten(), torch.nn.Linear(16, 10))
+    x, y = torch.randn(2, 16, 5, 5), torch.tensor([1, 2])
+    plain = throughput.step_flops(model, x, y, "fp32")
+    full = throughput.step_flops(model, x, y, "fp32", cpu_attention=True)
+    B, N, d = 2, 25, 8  # the block's inner width is C / 2 = 8, already a multiple of 8 (no padding)
+    assert full - plain == 14 * B * N * N * d
 
 
 def _report():

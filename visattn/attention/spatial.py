@@ -33,6 +33,7 @@ from .channel import (
     check_norm_batch,
     compute_dtype,
     gained,
+    mean_max,
     mean_over,
 )
 from .functional import check_init, positive_int
@@ -53,7 +54,7 @@ class ChannelGate(BottleneckGate):
         """The ``(B, C)`` gate of ``x`` (in the parameters' dtype; call with autocast off)."""
         B, C = x.shape[:2]
         acc = compute_dtype(x)
-        pooled = torch.stack([mean_over(x, (2, 3), acc), x.amax((2, 3)).to(acc)])  # (2, B, C): avg, max
+        pooled = torch.stack(mean_max(x, (2, 3), acc))  # (2, B, C): avg, max
         s = pooled.to(self.fc1.weight.dtype).reshape(2 * B, C, 1, 1)
         h = self.act(self.fc1(s)).view(2, B, -1, 1, 1).sum(0)  # shared MLP run once on both vectors
         logits = self.fc2(h)  # fc2(h_avg) + fc2(h_max) == fc2(h_avg + h_max) ...
@@ -98,7 +99,7 @@ class SpatialGate(IdentityGate, nn.Module):
         acc = compute_dtype(x)
         # channel mean and max stacked last, (B, H, W, 2), seen as (B, 2, H, W): channels-last is the layout
         # in which oneDNN runs the 2-channel 7x7 conv (forward + backward) an order of magnitude faster on CPU
-        maps = torch.stack([mean_over(x, (1,), acc), x.amax(1).to(acc)], dim=-1).permute(0, 3, 1, 2)
+        maps = torch.stack(mean_max(x, (1,), acc), dim=-1).permute(0, 3, 1, 2)
         z = self.bn(self.conv(maps.to(self.conv.weight.dtype)))  # (B, 1, H, W)
         return self.tap(gained(self.gate(z), self.gain))
 
