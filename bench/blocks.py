@@ -374,7 +374,7 @@ def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (default: PyTorch's)")
     p.add_argument("--batch", type=int, default=0, help="images per step (default: the recipe's, 512)")
     p.add_argument("--steps", type=int, default=1, help="training steps per timed call")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats (medians)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats (medians)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per variant first (compilation)")
     p.add_argument("--before", default=BEFORE, help="git revision whose blocks are 'before' (default: %(default)s)")
     p.add_argument("--only", nargs="+", choices=BLOCKS, default=list(BLOCKS), help="blocks to measure (none always)")

@@ -163,8 +163,8 @@ def test_onnx_export_runs_in_onnxruntime(name, tmp_path):
 
 @pytest.mark.parametrize("name", BLOCKS)
 def test_jit_trace_with_grad(name):
-    """Traced in training mode with gradients on (the hand-written autograd Functions this replaced failed
-    here with ``unordered_map::at``); the trace then runs forward and backward on another input."""
+    """Traced in training mode with gradients on (earlier hand-written autograd Functions failed here with
+    ``unordered_map::at``; CBAM's ``mean_max`` must not); the trace then runs forward and backward on another input."""
     block = build(name).train()
     ref = copy.deepcopy(block)
     x0 = sample(name).requires_grad_()
