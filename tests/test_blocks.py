@@ -18,7 +18,7 @@ from visattn.attention import (
     list_attention,
     register_attention,
 )
-from visattn.attention.channel import eca_kernel_size
+from visattn.attention.channel import compute_dtype, eca_kernel_size, mean_max, mean_over
 from visattn.attention.self_attn2d import rel_pos_embed
 from visattn.attention.spatial import coord_mip
 
@@ -333,6 +333,30 @@ def test_amax_ties_split_the_gradient_like_autograd():
         ours(xa).backward(g)
         ref(xb).backward(g)
         torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format])
+@pytest.mark.parametrize("dims", [(1,), (2, 3)])
+@pytest.mark.parametrize("used", ["both", "mean", "max"])
+def test_mean_max_is_autograds_mean_and_amax_in_the_maps_layout(dtype, layout, dims, used):
+    """CBAM's pooling with its own backward: the same values as ``mean_over`` and ``amax``, the same gradient as
+    autograd's through them (the max's split evenly among tied maxima), for either output alone too, and the
+    gradient in the map's own memory layout (the point of the hand-written backward)."""
+    torch.manual_seed(0)
+    x = torch.randint(-2, 2, (3, 8, 5, 4)).to(dtype).contiguous(memory_format=layout)  # ties everywhere
+    acc = compute_dtype(x)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ours = mean_max(xa, dims, acc)
+    ref = (mean_over(xb, dims, acc), xb.amax(dims).to(acc))
+    assert all(torch.equal(a, b) and a.dtype == acc for a, b in zip(ours, ref))
+    weights = [torch.randn_like(ref[0]), torch.randn_like(ref[1])]
+    pick = {"both": [0, 1], "mean": [0], "max": [1]}[used]
+    sum((ours[i] * weights[i]).sum() for i in pick).backward()
+    sum((ref[i] * weights[i]).sum() for i in pick).backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=0, atol=0 if dtype == torch.float64 else 1e-2)
+    if layout == torch.channels_last and used != "mean":  # the mean alone hands back a broadcast view
+        assert xa.grad.is_contiguous(memory_format=torch.channels_last)
 
 
 # ---- paper defaults --------------------------------------------------------------------------------------
