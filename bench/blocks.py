@@ -83,6 +83,7 @@ TARGETS = {"se": 0.97, "eca": 0.97, "gc": 0.97, "spatial": 0.95, "cbam": 0.95, "
 IMPLS = ("before", "after")
 SPEED = ROOT / "bench" / "results" / "block_speed.json"  # the committed measurement: the attention summary's cost
 QUICK_CPU_BATCH = 16
+PREPARED_REVISION = ROOT / "data" / "gpu_check" / "REVISION"  # bash bench/gpu_check.sh --prepare writes it
 
 
 # ---- the blocks as an earlier revision had them ---------------------------------------------------------------
@@ -101,13 +102,37 @@ def register_attention(name, **meta):
 LOADED: List[str] = []  # the throwaway packages made so far (one per load_before call)
 
 
+def before_source(rev: str, name: str) -> str:
+    """The text of ``visattn/attention/<name>.py`` at ``rev``: a git revision, or a folder holding that revision's
+    ``visattn/attention`` files (where the tree travels without its git history: the GPU check's
+    ``data/gpu_check/before``, written by ``bash bench/gpu_check.sh --prepare``)."""
+    folder = Path(rev)
+    if folder.is_dir():
+        path = folder / f"{name}.py"
+        if not path.is_file():
+            raise SystemExit(f"blocks.py: --before {rev}: the folder has no {name}.py")
+        return path.read_text()
+    got = subprocess.run(["git", "show", f"{rev}:visattn/attention/{name}.py"], cwd=ROOT, capture_output=True,
+                         text=True)
+    if got.returncode:
+        said = got.stderr.strip().splitlines() or [f"git show exited {got.returncode}"]
+        raise SystemExit(f"blocks.py: --before {rev}: {said[-1]}")
+    return got.stdout
+
+
+def before_label(rev: str) -> str:
+    """What the JSON calls the "before" blocks: the revision, also for a folder of its files (its REVISION)."""
+    stamp = Path(rev) / "REVISION"
+    return stamp.read_text().strip() if Path(rev).is_dir() and stamp.is_file() else rev
+
+
 def load_before(rev: str) -> Dict[str, type]:
-    """The block classes of ``visattn/attention`` at git revision ``rev``, by registered name: ``channel.py``,
-    ``spatial.py``, ``self_attn2d.py`` and the sibling modules they import, written into a throwaway package whose
-    ``registry`` only collects the classes; its other ``..`` imports are today's modules."""
+    """The block classes of ``visattn/attention`` at ``rev`` (:func:`before_source`), by registered name:
+    ``channel.py``, ``spatial.py``, ``self_attn2d.py`` and the sibling modules they import, written into a
+    throwaway package whose ``registry`` only collects the classes; its other ``..`` imports are today's modules."""
     tmp = Path(tempfile.mkdtemp(prefix="visattn-before-"))
     atexit.register(shutil.rmtree, tmp, True)
-    package = f"visattn_before_{len(LOADED)}"
+    package = f"visattn_before_{len(LOADED)}_{tmp.name.rpartition('-')[2]}"  # unique even if this file loads twice
     LOADED.append(package)
     pkg = tmp / package
     (pkg / "attention").mkdir(parents=True)
@@ -117,15 +142,11 @@ def load_before(rev: str) -> Dict[str, type]:
     todo, done = ["channel", "spatial", "self_attn2d"], []
     while todo:
         name = todo.pop()
-        got = subprocess.run(["git", "show", f"{rev}:visattn/attention/{name}.py"], cwd=ROOT, capture_output=True,
-                             text=True)
-        if got.returncode:
-            said = got.stderr.strip().splitlines() or [f"git show exited {got.returncode}"]
-            raise SystemExit(f"blocks.py: --before {rev}: {said[-1]}")
-        (pkg / "attention" / f"{name}.py").write_text(got.stdout)
+        text = before_source(rev, name)
+        (pkg / "attention" / f"{name}.py").write_text(text)
         done.append(name)
-        todo += [m for m in re.findall(r"^from \.(\w+) import", got.stdout, re.M) if m not in done + todo]
-        for up in re.findall(r"^from \.\.(\w+) import", got.stdout, re.M):
+        todo += [m for m in re.findall(r"^from \.(\w+) import", text, re.M) if m not in done + todo]
+        for up in re.findall(r"^from \.\.(\w+) import", text, re.M):
             if up != "registry":
                 sys.modules.setdefault(f"{package}.{up}", importlib.import_module(f"visattn.{up}"))
     sys.path.insert(0, str(tmp))
@@ -316,15 +337,22 @@ def machine(args: argparse.Namespace, precision: str) -> dict:
 
     cuda = args.device.startswith("cuda")
     native = torch.cuda.is_bf16_supported() if cuda else evaluate.cpu_has_native_bf16()
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
-    edited = subprocess.run(["git", "status", "--porcelain", "--", "visattn/attention"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    head = head.strip() + (" with uncommitted block edits" if edited else "")
+    def git(*argv: str) -> str:  # "" where the tree has no git history, or the machine no git
+        try:
+            return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head:
+        head += " with uncommitted block edits" if git("status", "--porcelain", "--", "visattn/attention") else ""
+    elif PREPARED_REVISION.is_file():  # a tree sent to the GPU without its history: what --prepare recorded
+        head = PREPARED_REVISION.read_text().strip()
     return {"command": " ".join(["python bench/blocks.py", *args.argv]), "device": args.device,
             "cpu": cpu_name(), "kernels": kernels(args.device), "native_bf16": bool(native), "precision": precision,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "batch_size": args.batch_or_recipe, "steps": args.steps, "repeats": args.repeats, "quick": args.quick,
-            "before": args.before, "after": head or "?"}
+            "before": before_label(args.before), "after": head or "?"}
 
 
 def note(meta: dict) -> str:
@@ -376,7 +404,8 @@ def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1, help="training steps per timed call")
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats (medians)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per variant first (compilation)")
-    p.add_argument("--before", default=BEFORE, help="git revision whose blocks are 'before' (default: %(default)s)")
+    p.add_argument("--before", default=BEFORE, help="git revision whose blocks are 'before', or a folder of its "
+                   "visattn/attention files (gpu_check.sh --prepare writes data/gpu_check/before; default: %(default)s)")
     p.add_argument("--only", nargs="+", choices=BLOCKS, default=list(BLOCKS), help="blocks to measure (none always)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager steps only")
     p.add_argument("--quick", action="store_true",

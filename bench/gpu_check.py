@@ -21,7 +21,7 @@ leaves the earlier ones written:
   ``sigterm_resume`` (SIGTERM mid-run, exit 143 with the state saved, ``resume=auto`` to the end);
   ``maps_autocast`` (attention maps and faithfulness logged to TensorBoard under autocast);
   ``torchrun_nccl`` (``torchrun --nproc-per-node=1``: the data-parallel path, DDP on NCCL, forced on for one rank).
-- ``blocks``: each block's training-step speed against ``none``, eager and compiled (``bench/blocks.py``).
+- ``blocks``: each block's training-step speed against ``none``, eager, before and after issue 70 (``bench/blocks.py``).
 - ``timm``: ``model.name=timm/resnet18 model.cifar_stem=true model.attention=cbam`` through ``train.py`` for one
   epoch ("not available" while visattn refuses the name as an unknown model).
 
@@ -69,7 +69,7 @@ WHAT = {"data": "the images decoded into the cache",
         "sigterm_resume": "SIGTERM mid-run, then `resume=auto` to the end",
         "maps_autocast": "attention maps logged under autocast",
         "torchrun_nccl": "`torchrun --nproc-per-node=1`, DDP on NCCL",
-        "blocks": "blocks' training step vs `none`, eager and compiled",
+        "blocks": "blocks' training step vs `none`, eager",
         "timm": "`timm/resnet18` (CIFAR stem, CBAM) through `train.py`, one epoch"}
 # the dry run's toy size: synthetic images (200 to train on, 40 held out), a narrow network, no compile
 DRY_DATA = ["data.source=synthetic", "data.synthetic_size=240", "data.val_size=40", "train.batch_size=40",
@@ -422,29 +422,21 @@ def row_torchrun_nccl(c: Check, limit: float) -> Dict[str, Any]:
 
 
 def row_blocks(c: Check, limit: float) -> Dict[str, Any]:
-    """``bench/blocks.py`` on CUDA with its device and quick flags where it has them; until then, as it runs
-    today (the CPU, against timm's blocks), said plainly."""
-    script = ROOT / "bench" / "blocks.py"
-    src = script.read_text()
-
-    def has(flag: str) -> bool:  # an argparse option of that name, in either quotes
-        return re.search(rf"""["']{flag}["']""", src) is not None
-
-    ready = has("--device")
-    if ready:
-        args = ["--device", "cpu" if c.dry else "cuda", *(["--quick"] if has("--quick") else []),
-                *(["--out", str(c.out / "block_speed.json")] if has("--out") else [])]
+    """``bench/blocks.py`` on CUDA: every block against ``none`` in the recipe's training step at its batch, eager
+    (compiling 17 networks would not fit the row's minute and a half), 5 interleaved repeats of 5 steps, the blocks
+    before issue 70 (``--prepare``'s copy in ``data/gpu_check/before``: the device's tree has no git history) and
+    now; the JSON beside the others. The dry run: ``--quick`` on the CPU."""
+    before = ROOT / "data" / "gpu_check" / "before"
+    if c.dry:
+        args = ["--device", "cpu", "--quick"]
     else:
-        args = ["--repeats", "1", "--warmup", "1", "--batch", "8", "--only", "se"] if c.dry else ["--repeats", "3"]
-        args.append("--no-compile")
-    r = c.spawn("blocks", [c.py, str(script), *args], limit)
+        args = ["--device", "cuda", "--no-compile", "--repeats", "5", "--steps", "5",
+                *(["--before", str(before)] if before.is_dir() else [])]
+    r = c.spawn("blocks", [c.py, str(ROOT / "bench" / "blocks.py"), *args, "--out", str(c.out / "block_speed.json")],
+                limit)
     if r["rc"] != 0:
         return failed(r)
     table = "\n".join(ln for ln in r["out"].splitlines() if ln.startswith("|"))
-    if not ready:
-        return {"status": "not available", "table": table,
-                "detail": "bench/blocks.py has no --device flag yet (the block-speed work): ran today's version "
-                          "instead (CPU, visattn vs timm, eager), its table in gpu_check.log"}
     return {"status": "pass", "table": table, "detail": f"{len(table.splitlines()) - 2} rows (table in the JSON); "
             f"{r['seconds']:.0f} s" + ("; dry run: times are not a claim" if c.dry else "")}
 

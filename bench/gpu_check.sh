@@ -4,8 +4,9 @@
 # trainer's CUDA paths (pass/fail rows), the blocks' speed and a timm model; every result as JSON under $OUT
 # (gpu_check.json after every row, gpu_race.json after every race run, gpu_check.log), a summary at the end.
 #
-#   bash bench/gpu_check.sh --prepare     here, before the call: the images and the wheels the device lacks
-#                                         (pydantic; it has no network) into the git-ignored data/gpu_check/
+#   bash bench/gpu_check.sh --prepare     here, before the call: the images, the wheels the device lacks
+#                                         (pydantic; it has no network) and the blocks' "before" revision (the
+#                                         tree travels without git) into the git-ignored data/gpu_check/
 #   bash bench/gpu_check.sh               on the device: run(command="bash bench/gpu_check.sh",
 #                                         carry=["data/gpu_check"], timeout_s=480)
 #   GPU_CHECK_DRY=1 OUT=DIR bash bench/gpu_check.sh     the dry run on the CPU (CI: tests/test_gpu_check.py)
@@ -41,6 +42,13 @@ prepare() {  # here (with a network to the package registry): what the call carr
     -d "$PREP/wheels" "${pins[@]}" || { echo "error: pip download failed"; exit 2; }
   { git rev-parse --short=12 HEAD; git status --porcelain --untracked-files=no | grep -q . && echo "+changes"; } \
     | paste -sd '' > "$PREP/REVISION"
+  # the blocks as they were before their speed work, for bench/blocks.py's "before" (the tree travels without git)
+  local before
+  before=$(sed -n 's/^BEFORE = "\([0-9a-f]*\)".*/\1/p' bench/blocks.py)
+  rm -rf "$PREP/before" && mkdir -p "$PREP/before" || exit 2
+  git archive "${before:?no BEFORE in bench/blocks.py}" visattn/attention | tar -x -C "$PREP/before" --strip-components=2 \
+    || { echo "error: cannot export the blocks of $before"; exit 2; }
+  echo "$before" > "$PREP/before/REVISION"
   echo "prepared $PREP ($(du -sh "$PREP" | cut -f1)): $(ls "$PREP" "$PREP/wheels" | tr '\n' ' ')"
   echo "next: run(command=\"bash bench/gpu_check.sh\", carry=[\"$PREP\"], timeout_s=480)"
 }

@@ -110,20 +110,44 @@ def test_the_race_row_reads_a_finished_or_a_cut_race():
     assert "not a claim" in check.race_row(race, timed_out=False, dry=True)["detail"]
 
 
-@pytest.mark.parametrize("ready", [False, True])
-def test_the_blocks_row_passes_the_device_flags_once_blocks_py_has_them(tmp_path, monkeypatch, ready):
-    """Today's ``bench/blocks.py`` (no ``--device``) runs as it is, and the row says it is not the CUDA bench;
-    a version with ``--device``/``--quick``/``--out`` is called with them."""
+@pytest.mark.parametrize("dry", [True, False])
+def test_the_blocks_row_calls_blocks_py_with_the_devices_flags(tmp_path, monkeypatch, dry):
+    """The dry run: ``--quick`` on the CPU. On the GPU: eager, 5 repeats of 5 steps, and the "before" blocks from
+    ``--prepare``'s folder, since the tree reaches the device without its git history; the JSON beside the others."""
     (tmp_path / "bench").mkdir()
-    flags = "FLAGS = ('--device', \"--quick\", '--out')\n" if ready else ""
-    (tmp_path / "bench" / "blocks.py").write_text(flags + "import sys\nprint('| ' + ' '.join(sys.argv[1:]) + ' |')\n")
+    (tmp_path / "bench" / "blocks.py").write_text("import sys\nprint('| ' + ' '.join(sys.argv[1:]) + ' |')\n")
+    before = tmp_path / "data" / "gpu_check" / "before"
+    before.mkdir(parents=True)
     monkeypatch.setattr(check, "ROOT", tmp_path)
-    row = check.row_blocks(_check(tmp_path, dry=True), 30)
-    if ready:
-        assert row["status"] == "pass" and f"--device cpu --quick --out {tmp_path / 'block_speed.json'}" in row["table"]
+    row = check.row_blocks(_check(tmp_path, dry=dry), 30)
+    out = f"--out {tmp_path / 'block_speed.json'}"
+    assert row["status"] == "pass"
+    if dry:
+        assert f"--device cpu --quick {out}" in row["table"] and "not a claim" in row["detail"]
     else:
-        assert row["status"] == "not available" and "--no-compile" in row["table"] and "--device" not in row["table"]
-        assert "no --device flag yet" in row["detail"]
+        assert f"--device cuda --no-compile --repeats 5 --steps 5 --before {before} {out}" in row["table"]
+
+
+def test_blocks_py_reads_the_before_blocks_from_a_prepared_folder(tmp_path):
+    """``--before`` may name a folder of a revision's ``visattn/attention`` files (what ``gpu_check.sh --prepare``
+    exports): the same classes load as from git, and the JSON names the revision its REVISION file records."""
+    blocks = _load("blocks")
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    for name in ("channel", "spatial", "self_attn2d", "functional", "tap"):
+        (tmp_path / f"{name}.py").write_text(blocks.before_source(blocks.BEFORE, name))
+    (tmp_path / "REVISION").write_text(blocks.BEFORE + "\n")
+    loaded = blocks.load_before(str(tmp_path))
+    assert set(blocks.BLOCKS) <= set(loaded) and blocks.before_label(str(tmp_path)) == blocks.BEFORE
+    x = torch.randn(2, 16, 5, 5, dtype=torch.float64)
+    torch.manual_seed(0)
+    a = blocks.load_before(blocks.BEFORE)["cbam"](16).double()
+    b = loaded["cbam"](16).double()
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+    (tmp_path / "spatial.py").unlink()
+    with pytest.raises(SystemExit, match="the folder has no spatial.py"):
+        blocks.load_before(str(tmp_path))
 
 
 def test_the_forced_fp16_overflow_is_skipped_and_backs_the_scale_off():
