@@ -14,8 +14,9 @@ gradient. Its gates then span 0-2, 1 meaning "unchanged", and its taps say so (s
 put a block into a network trained without it.
 
 Plain differentiable PyTorch (compile with ``fullgraph=True``, export, ONNX, trace, double backward,
-``torch.func``); CBAM's pooling (:func:`mean_max`) has its own backward, written in differentiable ops. Pooled statistics are taken in fp32 (or wider) and the small gate networks run with
-autocast off in their parameters' dtype, so fp16 autocast cannot overflow inside a gate.
+``torch.func``); CBAM's pooling (:func:`mean_max`) has its own backward, written in differentiable ops.
+Pooled statistics are taken in fp32 (or wider) and the small gate networks run with autocast off in their
+parameters' dtype, so fp16 autocast cannot overflow inside a gate.
 """
 from __future__ import annotations
 
