@@ -66,7 +66,7 @@ from visattn import evaluate  # noqa: E402
 from visattn.attention.spatial import coord_mip  # noqa: E402
 from visattn.config import load_config  # noqa: E402
 from visattn.errors import run_main  # noqa: E402
-from visattn.options import describe  # noqa: E402
+from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
 from visattn.rundir import write_atomic  # noqa: E402
 
 try:  # coordinate attention arrived in timm 1.0.16 (timm/layers/coord_attn.py)
@@ -152,7 +152,10 @@ def load_before(rev: str) -> Dict[str, type]:
     sys.path.insert(0, str(tmp))
     try:
         for name in done:
-            importlib.import_module(f"{package}.attention.{name}")
+            try:
+                importlib.import_module(f"{package}.attention.{name}")
+            except Exception as e:  # a damaged or foreign file in a --before folder: one line, not its traceback
+                raise SystemExit(f"blocks.py: --before {rev}: {name}.py does not load ({type(e).__name__}: {e})") from None
     finally:
         sys.path.remove(str(tmp))
     return importlib.import_module(f"{package}.registry").BLOCKS
@@ -395,7 +398,7 @@ def tables(data: dict) -> str:
 
 
 def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=describe(__doc__))
+    p = ArgumentParser(description=describe(__doc__))
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="autocast precision (auto: the recipe's, bf16 where native, else fp32)")
@@ -418,6 +421,8 @@ def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="instead: each block against timm's (its own options: bench/blocks.py --vs-timm --help)")
     args = p.parse_args(argv)
     args.argv = list(argv)
+    for flag, low in (("--repeats", 1), ("--steps", 1), ("--warmup", 0), ("--batch", 0), ("--threads", 0)):
+        check_at_least(flag, getattr(args, flag[2:]), low)
     if args.quick:
         args.repeats, args.steps, args.compile = 1, 1, False
         if not args.batch and not args.device.startswith("cuda"):
@@ -532,7 +537,7 @@ VARIANTS = ("visattn eager", "timm eager", "visattn compiled", "timm compiled")
 
 
 def timm_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="blocks.py --vs-timm", description="each block against timm's equivalent")
+    p = ArgumentParser(prog="blocks.py --vs-timm", description="each block against timm's equivalent")
     p.add_argument("--repeats", type=int, default=7, help="timed forward+backward calls per block and side")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -545,7 +550,11 @@ def timm_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: run under CPU autocast")
     p.add_argument("--only", nargs="*", default=None, help="row names to run (default: all)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager only (no torch.compile)")
-    return p.parse_args(list(argv))
+    args = p.parse_args(list(argv))
+    for flag in ("repeats", "threads", "batch", "channels", "size", "dim", "heads", "tokens"):
+        check_at_least(f"--{flag}", getattr(args, flag), 1)
+    check_at_least("--warmup", args.warmup, 0)
+    return args
 
 
 def vs_timm_main(argv: Sequence[str]) -> None:

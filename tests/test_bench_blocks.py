@@ -50,6 +50,24 @@ def test_before_blocks_are_the_revisions_own_and_swap_in_with_the_same_weights(n
         torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.parametrize("argv, said", [(["--repeats", "0"], "--repeats must be at least 1, got 0"),
+                                        (["--steps", "-1"], "--steps must be at least 1, got -1"),
+                                        (["--warmup", "-1"], "--warmup must be at least 0, got -1"),
+                                        (["--vs-timm", "--heads", "0"], "--heads must be at least 1, got 0")])
+def test_counts_out_of_range_are_refused_before_anything_runs(argv, said):
+    from visattn.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=said):
+        blocks.main(argv)
+
+
+def test_a_bad_count_is_one_line_and_exit_2_from_the_command_line():
+    got = subprocess.run([sys.executable, str(ROOT / "bench" / "blocks.py"), "--repeats", "0"], capture_output=True,
+                         text=True, cwd=ROOT)
+    lines = [ln for ln in got.stderr.splitlines() if "Warning" not in ln and "warn(" not in ln and ln.strip()]
+    assert got.returncode == 2 and lines == ["blocks.py: --repeats must be at least 1, got 0"], got.stderr
+
+
 def test_an_unknown_revision_is_one_line():
     with pytest.raises(SystemExit, match="--before no-such-rev"):
         blocks.load_before("no-such-rev")

@@ -145,6 +145,9 @@ def test_blocks_py_reads_the_before_blocks_from_a_prepared_folder(tmp_path):
     b = loaded["cbam"](16).double()
     b.load_state_dict(a.state_dict())
     torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+    (tmp_path / "tap.py").write_text("def broken(:\n")  # damaged: one line naming the file, not its traceback
+    with pytest.raises(SystemExit, match=r"--before .*: \w+\.py does not load \(SyntaxError: .*tap\.py"):
+        blocks.load_before(str(tmp_path))
     (tmp_path / "spatial.py").unlink()
     with pytest.raises(SystemExit, match="the folder has no spatial.py"):
         blocks.load_before(str(tmp_path))

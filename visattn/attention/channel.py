@@ -87,10 +87,15 @@ def mean_over(x: torch.Tensor, dims: Tuple[int, ...], dtype: torch.dtype, keepdi
     a sum's backward is a broadcast view of the small gradient, where a mean's writes a full-size tensor, and in
     the contiguous layout even for a channels-last ``x`` (whose gradient then meets it in a mixed-layout add).
     Pooling this way keeps a block's backward in the input's layout and saves a pass over the map."""
+    return x.sum(dims, keepdim=keepdim, dtype=dtype) / pooled_count(x, dims)
+
+
+def pooled_count(x: torch.Tensor, dims: Tuple[int, ...]) -> int:
+    """How many values of ``x`` each entry pooled over ``dims`` summarises."""
     count = 1
     for d in dims:
         count *= x.shape[d]
-    return x.sum(dims, keepdim=keepdim, dtype=dtype) / count
+    return count
 
 
 class _MeanMax(torch.autograd.Function):
@@ -116,9 +121,7 @@ class _MeanMax(torch.autograd.Function):
     def backward(ctx, g_mean: Optional[torch.Tensor], g_top: Optional[torch.Tensor]):
         x, top = ctx.saved_tensors
         dims = ctx.dims
-        count = 1
-        for d in dims:
-            count *= x.shape[d]
+        count = pooled_count(x, dims)
 
         def keep(t: torch.Tensor) -> torch.Tensor:  # the pooled dims back, as size 1 (dims ascending)
             for d in dims:
