@@ -28,6 +28,7 @@ from .config import build_config
 from .errors import CheckpointError, ConfigError, DataError, VisattnError
 from .models import create_model
 from .models.foreign import without_weights
+from .models.layout import to_channels_last
 from .options import check_device, check_range, describe
 from .rundir import load_checkpoint
 
@@ -157,7 +158,7 @@ def evaluate_checkpoint(checkpoint: str, data: Optional[str] = None, tta: Option
     prec = resolve_precision(precision or cfg.precision, dev)
     loader = build_loader(splits.eval, dcfg, batch_size, False, cfg.seed, Placement(dev, channels_last=cfg.channels_last))
     if cfg.channels_last:
-        model.to(memory_format=torch.channels_last)
+        to_channels_last(model, dev)
     res = evaluate(model, loader, device=dev, precision=prec, tta=tta or cfg.eval.tta, num_classes=len(classes))
     return {"checkpoint": checkpoint, "split": splits.eval_split, "acc": res["acc"], "loss": res["loss"],
             "images": res["images"], "tta": tta or cfg.eval.tta,

@@ -44,6 +44,7 @@ from .maps.record import foreign_modules
 from .maps.tensorboard import MapLogger
 from .models import create_model
 from .models.foreign import without_weights
+from .models.layout import guard_message, to_channels_last
 from .options import resolve_device
 from .registry import backbone_modules, is_attention_block
 from .rundir import (
@@ -305,6 +306,10 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
     say(f"data: {len(splits.train)} train images ({splits.source}); evaluating on the {splits.eval_split}"
         + (f"; {splits.skipped} unreadable images skipped" if splits.skipped else ""))
     model = _build_model(cfg, splits, device, di, fresh=resume_from is None)
+    if cfg.channels_last:  # on a CPU, the convolutions oneDNN's defect hits stay contiguous (models/layout.py)
+        guarded = to_channels_last(model, device)
+        if guarded:
+            say(guard_message(guarded, model))
     # a resumed run holds its weights already: model.init_from and model.pretrained_file act only when it starts
     init = None if resume_from is not None else \
         _init_from(cfg, model, splits, say) if cfg.model.init_from else _pretrained(model, say)
@@ -625,8 +630,6 @@ def _build_model(cfg: Config, splits: Splits, device: torch.device, di: DistInfo
         with torch.no_grad():
             for t in model.state_dict().values():
                 dist.broadcast(t, src=0)
-    if cfg.channels_last:
-        model.to(memory_format=torch.channels_last)
     return model
 
 
@@ -731,7 +734,7 @@ def load_teacher(distill: DistillConfig, device: torch.device, channels_last: bo
     teacher, tcfg, state = load_model_from_checkpoint(str(path), device)
     teacher.requires_grad_(False)
     if channels_last:
-        teacher.to(memory_format=torch.channels_last)
+        to_channels_last(teacher, device)
     return Distill(teacher.eval(), distill.weight, distill.temperature, distill.kind), tcfg, state
 
 

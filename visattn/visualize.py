@@ -39,6 +39,7 @@ from .errors import CheckpointError, ConfigError, DataError, VisattnError
 from .maps.readout import LayerMap, read_maps
 from .maps.record import find_taps, probe_pass
 from .maps.render import COLORMAPS, NORMS, image_picture
+from .models.layout import to_channels_last
 from .options import describe
 
 TOP_K = 3  # classes listed per image in predictions.json
@@ -236,8 +237,8 @@ def heldout_batch(checkpoint: str, count: int, data: Optional[str] = None, devic
         raise ConfigError(f"the number of held-out images must be >= 1, got {count}")
     dev = _device(device)
     model, cfg, state = _load(checkpoint, dev)
-    if cfg.channels_last:  # as the run evaluated it (and drew its TensorBoard maps)
-        model.to(memory_format=torch.channels_last)
+    if cfg.channels_last:  # as the run evaluated it (and drew its TensorBoard maps); backward runs here
+        to_channels_last(model, dev)
     dcfg = cfg.data.model_copy()
     if data is not None:
         dcfg.source, dcfg.root = ("synthetic", dcfg.root) if data == "synthetic" else ("auto", data)
