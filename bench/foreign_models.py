@@ -1,18 +1,23 @@
-"""timm models through ``train.py`` at the CPU recipe's budget, with and without CBAM, beside visattn's ``resnet_fast``.
+"""timm and torchvision models through ``train.py`` at the CPU recipe's budget, with each block inserted by the
+default rule (``insert_attention``) and without, beside visattn's ``resnet_fast``.
 
-    python bench/foreign_models.py                      # every recipe x {none, cbam} x seeds 0 1 (resumable)
-    python bench/foreign_models.py --recipes configs/timm/regnetx_002.yaml --seeds 0
+    python bench/foreign_models.py                      # every recipe x {none, se, cbam, coord} x seeds 0 1 (resumable)
+    python bench/foreign_models.py --recipes configs/timm/regnetx_002.yaml --seeds 0 --arms none eca
     python bench/foreign_models.py --report             # the table (no training)
     python bench/foreign_models.py --report --write     # ... written into docs/results.md
 
 Each recipe (``configs/timm/*.yaml``: the CPU recipe's data, augmentation and 4 epochs, SGD for a BatchNorm
 network) trains on the 45,000 training images left after holding out the stratified 5,000-image validation
-split (``data.split_seed`` 0), once with ``attention: none`` and once with ``model.attention=cbam`` (inserted by
-``insert_attention``, ``init: identity``), and is scored once, at the end, on that split with 6-view test-time
+split (``data.split_seed`` 0), once with ``attention: none`` and once per block arm, ``model.attention=<arm>``
+(inserted by ``insert_attention``'s default rule, ``init: identity``; each row records the rule, ``placement``), and
+is scored once, at the end, on that split with 6-view test-time
 augmentation. ``configs/cifar10_cpu.yaml`` (visattn's ``resnet_fast``, the CPU recipe) runs beside them with no
-block, after them. Runs go seed-major, cheapest recipe first; each finished run is appended to
+block, after them. Runs go recipe by recipe in the order given (each recipe's arms and seeds together, so its row
+completes first); each finished run is appended to
 ``bench/results/foreign_models.json`` as ``{model, attention, seed, epochs, val_acc, images_per_s, precision,
-cpu, ...}`` (runs already there are skipped; a run killed part-way resumes from its checkpoint). Images/s is the
+cpu, kernels, placement, blocks, ...}`` (runs already there on this machine's precision and kernels are skipped;
+a run killed part-way resumes from its checkpoint). Runs pair only within one family of kernels: the report puts
+each recipe's runs of each family on a row of their own. Images/s is the
 run's own, with the machine's mean load beside it: compare speeds only between runs timed at the same load.
 """
 from __future__ import annotations
@@ -38,9 +43,20 @@ from visattn.rundir import Interrupted, check_rows, read_json, write_atomic  # n
 
 RESULTS = ROOT / "bench" / "results" / "foreign_models.json"
 DOC = ROOT / "docs" / "results.md"
-RECIPES = ["configs/timm/regnetx_002.yaml", "configs/timm/mobilenetv3_small.yaml", "configs/timm/resnet18_quarter.yaml"]
+RECIPES = ["configs/timm/mobilenetv3_small.yaml", "configs/timm/tinynet_e.yaml", "configs/timm/tv_mobilenet_v3_small.yaml",
+           "configs/timm/resnet18_quarter.yaml", "configs/timm/regnetx_002.yaml"]
 REFERENCE = "configs/cifar10_cpu.yaml"  # visattn's resnet_fast, no block
-ARMS = ("none", "cbam")
+ARMS = ("none", "se", "cbam", "coord", "eca")  # every arm the table has a column for
+DEFAULT_ARMS = ("none", "se", "cbam", "coord")
+LABEL = {"se": "SE", "cbam": "CBAM", "coord": "coord", "eca": "ECA"}
+# the recipes whose block sites moved with the SE-slot rule (inverted residuals): their block runs without a
+# ``placement`` were trained at the earlier sites and are history (docs/changelog.md), not rows of the table
+MOVED = {"configs/timm/mobilenetv3_small.yaml", "configs/timm/tinynet_e.yaml", "configs/timm/tv_mobilenet_v3_small.yaml"}
+# published deltas beside ours: top-1 points over the plain network, the same block family at the papers' sites
+PUBLISHED = ("Hou et al. 2021 (Coordinate Attention, CVPR 2021), MobileNetV2 on ImageNet with each block at the SE "
+             "slot, top-1 72.3% plain: SE +1.2, CBAM +1.3, coordinate +2.0; Woo et al. 2018 (CBAM, ECCV 2018) report "
+             "MobileNet on ImageNet improved by SE and more by CBAM. ImageNet at full training, so a guide to the sign "
+             "and order, not to the size at 4 CIFAR-10 epochs")
 # where the reference has no runs of its own here: the attention table's, the same recipe and budget
 # (configs/attention/resnet_fast_none.yaml is configs/cifar10_cpu.yaml with its maps logged each epoch;
 # resnet_fast_cbam.yaml adds CBAM at identity, one per group)
@@ -56,30 +72,58 @@ ROW_FIELDS = {"model": "str", "recipe": "str", "attention": "str", "seed": "int"
               "resumed": "bool?"}
 
 
+def blocks_of(recipe: str, attention: str) -> int:
+    """How many blocks the default rule puts into the recipe's model (0 for ``none``)."""
+    if attention == "none":
+        return 0
+    import visattn
+    from visattn.config import load_config
+    from visattn.models.foreign import without_weights
+
+    cfg = load_config(ROOT / recipe)
+    model = visattn.create_model(cfg.model.name, num_classes=10, **without_weights(cfg.model.options()))
+    return visattn.insert_attention(model, attention)
+
+
 def row(recipe: str, attention: str, seed: int, run: dict) -> dict:
     """A results row from :func:`attention_table.run_one`'s record."""
+    from visattn.attention.insert import PLACEMENT
     from visattn.config import load_config
 
     cfg = load_config(ROOT / recipe)
+    placement = {"placement": PLACEMENT, "blocks": blocks_of(recipe, attention)} if attention != "none" else {}
     return {"model": cfg.model.name, "recipe": recipe, "attention": attention, "seed": seed, "epochs": run["epochs"],
             "val_acc": run["val_acc"], "images_per_s": round(run["images_per_s"], 1), "precision": run["precision"],
             "cpu": run["cpu"], "kernels": run["kernels"], "threads": run["threads"], "batch_size": cfg.train.batch_size,
             "lr": cfg.optim.lr, "optimizer": cfg.optim.name, "parameters": run["parameters"],
             "train_seconds": round(run["train_seconds"], 1), "load_mean": run["load_mean"],
             "eval_split": run["eval_split"], "git": run["git"], **({"resumed": True} if run.get("resumed") else {}),
+            **placement,
             "command": f"python train.py --config {recipe} seed={seed}" + (f" model.attention={attention}"
                                                                            if attention != "none" else "")}
 
 
-def done(results: List[dict], recipe: str, attention: str, seed: int, epochs: int) -> bool:
+def current(r: dict) -> bool:
+    """A run the table counts: no block, or a block at this version's sites (not the earlier rule's)."""
+    from visattn.attention.insert import PLACEMENT
+
+    return r["attention"] == "none" or r["recipe"] not in MOVED or r.get("placement") == PLACEMENT
+
+
+def family(r: dict) -> str:
+    return f"{r['precision']} on {r['kernels']}"
+
+
+def done(results: List[dict], recipe: str, attention: str, seed: int, epochs: int, numerics: Optional[str] = None) -> bool:
+    """A current run of these settings (on this machine's precision and kernels, ``numerics``) is there."""
     return any(r["recipe"] == recipe and r["attention"] == attention and r["seed"] == seed and r["epochs"] == epochs
-               for r in results)
+               and current(r) and (numerics is None or family(r) == numerics) for r in results)
 
 
-def plan(recipes: Sequence[str], seeds: Sequence[int], reference: bool) -> List[tuple]:
-    """(recipe, attention, seed) in the order they train: seed-major, each recipe's arms together, then the
-    reference at every seed (it has runs of its own elsewhere; the recipes' pairs come first)."""
-    out = [(r, a, seed) for seed in seeds for r in recipes for a in ARMS]
+def plan(recipes: Sequence[str], seeds: Sequence[int], reference: bool, arms: Sequence[str] = DEFAULT_ARMS) -> List[tuple]:
+    """(recipe, attention, seed) in the order they train: recipe by recipe, each one's seeds and arms together
+    (its row completes before the next starts), then the reference at every seed."""
+    out = [(r, a, seed) for r in recipes for seed in seeds for a in arms]
     return out + ([(REFERENCE, "none", seed) for seed in seeds] if reference else [])
 
 
@@ -99,9 +143,11 @@ def cpu_lock(path: Optional[str]) -> Iterator[None]:
 
 
 def train(args: argparse.Namespace) -> None:
+    from attention_table import planned_numerics
+
     results = read_json(Path(args.results), list, missing=[])
-    for recipe, attention, seed in plan(args.recipes, args.seeds, not args.no_reference):
-        if done(results, recipe, attention, seed, args.epochs):
+    for recipe, attention, seed in plan(args.recipes, args.seeds, not args.no_reference, args.arms):
+        if done(results, recipe, attention, seed, args.epochs, planned_numerics(recipe)):
             continue
         extra = [f"model.attention={attention}"] if attention != "none" else []
         with cpu_lock(args.lock):
@@ -139,42 +185,78 @@ def reference_rows(results: List[dict], table_results: Path = TABLE_RESULTS) -> 
              "batch_size": cfg.train.batch_size, "lr": cfg.optim.lr, "optimizer": cfg.optim.name} for r in same]
 
 
+def _acc(runs: Dict[int, dict]) -> str:
+    vals = [100 * r["val_acc"] for r in runs.values()]
+    return "—" if not vals else f"{statistics.mean(vals):.2f}" + (f" ± {statistics.stdev(vals):.2f}" if len(vals) > 1 else "")
+
+
+def _delta(arm: Dict[int, dict], none: Dict[int, dict]) -> str:
+    """The paired difference to ``none`` in points: mean over the seeds both have, then each seed's."""
+    pairs = [100 * (arm[s]["val_acc"] - none[s]["val_acc"]) for s in sorted(arm) if s in none]
+    if not pairs:
+        return "—"
+    each = " / ".join(f"{d:+.2f}" for d in pairs)
+    return f"**{statistics.mean(pairs):+.2f}** ({each})" if len(pairs) > 1 else each
+
+
+def worst(results: List[dict]) -> Optional[tuple]:
+    """(paired mean difference, recipe, arm, family) of the arm furthest below ``none``, over the current runs."""
+    rows = [r for r in results if r["recipe"] != REFERENCE and current(r)]
+    out = []
+    for key in dict.fromkeys((r["recipe"], family(r)) for r in rows):
+        runs = [r for r in rows if (r["recipe"], family(r)) == key]
+        none = {r["seed"]: r for r in runs if r["attention"] == "none"}
+        for a in ARMS[1:]:
+            pairs = [100 * (r["val_acc"] - none[r["seed"]]["val_acc"]) for r in runs if r["attention"] == a
+                     and r["seed"] in none]
+            if pairs:
+                out.append((statistics.mean(pairs), key[0], a, key[1]))
+    return min(out) if out else None
+
+
 def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
-    """Markdown: per model, mean validation accuracy of each arm over its seeds, the paired CBAM - none difference,
-    images/s (median over the runs), batch and learning rate."""
+    """Markdown: per model and kernel family, ``none``'s mean validation accuracy over its seeds and each block
+    arm's paired difference to it (mean, then each seed), the blocks the rule puts in, images/s of ``none``;
+    the papers' published differences under it."""
     if not results:
         raise ConfigError(f"{RESULTS.name}: no runs to report (train some first: python bench/foreign_models.py)")
-    lines = ["| model (recipe) | params | none | CBAM (identity init) | CBAM - none, paired | images/s none / CBAM | "
-             "batch, lr | seeds |", "|---|---|---|---|---|---|---|---|"]
-    rows = [r for r in results if r["recipe"] != REFERENCE]
+    arms = [a for a in ARMS[1:] if any(r["attention"] == a for r in results)]
+    lines = ["| model (recipe) | numerics | params | blocks | none | " + " | ".join(f"{LABEL[a]} - none" for a in arms)
+             + " | images/s none | seeds |", "|---|---|---|---|---|" + "---|" * len(arms) + "---|---|"]
+    rows = [r for r in results if r["recipe"] != REFERENCE and current(r)]
+    history = [r for r in results if not current(r)]
     rows += reference_rows(results) if reference is None else reference
-    for recipe in dict.fromkeys(r["recipe"] for r in rows):
-        runs = [r for r in rows if r["recipe"] == recipe]
+    for key in dict.fromkeys((r["recipe"], family(r) if "precision" in r else "") for r in rows):
+        runs = [r for r in rows if (r["recipe"], family(r) if "precision" in r else "") == key]
         arm: Dict[str, Dict[int, dict]] = {a: {r["seed"]: r for r in runs if r["attention"] == a} for a in ARMS}
-        pairs = [100 * (arm["cbam"][s]["val_acc"] - arm["none"][s]["val_acc"]) for s in arm["none"] if s in arm["cbam"]]
-
-        def acc(a: str) -> str:
-            vals = [100 * r["val_acc"] for r in arm[a].values()]
-            return "—" if not vals else f"{statistics.mean(vals):.2f}" + (
-                f" ± {statistics.stdev(vals):.2f}" if len(vals) > 1 else "")
-
-        def speed(a: str) -> str:
-            vals = [r["images_per_s"] for r in arm[a].values() if not r.get("resumed")]  # a resumed run's time is split
-            return f"{statistics.median(vals):.0f}" if vals else "—"
-
-        diff = "—" if not pairs else " / ".join(f"{d:+.2f}" for d in pairs)
+        if not arm["none"]:
+            continue
+        speeds = [r["images_per_s"] for r in arm["none"].values() if not r.get("resumed")]  # a resumed run's time is split
         first = runs[0]
-        seeds = sorted({r["seed"] for r in runs})
+        recipe = key[0]
         where = f"`{Path(recipe).name}`" + (f", runs of {first['source']}" if first.get("source") else "")
-        lines.append(f"| {first['model']} ({where}) | {first['parameters'] / 1e6:.1f}M | {acc('none')} | "
-                     f"{acc('cbam')} | {diff} | {speed('none')} / {speed('cbam')} | {first['batch_size']}, "
-                     f"{first['optimizer']} {first['lr']:g} | {', '.join(map(str, seeds))} |")
+        blocks = sorted({r["blocks"] for r in runs if r.get("blocks")})
+        seeds = sorted({r["seed"] for r in runs})
+        lines.append(f"| {first['model']} ({where}) | {key[1] or 'as the sweep'} | {first['parameters'] / 1e6:.1f}M | "
+                     f"{', '.join(map(str, blocks)) or '—'} | {_acc(arm['none'])} | "
+                     + " | ".join(_delta(arm[a], arm["none"]) for a in arms)
+                     + f" | {statistics.median(speeds):.0f} | {', '.join(map(str, seeds))} |" if speeds else
+                     f"| {first['model']} ({where}) | {key[1] or 'as the sweep'} | {first['parameters'] / 1e6:.1f}M | "
+                     f"{', '.join(map(str, blocks)) or '—'} | {_acc(arm['none'])} | "
+                     + " | ".join(_delta(arm[a], arm["none"]) for a in arms) + f" | — | {', '.join(map(str, seeds))} |")
     first = results[0]
+    low = worst(results)
     lines.append("")
-    lines.append(f"{first['epochs']} epochs, {first['precision']} on {first['cpu']} ({first['kernels']}, "
-                 f"{first['threads']} threads); scored on the {first['eval_split']}; images/s is the median of the runs "
-                 "timed in one sitting (—: every run of the arm was stopped and resumed, its time split), each under the "
-                 "machine's load of the day: compare speeds with care.")
+    lines.append(f"{first['epochs']} epochs, 2 threads, SGD at batch 512 (`configs/timm/base.yaml`); scored on the "
+                 f"{first['eval_split']}; accuracies in %, differences in points paired by seed (**mean** over the seeds, "
+                 "then each seed), within one row's numerics only; blocks: how many the default rule puts in "
+                 "(`insert_attention`, `init: identity`). Images/s: median of the runs timed in one sitting, under "
+                 "the day's load." + (f" Furthest below `none`: {LABEL[low[2]]} in `{Path(low[1]).name}` ({low[3]}), "
+                                      f"{low[0]:+.2f}." if low else "")
+                 + (f" {len(history)} block runs at the earlier sites (after every inverted residual's projection) are "
+                    "history: [changelog](changelog.md#blocks-at-the-earlier-sites-in-inverted-residuals)." if history else ""))
+    lines.append("")
+    lines.append(f"Published, for scale: {PUBLISHED}.")
     return "\n".join(lines)
 
 
@@ -190,6 +272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = ArgumentParser(description=describe(__doc__))
     ap.add_argument("--recipes", nargs="*", default=RECIPES)
     ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1])
+    ap.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=ARMS, help="none and the blocks to insert")
     ap.add_argument("--epochs", type=int, default=4, help="the budget of every run (the CPU recipe's 4)")
     ap.add_argument("--no-reference", action="store_true", help=f"leave out {REFERENCE} (resnet_fast)")
     ap.add_argument("--data-root", default=None)

@@ -26,6 +26,7 @@ from torch import nn
 
 from .config import build_config
 from .errors import CheckpointError, ConfigError, DataError, VisattnError
+from .attention.insert import check_sites
 from .models import create_model
 from .models.foreign import without_weights
 from .models.layout import to_channels_last
@@ -128,6 +129,10 @@ def load_model_from_checkpoint(path: str, device: torch.device) -> tuple[torch.n
         if not isinstance(ema, dict):
             raise CheckpointError(f"checkpoint {str(path)!r}: its ema entry is a {type(ema).__name__}, not a state dict")
         weights = {k[len("module."):]: v for k, v in ema.items() if k.startswith("module.")} or weights
+    try:
+        check_sites(model, list(weights) if isinstance(weights, dict) else [], f"checkpoint {str(path)!r}")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     try:
         model.load_state_dict(weights)
     except (RuntimeError, TypeError) as e:  # TypeError: a "model" entry that is not a state dict

@@ -42,6 +42,7 @@ from .evaluate import autocast, cpu_has_native_bf16, evaluate, resolve_precision
 from .maps import find_taps
 from .maps.record import foreign_modules
 from .maps.tensorboard import MapLogger
+from .attention.insert import check_sites
 from .models import create_model
 from .models.foreign import without_weights
 from .models.layout import guard_message, to_channels_last
@@ -342,7 +343,10 @@ def resume(run: Run, path: Path) -> None:
         raise CheckpointError(f"resume: the file of train.distill.teacher ({cfg.train.distill.teacher}) changed since "
                               f"{path} was trained with it (set resume_allow_changes=true to resume anyway)")
     try:
+        check_sites(run.model, list(state["model"]) if isinstance(state["model"], dict) else [], f"resume: {path}")
         run.model.load_state_dict(state["model"])
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     except RuntimeError as e:  # the first line only says "Error(s) in loading state_dict": name the first mismatch
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         why = (lines[1] if len(lines) > 1 else lines[0] if lines else "")[:200]
@@ -678,6 +682,10 @@ def _init_from(cfg: Config, model: nn.Module, splits: Splits, say: Callable[...,
         weights, kind = {k[len("module."):]: v for k, v in ema.items() if k.startswith("module.")}, "EMA"
     if not isinstance(weights, dict):
         raise CheckpointError(f"model.init_from: {path}: its {kind} entry is a {type(weights).__name__}, not weights")
+    try:
+        check_sites(model, list(weights), f"model.init_from: {path}")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     own = model.state_dict()
     new = [p for p, m in model.named_modules() if p and is_attention_block(m)  # blocks with state, none of it held
            and any(k.startswith(p + ".") for k in own) and not any(k.startswith(p + ".") for k in weights)]

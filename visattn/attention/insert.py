@@ -22,11 +22,15 @@ from torch import nn
 
 from ..registry import ATTENTION, attention_info, attention_options, create_attention, list_attention
 
-__all__ = ["attn_layer", "insert_attention", "AttnLayer", "SUPPORTED_FAMILIES"]
+__all__ = ["attn_layer", "insert_attention", "AttnLayer", "PLACEMENT", "SUPPORTED_FAMILIES", "check_sites"]
+
+# the default rule's name, recorded with results: "se-slot" puts blocks in inverted residuals at the family's SE
+# slot, in blocks with a skip (before it, every such block had one after its projection norm)
+PLACEMENT = "se-slot"
 
 SUPPORTED_FAMILIES = (
     "torchvision and timm ResNet (BasicBlock / Bottleneck), RegNet (X and Y), ConvNeXt, EfficientNet and "
-    "MobileNetV3"
+    "MobileNetV3, and torchvision MobileNetV2"
 )
 
 
@@ -73,13 +77,23 @@ def attn_layer(name: str, **kwargs: Any) -> AttnLayer:
 class AttnAfter(nn.Module):
     """``attn(inner(x))``; with ``channels_last=True`` the tensor is ``(B, H, W, C)`` (timm ConvNeXt's MLP
     layout) and the block sees it permuted to ``(B, C, H, W)``. Fills a parameter-free slot (``inner``, a
-    dropout or identity), so the host model's parameter names stay the same."""
+    dropout or identity), so the host model's parameter names stay the same.
 
-    def __init__(self, inner: nn.Module, attn: nn.Module, channels_last: bool = False):
+    ``keep_names=True`` (for a slot whose module has weights: a family's own SE, which the block follows) keeps
+    them the same too: the state dict holds ``inner``'s tensors under this module's own name (``se.fc1.weight``,
+    not ``se.inner.fc1.weight``), beside the block's (``se.attn.*``), so weights saved before the block went in
+    load into the model after, and the other way round; a state dict in the ``inner.`` form loads as well.
+    """
+
+    def __init__(self, inner: nn.Module, attn: nn.Module, channels_last: bool = False, keep_names: bool = False):
         super().__init__()
         self.inner = inner
         self.attn = attn
         self.channels_last = channels_last
+        self.keep_names = keep_names and not any(n == "attn" for n, _ in inner.named_children())
+        if self.keep_names:
+            self.register_state_dict_post_hook(_inner_names_out)
+            self.register_load_state_dict_pre_hook(_inner_names_in)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inner(x)
@@ -88,7 +102,19 @@ class AttnAfter(nn.Module):
         return self.attn(x)
 
     def extra_repr(self) -> str:
-        return f"channels_last={self.channels_last}"
+        return f"channels_last={self.channels_last}" + (", keep_names=True" if self.keep_names else "")
+
+
+def _inner_names_out(module: AttnAfter, state: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    inner = prefix + "inner."
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner):]] = state.pop(key)
+
+
+def _inner_names_in(module: AttnAfter, state: Dict[str, Any], prefix: str, *args: Any) -> None:
+    own = (prefix + "inner.", prefix + "attn.")
+    for key in [k for k in state if k.startswith(prefix) and not k.startswith(own)]:
+        state[prefix + "inner." + key[len(prefix):]] = state.pop(key)
 
 
 # ---- where blocks go ----------------------------------------------------------------------------------------
@@ -160,20 +186,121 @@ def _after_site(path: str, parent: nn.Module, attr: str, channels: int, like: Op
     return (f"{path}.{attr}", channels, like, host.training, None if isinstance(slot, AttnAfter) else install)
 
 
+# ---- inverted residuals (MobileNetV2/V3, EfficientNet, MBConv): the family's own SE slot ------------------------
+#
+# Their SE sits inside the block, in the expanded width, after the depthwise conv (MobileNetV3, Howard et al. 2019;
+# EfficientNet, Tan & Le 2019), and Coordinate Attention goes there in MobileNetV2 (Hou et al. 2021). So does the
+# block: after the model's own SE where it has one (kept, its parameter names too), else in its place; only in
+# blocks with a skip, since in a block without one that slot is on the network's only path (docs/blocks.md).
+
+
+def _timm_inverted_site(path: str, block: nn.Module) -> Optional[Site]:
+    """timm's InvertedResidual, DepthwiseSeparableConv and EdgeResidual (and their subclasses, CondConv's):
+    ``block.se`` (an identity, or the model's SE) becomes ``AttnAfter(se, <block>)``, its names kept."""
+    if not getattr(block, "has_skip", False) or not isinstance(getattr(block, "se", None), nn.Module):
+        return None
+    project = block.conv_pw if isinstance(block, _timm_dsconv()) else block.conv_pwl
+    se = block.se
+
+    def install(a: nn.Module) -> None:
+        block.se = AttnAfter(se, a, keep_names=True)
+
+    return (f"{path}.se", project.in_channels, project.weight, block.training,
+            None if isinstance(se, (AttnAfter, *_visattn_classes())) else install)
+
+
+def _timm_dsconv() -> type:
+    import timm.models._efficientnet_blocks as tm_eff
+
+    return tm_eff.DepthwiseSeparableConv
+
+
+def _is_depthwise(module: nn.Module) -> bool:
+    conv = module[0] if isinstance(module, nn.Sequential) and len(module) else None
+    return isinstance(conv, nn.Conv2d) and conv.groups > 1 and conv.groups == conv.in_channels
+
+
+def _tv_inverted_site(path: str, block: nn.Module, attr: str = "block") -> Optional[Site]:
+    """torchvision's MBConv, FusedMBConv and MobileNetV3 InvertedResidual (``block.block``: [expand], depthwise,
+    [SE], project) and MobileNetV2's (``block.conv``): after the SE, kept (``AttnAfter(se, <block>)``, its names
+    kept), else appended to the depthwise conv-norm-activation (FusedMBConv: to its fused expansion; one with no
+    expansion has no site)."""
+    from torchvision.ops.misc import SqueezeExcitation
+
+    seq = getattr(block, attr)
+    path = f"{path}.{attr}"
+    if not getattr(block, "use_res_connect", False):
+        return None
+    for i, layer in enumerate(seq):
+        if isinstance(layer, (SqueezeExcitation, AttnAfter)):
+            def install(a: nn.Module, i: int = i, layer: nn.Module = layer) -> None:
+                seq[i] = AttnAfter(layer, a, keep_names=True)
+
+            return (f"{path}.{i}", layer.inner.fc1.in_channels if isinstance(layer, AttnAfter) else
+                    layer.fc1.in_channels, _first_param(layer), block.training,
+                    None if isinstance(layer, AttnAfter) else install)
+    if any(_is_depthwise(layer) for layer in seq):
+        index = next(i for i, layer in enumerate(seq) if _is_depthwise(layer))
+    elif len(seq) > 1:  # FusedMBConv: its fused expansion (no depthwise conv, no SE)
+        index = 0
+    else:
+        return None
+    cna = seq[index]  # conv, norm, activation: the block is appended, the indices of the rest stay
+    if isinstance(cna[-1], _visattn_classes()):
+        return (f"{path}.{index}.{len(cna) - 1}", 0, None, block.training, None)
+    return (f"{path}.{index}.{len(cna)}", cna[0].out_channels, cna[0].weight, block.training,
+            lambda a, cna=cna: cna.append(a))
+
+
+def earlier_sites(model: nn.Module) -> List[str]:
+    """Where visattn's earlier rule (before the SE-slot rule) put a block in ``model``'s inverted residuals:
+    after every such block's projection norm, skip or not (timm: ``<block>.bn3.act`` / ``.bn2.act``;
+    torchvision: appended to the last conv-norm, ``<block>.block.<last>.2``)."""
+    import timm.models._efficientnet_blocks as tm_eff
+    import torchvision.models.efficientnet as tv_efficientnet
+    import torchvision.models.mobilenetv3 as tv_mobilenetv3
+
+    out = []
+    for path, block in model.named_modules():
+        if isinstance(block, (tm_eff.InvertedResidual, tm_eff.EdgeResidual)):
+            out.append(f"{path}.bn3.act" if isinstance(block, tm_eff.InvertedResidual) else f"{path}.bn2.act")
+        elif isinstance(block, tm_eff.DepthwiseSeparableConv):
+            out.append(f"{path}.bn2.act")
+        elif isinstance(block, (tv_efficientnet.MBConv, tv_efficientnet.FusedMBConv, tv_mobilenetv3.InvertedResidual)):
+            out.append(f"{path}.block.{len(block.block) - 1}.2")
+    return out
+
+
+def check_sites(model: nn.Module, keys: Sequence[str], what: str) -> None:
+    """A ``ValueError`` naming ``what`` (a checkpoint) if its state-dict ``keys`` hold attention weights at the
+    sites of visattn's earlier rule for ``model``'s inverted residuals, which this version builds elsewhere:
+    such a checkpoint is refused in one line, never loaded into blocks at other places."""
+    sites = earlier_sites(model)
+    held = sorted({s for s in sites for k in keys if k.startswith(s + ".")})
+    if held:
+        raise ValueError(
+            f"{what} was trained with visattn's earlier placement in inverted residuals (a block after each block's "
+            f"projection, e.g. {held[0]!r}); this version puts blocks at the SE slot after the depthwise conv, in "
+            "blocks with a skip (docs/blocks.md#where-the-blocks-go), so its weights have no place here: use the "
+            "visattn revision it was trained with (run_info.json's git), or train it again")
+
+
 def _residual_sites(model: nn.Module) -> List[Site]:
-    """One site per residual block, after the branch's last norm (after the model's own SE, which is kept)."""
+    """One site per residual block: after the branch's last norm (after the model's own SE, which is kept), and
+    in inverted residuals with a skip at the family's SE slot (after their SE, which is kept)."""
     import timm.models._efficientnet_blocks as tm_eff
     import timm.models.convnext as tm_convnext
     import timm.models.regnet as tm_regnet
     import timm.models.resnet as tm_resnet
     import torchvision.models.convnext as tv_convnext
     import torchvision.models.efficientnet as tv_efficientnet
+    import torchvision.models.mobilenetv2 as tv_mobilenetv2
     import torchvision.models.mobilenetv3 as tv_mobilenetv3
     import torchvision.models.regnet as tv_regnet
     import torchvision.models.resnet as tv_resnet
     from torchvision.ops.misc import Permute
 
-    timm_eff_last = {tm_eff.InvertedResidual: "bn3", tm_eff.DepthwiseSeparableConv: "bn2", tm_eff.EdgeResidual: "bn2"}
+    timm_inverted = (tm_eff.InvertedResidual, tm_eff.DepthwiseSeparableConv, tm_eff.EdgeResidual)
     sites: List[Optional[Site]] = []
     for path, block in model.named_modules():
         kind = type(block)
@@ -201,7 +328,9 @@ def _residual_sites(model: nn.Module) -> List[Site]:
         elif kind is tv_regnet.ResBottleneckBlock:  # f: a, b, (RegNet-Y: se), c = the branch's last conv-BN
             sites.append(_conv_norm_site(f"{path}.f.c", block.f.c, block))
         elif kind in (tv_efficientnet.MBConv, tv_efficientnet.FusedMBConv, tv_mobilenetv3.InvertedResidual):
-            sites.append(_conv_norm_site(f"{path}.block.{len(block.block) - 1}", block.block[-1], block))
+            sites.append(_tv_inverted_site(path, block))
+        elif kind is tv_mobilenetv2.InvertedResidual:
+            sites.append(_tv_inverted_site(path, block, "conv"))
         elif kind is tm_regnet.Bottleneck:
             conv3 = block.conv3  # ConvNormAct: conv, norm, then its optional `aa` slot (empty here)
 
@@ -210,11 +339,8 @@ def _residual_sites(model: nn.Module) -> List[Site]:
 
             sites.append((f"{path}.conv3.aa", conv3.conv.out_channels, conv3.conv.weight, block.training,
                           install if getattr(conv3, "aa", None) is None else None))
-        elif kind in timm_eff_last:  # the projection's BatchNormAct2d: norm, drop, then act (an identity here)
-            norm = getattr(block, timm_eff_last[kind])
-            if isinstance(norm.act, (nn.Identity, AttnAfter)):
-                sites.append(_after_site(f"{path}.{timm_eff_last[kind]}", norm, "act", norm.num_features,
-                                         norm.weight, block))
+        elif isinstance(block, timm_inverted):
+            sites.append(_timm_inverted_site(path, block))
         elif kind is tv_convnext.CNBlock:
             seq = block.block  # dwconv, permute, LN, linear, GELU, linear, permute back to (B, C, H, W)
             free = isinstance(seq[-1], Permute)

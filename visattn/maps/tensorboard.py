@@ -213,6 +213,22 @@ def _channels(writer: Any, records, step: int, summary: Dict[str, List[str]], ab
         about[f"channel/{k}"] = f"histogram of the channel gate values of {k} over the probe images ({what})"
 
 
+def _gate_scalars(writer: Any, records, step: int, summary: Dict[str, List[str]], about: Dict[str, str]) -> None:
+    """``gates/<layer>/mean`` and ``/std``: each gate's mean value over the probe and its spread, one point per
+    logging epoch, so a gate that shuts its signal off shows as a falling curve (Scalars tab)."""
+    for kind in ("channel", "spatial"):
+        for k, r in named_records(records, kind):
+            if r.value_scale == "relative" or not torch.isfinite(r.weights).all():
+                continue
+            w = r.weights.float()
+            for what, value in (("mean", w.mean()), ("std", w.std() if w.numel() > 1 else w.new_zeros(()))):
+                writer.add_scalar(f"gates/{k}/{what}", float(value), step)
+                summary["scalars"].append(f"gates/{k}/{what}")
+            unit = "gain, 1 = unchanged (init='identity')" if r.value_scale == "gain" else "sigmoid gate, 0-1"
+            about[f"gates/{k}/mean"] = (f"the {kind} gate of {k}: its mean over the probe images and positions ({unit}); "
+                                        "/std its spread")
+
+
 def log_attention_maps(writer: Any, model: torch.nn.Module, images: torch.Tensor, labels: Optional[torch.Tensor],
                        step: int, settings: MapSettings = MapSettings(),
                        boxes: Optional[torch.Tensor] = None) -> Dict[str, List[str]]:
@@ -259,6 +275,7 @@ def log_attention_maps(writer: Any, model: torch.nn.Module, images: torch.Tensor
     for k, r in named_records(rec.records, "token", dims=4):
         _matrix(writer, r, k, step, captions[0] + [(f"attention of {k}", DIM)], st.norm, st.colormap, summary, about)
     _channels(writer, rec.records, step, summary, about)
+    _gate_scalars(writer, rec.records, step, summary, about)
     if about:
         _describe(writer, about, step)
         summary["texts"].append("maps/descriptions")
