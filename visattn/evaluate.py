@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention.insert import check_sites
 from .config import build_config
 from .errors import CheckpointError, ConfigError, DataError, VisattnError
-from .attention.insert import check_sites
 from .models import create_model
 from .models.foreign import without_weights
 from .models.layout import to_channels_last

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .attention.insert import check_sites
 from .config import Config, DistillConfig, check_for_training, with_defaults
 from .data import Placement, Splits, build_loader, check_augment, load_splits, normalize, spread_indices
 from .data.loaders import EpochLoader
@@ -42,7 +43,6 @@ from .evaluate import autocast, cpu_has_native_bf16, evaluate, resolve_precision
 from .maps import find_taps
 from .maps.record import foreign_modules
 from .maps.tensorboard import MapLogger
-from .attention.insert import check_sites
 from .models import create_model
 from .models.foreign import without_weights
 from .models.layout import guard_message, to_channels_last
