@@ -344,15 +344,47 @@ def test_the_docs_table_is_the_one_the_results_give():
         "docs/results.md's foreign models table is stale: run `python bench/foreign_models.py --report --write`")
 
 
-def test_the_table_pairs_cbam_with_none_by_seed_and_keeps_resumed_runs_out_of_the_speeds():
+def test_the_table_pairs_each_arm_with_none_by_seed_within_one_kernel_family():
     bench = _bench()
     base = {"epochs": 4, "precision": "fp32", "cpu": "CPU", "kernels": "avx2", "threads": 1, "parameters": 2e6,
             "train_seconds": 1.0, "load_mean": 1.0, "eval_split": "validation split", "git": "x"}
-    rows = [bench.row("configs/timm/regnetx_002.yaml", arm, seed, dict(base, val_acc=0.6 + 0.01 * seed + 0.002 * (arm == "cbam"),
+    gain = {"none": 0.0, "se": 0.002, "cbam": -0.004, "coord": 0.001}
+    rows = [bench.row("configs/timm/regnetx_002.yaml", arm, seed, dict(base, val_acc=0.6 + 0.01 * seed + gain[arm],
                                                                       images_per_s=100.0 + seed, resumed=(seed == 1)))
-            for seed in (0, 1) for arm in bench.ARMS]
-    line = bench.table(rows).splitlines()[2]
-    assert "+0.20 / +0.20" in line and "| 100 / 100 |" in line and "60.50 ± 0.71" in line
+            for seed in (0, 1) for arm in gain]
+    # the same recipe on another family of kernels: a row of its own, never paired with the first
+    rows += [bench.row("configs/timm/regnetx_002.yaml", arm, 0, dict(base, kernels="amx", precision="bf16",
+                                                                    val_acc=0.7 + (arm == "se") * 0.05, images_per_s=300.0))
+             for arm in ("none", "se")]
+    lines = bench.table(rows).splitlines()
+    assert lines[0].startswith("| model (recipe) | numerics |") and "SE - none | CBAM - none | coord - none |" in lines[0]
+    first, other = lines[2], lines[3]
+    assert "| fp32 on avx2 |" in first and "60.50 ± 0.71" in first and "| 100 |" in first  # resumed: not in the speed
+    assert "**+0.20** (+0.20 / +0.20)" in first and "**-0.40** (-0.40 / -0.40)" in first
+    assert "| bf16 on amx |" in other and "| +5.00 |" in other and "| — |" in other  # CBAM, coord: no runs there
+    assert "Furthest below `none`: CBAM in `regnetx_002.yaml` (fp32 on avx2), -0.40." in bench.table(rows)
+    assert all(r["placement"] == "se-slot" and r["blocks"] == 13 for r in rows if r["attention"] != "none")
+
+
+def test_block_runs_at_the_earlier_sites_leave_the_table_for_the_changelog():
+    bench = _bench()
+    base = {"epochs": 4, "precision": "fp32", "cpu": "CPU", "kernels": "avx2", "threads": 1, "parameters": 2e6,
+            "train_seconds": 1.0, "load_mean": 1.0, "eval_split": "validation split", "git": "x", "images_per_s": 1.0}
+    recipe = "configs/timm/mobilenetv3_small.yaml"
+    old = {k: v for k, v in bench.row(recipe, "cbam", 0, dict(base, val_acc=0.4)).items()
+           if k not in ("placement", "blocks")}  # a row of the earlier rule: no placement recorded
+    none = bench.row(recipe, "none", 0, dict(base, val_acc=0.6))
+    assert not bench.current(old) and bench.current(none)
+    assert not bench.done([old], recipe, "cbam", 0, 4) and bench.done([none], recipe, "none", 0, 4, "fp32 on avx2")
+    assert not bench.done([none], recipe, "none", 0, 4, "bf16 on amx")  # another family: run again there
+    text = bench.table([none, old])
+    assert "-20.00" not in text and "1 block runs at the earlier sites" in text
+    kept = {k: v for k, v in bench.row("configs/timm/regnetx_002.yaml", "cbam", 0, dict(base, val_acc=0.4)).items()
+            if k != "placement"}  # ResNet / RegNet sites did not move: their earlier runs still count
+    assert bench.current(kept)
+    assert bench.plan(["a", "b"], [0, 1], False, ["none", "se"]) == [
+        ("a", "none", 0), ("a", "se", 0), ("a", "none", 1), ("a", "se", 1),
+        ("b", "none", 0), ("b", "se", 0), ("b", "none", 1), ("b", "se", 1)]
 
 
 def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_precision_and_kernels(tmp_path):
@@ -372,8 +404,8 @@ def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_pr
     rows = bench.reference_rows(ours, table_file)
     assert [(r["seed"], r["attention"]) for r in rows] == [(1, "none"), (1, "cbam")] and rows[0]["model"] == "resnet_fast"
     line = bench.table(ours, rows).splitlines()[3]
-    assert line.startswith("| resnet_fast (`resnet_fast_{none,cbam}.yaml`, runs of attention_table.json) |")
-    assert "| 87.00 | 87.50 | +0.50 |" in line
+    assert line.startswith("| resnet_fast (`resnet_fast_{none,se,cbam,coord,eca}.yaml`, runs of attention_table.json) |")
+    assert "| 87.00 | +0.50 |" in line
     own = bench.row(bench.REFERENCE, "none", 0, dict(base, val_acc=0.86))
     assert bench.reference_rows([*ours, own], table_file) == [own]  # the sweep's own runs come first
     table_file.write_text(json.dumps([cbam, *other]))  # CBAM alone: nothing to pair it with

@@ -496,7 +496,7 @@ def test_insert_at_named_modules_of_your_own_model_starts_as_the_identity_and_le
 def test_insert_at_takes_sequential_layers_and_adds_to_a_model_that_has_blocks():
     from torchvision.models import mobilenet_v2
 
-    model = mobilenet_v2(weights=None, num_classes=10)  # no SE, no residual rule: only at= can place a block
+    model = mobilenet_v2(weights=None, num_classes=10)  # no SE; at= places blocks anywhere, beside the rule
     assert insert_attention(model, "se", at=["features.0", "features.18"]) == 2  # Conv2dNormActivation: conv, BN, ReLU6
     assert [model.features[i].attn.channels for i in (0, 18)] == [32, 1280]
     with pytest.raises(ValueError, match="cannot tell how many channels InvertedResidual outputs"):

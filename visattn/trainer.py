@@ -237,6 +237,11 @@ class Run:
     maps: Any = None  # the probe's MapLogger (it owns log.faithfulness=auto's cost budget)
     stop_saved: bool = True  # whether the last stop-time save was made (not with non-finite weights)
     teacher_digest: Optional[str] = None  # train.distill.teacher's file digest, kept in checkpoints
+    # the loop's hook points: "step_end" hooks are called as hook(run, step) after every optimizer step (the
+    # gradients still on the parameters), "epoch_end" hooks as hook(run, epoch, row) after the epoch's metrics
+    # row, checkpoints and TensorBoard scalars (rank 0); the progress bar is the first step_end hook
+    hooks: Dict[str, List[Callable[..., None]]] = field(
+        default_factory=lambda: {"step_end": [_advance_bar], "epoch_end": []})
 
     @property
     def device(self) -> torch.device:
@@ -519,8 +524,8 @@ def periodic_check(run: Run, step: int) -> bool:
     every step so far had a non-finite loss (nothing learned yet: a later finite step saves, or the run stops
     with the last good checkpoint in place)."""
     run.step = step
-    if run.bar is not None:
-        run.bar.update(1)
+    for hook in run.hooks["step_end"]:
+        hook(run, step)
     halt = bool(run.stop)
     if run.dist.enabled:
         halt = bool(run.dist.reduce(torch.tensor([1.0 if halt else 0.0], device=run.device)).item() > 0)
@@ -572,7 +577,14 @@ def _end_epoch(run: Run, ep: EpochStats, done: int) -> None:
     save_checkpoint(state, run.run_dir / "last.pt")
     if run.writer is not None:
         _log_scalars(run, row, done)
+    for hook in run.hooks["epoch_end"]:
+        hook(run, done, row)
     run.say(_epoch_line(run, ep, row, done))
+
+
+def _advance_bar(run: Run, step: int) -> None:
+    if run.bar is not None:
+        run.bar.update(1)
 
 
 # ---------------------------------------------- building the run: folder, model, init_from, teacher, optimization

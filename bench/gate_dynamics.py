@@ -1,0 +1,173 @@
+"""What drives a gate's collapse: each inserted block's gates and gradients over the first training steps.
+
+    python bench/gate_dynamics.py                       # MobileNetV3-Small + CBAM, three placements and none, 100 steps
+    python bench/gate_dynamics.py --steps 40 --arms se-slot none --out /tmp/g.json
+
+Trains ``configs/timm/mobilenetv3_small.yaml`` (the real images, the recipe's data, SGD and schedule, seed 0) for
+``--steps`` optimizer steps per arm, through the trainer (its ``step_end`` hook), with CBAM at identity:
+
+* ``earlier``: the earlier rule's 11 sites, after every inverted residual's projection norm (``model.attn_at``);
+* ``earlier-skip``: the same sites in the 6 blocks with a skip only;
+* ``se-slot``: today's rule (the 6 blocks with a skip, after the depthwise conv, at the SE slot);
+* ``none``: no block, the loss to compare with.
+
+Every ``--every`` steps it records, per block, from the training batch itself (train mode): the spatial gate's
+mean, spread (std over positions and images) and its minimum, the channel gate's mean, the block's parameter
+gradient norm, and whether the block has a skip; and the step's loss and the whole model's gradient norm.
+Writes ``bench/results/gate_dynamics.json`` (with its command, revision and machine) and prints a summary.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import parser, provenance  # noqa: E402
+from visattn.errors import ConfigError, run_main  # noqa: E402
+from visattn.rundir import write_atomic  # noqa: E402
+
+RECIPE = "configs/timm/mobilenetv3_small.yaml"
+RESULTS = ROOT / "bench" / "results" / "gate_dynamics.json"
+ARMS = ("earlier", "earlier-skip", "se-slot", "none")
+
+
+def _sites(arm: str) -> List[str]:
+    """The ``model.attn_at`` of an earlier-rule arm: each inverted residual's projection norm."""
+    import visattn
+    from visattn.attention.insert import earlier_sites
+
+    model = visattn.create_model("timm/mobilenetv3_small_100", num_classes=10, cifar_stem=True)
+    skip = {p for p, m in model.named_modules() if getattr(m, "has_skip", False)}
+    return [s.rsplit(".", 1)[0] for s in earlier_sites(model)
+            if arm == "earlier" or s.rsplit(".", 2)[0] in skip]
+
+
+def _overrides(arm: str, steps: int, run_dir: Path, data_root: Optional[str], precision: Optional[str]) -> List[str]:
+    out = [f"run_dir={run_dir}", "seed=0", f"train.max_steps={steps}", "log.progress=false", "log.maps_every=0",
+           "log.tensorboard=false"]
+    if arm != "none":
+        out.append("model.attention=cbam")
+    if arm.startswith("earlier"):
+        out.append("model.attn_at=[" + ",".join(_sites(arm)) + "]")
+    if data_root:
+        out.append(f"data.root={data_root}")
+    if precision:
+        out.append(f"precision={precision}")
+    return out
+
+
+def probe(arm: str, steps: int, every: int, work: Path, data_root: Optional[str] = None,
+          precision: Optional[str] = None) -> Dict[str, Any]:
+    """One arm's trace: ``{"arm", "blocks": [{name, skip}], "steps": [{step, loss, grad_norm, blocks: [...]}]}``."""
+    import shutil
+
+    import torch
+
+    from visattn.config import load_config
+    from visattn.maps import record_attention
+    from visattn.registry import is_attention_block
+    from visattn.trainer import Stat, build, fit
+
+    run_dir = work / arm
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a probe's own scratch folder: never a user's run
+    cfg = load_config(ROOT / RECIPE, _overrides(arm, steps, run_dir, data_root, precision))
+    run = build(cfg, log=lambda *a, **k: None)
+    model = run.model
+    hosts = {p: m for p, m in model.named_modules() if hasattr(m, "has_skip")}
+    found = [(p, m) for p, m in model.named_modules() if p and is_attention_block(m)]
+    blocks = [(p, m) for p, m in found if not any(p.startswith(q + ".") for q, _ in found)]  # outermost only
+
+    def skip_of(path: str) -> bool:
+        host = max((h for h in hosts if path.startswith(h + ".")), key=len, default=None)
+        return bool(host is not None and hosts[host].has_skip)
+
+    trace: List[Dict[str, Any]] = []
+    seen = [0.0, 0.0]  # the epoch's loss sum and images at the last record: the loss since then is their difference
+    with record_attention(model, max_passes=1) as rec:
+        def on_step(r: Any, step: int) -> None:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+            if step % every and step != 1:
+                rec.records.clear()
+                return
+            loss_sum, images = float(r.live[Stat.loss_sum]), float(r.live[Stat.finite_images])
+            loss = (loss_sum - seen[0]) / max(images - seen[1], 1.0)
+            seen[:] = [loss_sum, images]
+            row = []
+            for path, block in blocks:
+                g = [p.grad for p in block.parameters() if p.grad is not None]
+                rec_of = {r.kind: r.weights for r in rec.records if r.name == path or r.name.startswith(path + ".")}
+                entry = {"block": path, "skip": skip_of(path),
+                         "grad_norm": float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x.float())
+                                                                                   for x in g]))) if g else 0.0}
+                if "spatial" in rec_of:
+                    s = rec_of["spatial"]
+                    entry.update(spatial_mean=float(s.mean()), spatial_std=float(s.std()), spatial_min=float(s.min()))
+                if "channel" in rec_of:
+                    entry["channel_mean"] = float(rec_of["channel"].mean())
+                row.append(entry)
+            trace.append({"step": step, "loss": loss, "grad_norm": total, "blocks": row})
+            rec.records.clear()
+
+        run.hooks["step_end"].append(on_step)
+        t0 = time.perf_counter()
+        fit(run)
+    return {"arm": arm, "blocks": [{"name": p, "skip": skip_of(p)} for p, _ in blocks], "trace": trace,
+            "seconds": round(time.perf_counter() - t0, 1), "precision": str(run.policy.precision)}
+
+
+def summarize(arms: Sequence[Dict[str, Any]]) -> str:
+    """Per arm: at the last recorded step, the spatial gates' mean (and the lowest minimum) in blocks with and
+    without a skip, their gradient norms, the model's, and the training loss since the record before."""
+    lines = ["| arm | blocks (skip / no skip) | spatial gate mean, skip / no skip | lowest gate | block grad norm, "
+             "skip / no skip | model grad norm | loss |", "|---|---|---|---|---|---|---|"]
+    for a in arms:
+        if not a["trace"]:
+            continue
+        last = a["trace"][-1]
+
+        def mean(key: str, skip: bool) -> str:
+            vals = [b[key] for b in last["blocks"] if b["skip"] == skip and key in b]
+            return f"{statistics.mean(vals):.3f}" if vals else "—"
+
+        low = min((b["spatial_min"] for b in last["blocks"] if "spatial_min" in b), default=None)
+        n_skip = sum(b["skip"] for b in a["blocks"])
+        lines.append(f"| {a['arm']} | {n_skip} / {len(a['blocks']) - n_skip} | {mean('spatial_mean', True)} / "
+                     f"{mean('spatial_mean', False)} | {'—' if low is None else f'{low:.3f}'} | "
+                     f"{mean('grad_norm', True)} / {mean('grad_norm', False)} | {last['grad_norm']:.3f} | "
+                     f"{last['loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = parser(__doc__, threads=True, precision=True, out=str(RESULTS))
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--every", type=int, default=5, help="record every N steps (and step 1)")
+    ap.add_argument("--arms", nargs="*", default=list(ARMS), choices=ARMS)
+    ap.add_argument("--data-root", default=None)
+    ap.add_argument("--work", default=str(ROOT / "runs" / "gate_dynamics"))
+    ap.add_argument("--summary", action="store_true", help="print the summary of --out; no training")
+    args = ap.parse_args(argv)
+    if args.summary:
+        from visattn.rundir import read_json
+
+        print(summarize(read_json(Path(args.out), dict)["arms"]))
+        return
+    if args.steps < 1 or args.every < 1 or not args.arms:
+        raise ConfigError("--steps and --every must be at least 1, and --arms not empty")
+    arms = [probe(a, args.steps, args.every, Path(args.work), args.data_root, args.precision) for a in args.arms]
+    out = {**provenance(args.precision), "recipe": RECIPE, "steps": args.steps, "every": args.every, "arms": arms}
+    write_atomic(Path(args.out), json.dumps(out, indent=1))
+    print(summarize(arms))
+
+
+if __name__ == "__main__":
+    run_main(main, "gate_dynamics.py")
