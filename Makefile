@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make train CONFIG=configs/smoke.yaml   creates .venv if needed, then trains
-#   make test                              creates .venv if needed, then runs the tests
+#   make test                              creates .venv if needed, then runs the fast tests (not marked slow)
+#   make test-all                          the whole suite, slow tests too (what CI runs)
 PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -8,7 +9,7 @@ CONFIG ?= configs/smoke.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv train test lint docs bench lock clean
+.PHONY: venv train test test-all lint docs bench lock clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,6 +26,9 @@ train: venv
 	$(PY) train.py --config $(CONFIG) $(ARGS)
 
 test: venv
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: venv
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv

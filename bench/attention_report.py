@@ -223,7 +223,7 @@ def table(results: List[dict]) -> str:
 
 # the README's summary: the sweeps on one kernel family (see :func:`numerics`)
 SUMMARY_NUMERICS = "bf16 on avx512_bf16"
-PLACED = ("se", "eca", "cbam")  # the blocks of the placement ablation (bench/placement_sweep.sh)
+PLACED = ("se", "eca", "cbam")  # the blocks of the placement ablation (docs/changelog.md: placement_sweep)
 BUDGETS = (4, 16)  # the recipe's epochs and the longer budget (the recipe as shipped for 16 epochs: see docs/results.md)
 # budgets the summary adds from another kernel family: (epochs, numerics, column label); the CPU cannot run
 # the table at 32 epochs, an H100 did (bench/gpu_table.sh); paired only within that family, like every column

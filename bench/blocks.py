@@ -65,9 +65,9 @@ import visattn  # noqa: E402
 from visattn import evaluate  # noqa: E402
 from visattn.attention.spatial import coord_mip  # noqa: E402
 from visattn.config import load_config  # noqa: E402
-from visattn.errors import run_main  # noqa: E402
+from visattn.errors import DataError, run_main  # noqa: E402
 from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
-from visattn.rundir import write_atomic  # noqa: E402
+from visattn.rundir import check_rows, read_json, write_atomic  # noqa: E402
 
 try:  # coordinate attention arrived in timm 1.0.16 (timm/layers/coord_attn.py)
     from timm.layers.coord_attn import CoordAttn
@@ -351,7 +351,10 @@ def machine(args: argparse.Namespace, precision: str) -> dict:
         head += " with uncommitted block edits" if git("status", "--porcelain", "--", "visattn/attention") else ""
     elif PREPARED_REVISION.is_file():  # a tree sent to the GPU without its history: what --prepare recorded
         head = PREPARED_REVISION.read_text().strip()
-    return {"command": " ".join(["python bench/blocks.py", *args.argv]), "device": args.device,
+    rev = git("rev-parse", "HEAD")  # the whole tree's revision (every results file records one), -dirty with changes
+    rev += "-dirty" if rev and git("status", "--porcelain", "--untracked-files=no") else ""
+    return {"command": " ".join(["python bench/blocks.py", *args.argv]), "git": rev or head or "unknown",
+            "device": args.device,
             "cpu": cpu_name(), "kernels": kernels(args.device), "native_bf16": bool(native), "precision": precision,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "batch_size": args.batch_or_recipe, "steps": args.steps, "repeats": args.repeats, "quick": args.quick,
@@ -397,6 +400,40 @@ def tables(data: dict) -> str:
     return "\n".join(lines)
 
 
+# what tables() reads of a measurement: the top-level keys (rundir.check_rows kinds), and numbers in its mappings
+TABLE_FIELDS = {"cpu": "str", "device": "str", "kernels": "str", "precision": "str", "threads": "int", "torch": "str",
+                "date": "str", "batch_size": "int", "steps": "int", "repeats": "int", "quick": "bool", "before": "str",
+                "after": "str", "note": "str", "targets": "dict", "ratios": "dict", "met": "dict", "alone_ms": "dict",
+                "rows": "list", "flop_ceiling": "dict?"}
+
+
+def read_table(path: Path) -> str:
+    """``--table``: the tables of the measurement in ``path``; a missing, damaged or foreign file (not a JSON
+    object, a key missing, a bool or text where a number belongs) is one :class:`DataError` line naming it."""
+    data = read_json(path, dict)
+    try:
+        check_rows(path, [data], TABLE_FIELDS)
+    except DataError as e:  # the file is one measurement, not a list of rows
+        raise DataError(str(e).replace(": row 1 has", ": it has", 1)) from None
+    check_rows(path, data["rows"], {"block": "str", "step": "str", "images_per_s": "number"})
+
+    def numbers(x: object, key: str) -> None:  # every leaf of the ratios, targets, ceilings and times
+        if isinstance(x, dict):
+            for k, v in x.items():
+                numbers(v, f"{key}.{k}")
+        elif isinstance(x, bool) or not isinstance(x, (int, float)) or x != x or x in (float("inf"), float("-inf")):
+            raise DataError(f"{path}: {key} is {json.dumps(x)[:40]}, not a finite number (a damaged or foreign "
+                            "measurement?)")
+
+    for key in ("targets", "ratios", "alone_ms", "flop_ceiling"):
+        numbers(data.get(key) or {}, key)
+    try:
+        return tables(data)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise DataError(f"{path}: not a block speed measurement ({e.__class__.__name__}: "
+                        f"{str(e).splitlines()[0][:80] if str(e) else ''})") from None
+
+
 def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
     p = ArgumentParser(description=describe(__doc__))
     p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
@@ -433,7 +470,7 @@ def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
 def recipe_main(argv: Sequence[str]) -> None:
     args = recipe_args(argv)
     if args.table:
-        print(tables(json.loads(args.table.read_text())))
+        print(read_table(args.table))
         return
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -25,7 +25,8 @@ Rows (one per checkpoint and map): ``model``, ``checkpoint`` (``path``, ``config
 ``val_acc``, ``images``, ``map``, ``kind`` (:data:`KINDS`), ``deletion_score`` and ``insertion_score`` as
 ``[mean, lo, hi]``, ``sanity_rho`` (None where undefined), ``vs_centre`` (each map's deletion and insertion
 scores minus the centre prior's, image by image, ``[mean, lo, hi]``: the paired comparison), the areas and the
-settings. A checkpoint scored again replaces its rows; the others stay.
+settings, and the ``command`` and ``git`` revision that scored it (:func:`bench.common.provenance`). A checkpoint
+scored again replaces its rows; the others stay.
 """
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ from typing import Any, Dict, Iterable, List, Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import parser, provenance  # noqa: E402
 from visattn.errors import DataError, run_main  # noqa: E402
-from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
+from visattn.options import check_at_least  # noqa: E402
 from visattn.rundir import check_rows, complete_rows, read_json, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "faithfulness.json"
@@ -261,7 +263,7 @@ def _against_gradient(group: List[Dict[str, Any]], reference: str = "input_x_gra
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__)
     ap.add_argument("runs", nargs="*", help="run directories (with last.pt), or folders holding them")
     ap.add_argument("--report", action="store_true", help="print the markdown table of --out and stop")
     ap.add_argument("--summary", action="store_true", help="print the README's table of --out and stop")
@@ -291,8 +293,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     load(out)  # a damaged results file is refused before any scoring, not after the first checkpoint's
     options = {"steps": args.steps, "regions": args.regions, "draws": args.draws, "fill": args.fill,
                "batch_size": args.batch_size, "sanity": args.sanity, "gradient_maps": True}
+    made = {k: v for k, v in provenance(device=args.device).items() if k in ("command", "git")}
     for ckpt in find_checkpoints(args.runs):
-        rows = score(ckpt, args.images, args.vit_images, options, args.data, args.device)
+        rows = [dict(r, **made) for r in score(ckpt, args.images, args.vit_images, options, args.data, args.device)]
         save(out, merge(load(out), rows))  # after every checkpoint: an interrupted sweep keeps what it scored
         best = max(rows, key=merit)
         print(f"{ckpt}: {len(rows)} maps on {rows[0]['images']} images; most faithful: {best['map']} ({best['kind']})")

@@ -14,13 +14,15 @@ images with the recipe's test-time augmentation, and records its step-0 accuracy
 blocks at identity it must equal the base checkpoint's). The summary pairs each block with ``none`` on the same
 seed (same base, same data order) and gives the mean difference with a 95% t interval.
 
-Results go to ``bench/results/finetune.json`` after every run (rows, then the paired summary); a run killed
-part-way resumes from its last checkpoint on the next call.
+Results go to ``bench/results/finetune.json`` after every run (rows, each with the command that made it and its
+run's git revision, then the paired summary); a run killed part-way resumes from its last checkpoint on the next
+call. The lr pilot is the same with ``--blocks none --seeds 0 --results bench/results/finetune_pilot.json``.
 """
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -33,8 +35,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from attention_report import mean_ci  # noqa: E402
 from attention_table import cpu_name, run_resuming  # noqa: E402
 
+from bench.common import parser  # noqa: E402
 from visattn.errors import ConfigError, run_main  # noqa: E402
-from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
+from visattn.options import check_at_least  # noqa: E402
 from visattn.rundir import Interrupted, check_rows, complete_rows, read_json, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "finetune.json"
@@ -151,7 +154,7 @@ def write_doc(text: str, doc: Path = DOC) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    ap = ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__)
     ap.add_argument("--lr", type=float, default=None, help="the fine-tune's peak lr (required to train)")
     ap.add_argument("--blocks", nargs="*", default=list(BLOCKS), choices=list(BLOCKS))
     ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
@@ -168,6 +171,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         ap.error("--lr: give the fine-tune's peak learning rate (0 < lr <= 10)")
     path = Path(args.results)
     data = read(path)
+    command = shlex.join(["python", "bench/finetune.py", *(sys.argv[1:] if argv is None else argv)])
     if args.report:
         if not data["runs"]:  # a missing or empty file would replace the page's table with "no runs yet"
             raise ConfigError(f"--report: {path} holds no fine-tune runs")
@@ -180,7 +184,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             if any(r["block"] == block and r["seed"] == seed and r["lr"] == args.lr for r in data["runs"]):
                 continue
             print(f"== {block} seed {seed} lr {args.lr:g}", flush=True)
-            row = run_one(block, seed, args.lr, args.base, Path(args.runs), args.set)
+            row = {**run_one(block, seed, args.lr, args.base, Path(args.runs), args.set), "command": command}
             print(f"   step 0 {row['step0_val_acc']:.4f} (base {row['base_val_acc']:.4f}) -> {row['val_acc']:.4f}",
                   flush=True)
             data["runs"].append(row)

@@ -259,11 +259,9 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
 
 
 def write_doc(text: str, doc: Path = DOC) -> None:
-    page = doc.read_text()
-    if BEGIN not in page or END not in page:
-        raise ConfigError(f"{doc}: the markers of the foreign models table are missing ({BEGIN})")
-    head, rest = page.split(BEGIN, 1)
-    write_atomic(doc, f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    from bench.common import splice
+
+    splice(doc, BEGIN, END, text)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

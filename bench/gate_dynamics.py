@@ -35,6 +35,9 @@ from visattn.rundir import write_atomic  # noqa: E402
 
 RECIPE = "configs/timm/mobilenetv3_small.yaml"
 RESULTS = ROOT / "bench" / "results" / "gate_dynamics.json"
+DOC = ROOT / "docs" / "blocks.md"
+BEGIN = "<!-- gate dynamics: python bench/gate_dynamics.py --summary --write -->"
+END = "<!-- end of gate dynamics -->"
 ARMS = ("earlier", "earlier-skip", "se-slot", "none")
 
 
@@ -155,11 +158,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--work", default=str(ROOT / "runs" / "gate_dynamics"))
     ap.add_argument("--summary", action="store_true", help="print the summary of --out; no training")
+    ap.add_argument("--write", action="store_true", help="with --summary: write it into docs/blocks.md")
     args = ap.parse_args(argv)
     if args.summary:
+        from bench.common import splice
         from visattn.rundir import read_json
 
-        print(summarize(read_json(Path(args.out), dict)["arms"]))
+        data = read_json(Path(args.out), dict)
+        if not isinstance(data.get("arms"), list):
+            raise ConfigError(f"{args.out}: no 'arms' list (not a gate_dynamics.py results file)")
+        text = summarize(data["arms"]) + (f"\n\n{data.get('steps')} steps of `{data.get('recipe')}` (seed 0, "
+                                          f"{data['arms'][0].get('precision')} on {data.get('kernels')}), at the last "
+                                          f"recorded step; `{data.get('command')}` at {str(data.get('git'))[:7]}.")
+        print(text)
+        if args.write:
+            splice(DOC, BEGIN, END, text)
         return
     if args.steps < 1 or args.every < 1 or not args.arms:
         raise ConfigError("--steps and --every must be at least 1, and --arms not empty")

@@ -29,7 +29,6 @@ With ``--dry`` every row runs on the CPU at a toy size (the CUDA-only ones say s
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import json
@@ -51,7 +50,7 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from visattn.options import describe  # noqa: E402
+from bench.common import parser  # noqa: E402
 
 CONFIG = ROOT / "configs" / "cifar10_gpu.yaml"
 RESULTS = "gpu_check.json"
@@ -497,8 +496,7 @@ def child_main(argv: List[str]) -> int:
     env = os.environ
     with contextlib.ExitStack() as stack:
         if env.get("GPU_CHECK_STEP_LOG"):
-            stack.enter_context(mock.patch.object(trainer, "periodic_check",
-                                                  _step_log(env["GPU_CHECK_STEP_LOG"], trainer.periodic_check)))
+            stack.callback(trainer.register_hook("step_end", _step_log(env["GPU_CHECK_STEP_LOG"])))
         if env.get("GPU_CHECK_OVERFLOW_AT"):
             scaler = _forced_overflow(int(env["GPU_CHECK_OVERFLOW_AT"]), report)
             stack.enter_context(mock.patch.object(trainer, "make_scaler", scaler))
@@ -514,11 +512,11 @@ def child_main(argv: List[str]) -> int:
                 Path(env["GPU_CHECK_REPORT"]).write_text(json.dumps(report, indent=1))
 
 
-def _step_log(path: str, real: Callable) -> Callable:
-    def logged(run: Any, step: int) -> bool:
+def _step_log(path: str) -> Callable:
+    """A ``step_end`` hook that appends each step's number to ``path``."""
+    def logged(run: Any, step: int) -> None:
         with open(path, "a") as f:
             f.write(f"{step}\n")
-        return real(run, step)
     return logged
 
 
@@ -700,7 +698,7 @@ def merge(results: List[Dict[str, Any]]) -> Dict[str, Any]:
 def main() -> None:
     from visattn.rundir import read_json, write_atomic
 
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check", help="where the JSON and the log go")
     ap.add_argument("--data", default="data/gpu_check/cifar10-train-jpeg.tar.gz", help="the images' archive")
     ap.add_argument("--dry", action="store_true", help="on the CPU at a toy size, no timing claims")
@@ -720,7 +718,8 @@ def main() -> None:
         sys.exit("error: --budget must be positive and --runs at least 1")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "gpu_check.log").write_text("")
-    result = {**environment(a.dry), "budget_seconds": a.budget, "rows": []}
+    result = {**environment(a.dry), "command": " ".join(["python", "bench/gpu_check.py", *sys.argv[1:]]),
+              "budget_seconds": a.budget, "rows": []}
     print(f"GPU check on {result['device']}, torch {result['torch']}, CUDA {result['cuda']}; budget {a.budget:.0f} s",
           flush=True)
     if a.dry:  # what the forked children need, imported once here

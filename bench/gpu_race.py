@@ -38,9 +38,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 import reference_airbench as ref  # noqa: E402
 from time_to_accuracy import time_to  # noqa: E402
 
+from bench.common import parser  # noqa: E402
 from visattn import evaluate, options, trainer  # noqa: E402
 from visattn.errors import ConfigError  # noqa: E402
-from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
+from visattn.options import check_at_least  # noqa: E402
 
 CONFIG = ROOT / "configs" / "cifar10_gpu.yaml"
 RESULTS = ROOT / "bench" / "results" / "gpu_race.json"
@@ -216,7 +217,7 @@ def result(head: Dict[str, Any], runs: List[Dict[str, Any]], complete: bool) -> 
 def main() -> None:
     from visattn.rundir import write_atomic
 
-    ap = ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=3, help="runs of each recipe (seeds 0..runs-1)")
     ap.add_argument("--target", type=float, default=0.90)
     ap.add_argument("--epochs", type=int, default=None, help="visattn's epochs (default: the config's)")

@@ -30,8 +30,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from faithfulness import ROW, by_checkpoint, find_checkpoints, kind_of, val_acc  # noqa: E402
 from faithfulness import load as load_results  # noqa: E402 (the same file form)
 
+from bench.common import parser, provenance  # noqa: E402
 from visattn.errors import DataError, run_main  # noqa: E402
-from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
+from visattn.options import check_at_least  # noqa: E402
 from visattn.rundir import check_rows, write_atomic  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "localization.json"
@@ -189,7 +190,7 @@ def write_docs(table: str, path: Path = DOCS) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__)
     ap.add_argument("runs", nargs="*", help="run directories (with last.pt), or folders holding them")
     ap.add_argument("--report", action="store_true", help="write the docs table from --out, print it and stop")
     ap.add_argument("--out", default=str(RESULTS))
@@ -219,8 +220,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     load(out)  # a damaged results file is refused before any scoring
     options = {"steps": args.steps, "regions": args.regions, "draws": args.draws, "seed": args.seed}
     command = "python bench/localization.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    revision = provenance(device=args.device)["git"]
     for ckpt in find_checkpoints(args.runs):
-        rows = score(ckpt, args.images, args.faith_images, options, args.data, args.device, command)
+        rows = [dict(r, git=revision) for r in score(ckpt, args.images, args.faith_images, options, args.data,
+                                                      args.device, command)]
         again = {r["checkpoint"]["path"] for r in rows}
         save(out, [r for r in load(out) if r["checkpoint"]["path"] not in again] + rows)
         best = max((r for r in rows if r["map"]), key=merit, default=None)

@@ -12,11 +12,11 @@ changes only the time, never the budget) and is scored once, at the end, on the 
 held out from the 45,000 training images (stratified, ``data.split_seed=0``: the same images for every run)
 with the config's test-time augmentation (unless the variant changes it). Each finished run is appended to its
 results file with the precision it ran under (runs already there are skipped, so an interrupted sweep
-continues where it stopped); ``--table`` prints the markdown table from that file without training.
+continues where it stopped), with the command that made it (``command``) and the run's git revision (``git``);
+``--table`` prints the markdown table from that file without training.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from attention_table import kernels, numerics, run_resuming  # noqa: E402
 
+from bench.common import parser, provenance  # noqa: E402
 from visattn.errors import CheckpointError, ConfigError, run_main  # noqa: E402
-from visattn.options import describe  # noqa: E402
 from visattn.rundir import Interrupted, check_rows, complete_rows, read_json, write_atomic  # noqa: E402
 
 # airbench94's setting of the levers: batch 1024 (lr 1.5 in mean-loss form) with lookahead averaging
@@ -143,7 +143,7 @@ def score_recipe_run(recipe: str, variant: str, seed: int, run_root: Path, data_
     scored = evaluate_checkpoint(str(run_dir / "last.pt"), data=data_root, tta=cfg.eval.tta)
     again = evaluate_checkpoint(str(run_dir / "last.pt"), data=data_root)
     return dict(base, variant=variant, overrides=variants[variant][1], val_acc=scored["acc"],
-                recipe_rescored=again["acc"], scored_from=run_dir.name)
+                recipe_rescored=again["acc"], scored_from=run_dir.name, command=provenance()["command"])
 
 
 def run_one(recipe: str, variant: str, seed: int, run_root: Path, data_root: str | None) -> dict:
@@ -158,7 +158,8 @@ def run_one(recipe: str, variant: str, seed: int, run_root: Path, data_root: str
     return {"variant": variant, "seed": seed, "overrides": variants[variant][1], "epochs": cfg.train.epochs,
             "precision": info.get("precision"), "kernels": kernels(cfg.device), "val_acc": rows[-1]["val_acc"], "train_seconds": sum(r["epoch_seconds"] for r in rows),
             "images_per_s": sum(r["images_per_s"] for r in rows) / len(rows), "parameters": info["parameters"],
-            "eval_split": summary["eval_split"], "git": info["git"], **({"resumed": True} if resumed else {})}
+            "eval_split": summary["eval_split"], "git": info["git"], "command": provenance()["command"],
+            **({"resumed": True} if resumed else {})}
 
 
 # what the table and the skip of runs already made read of every row (rundir.check_rows)
@@ -187,7 +188,7 @@ def table(results: list[dict], variants: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__)
     ap.add_argument("--recipe", default="cpu", choices=list(RECIPES))
     ap.add_argument("--variants", nargs="*", default=None, help="default: every variant of the recipe")
     ap.add_argument("--seeds", nargs="*", type=int, default=[0])

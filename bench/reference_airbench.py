@@ -17,8 +17,8 @@ come from visattn (``load_splits`` on ``configs/cifar10_cpu.yaml``'s data sectio
 images every table uses, so the figures compare). It runs under bf16 autocast with channels-last on CPUs with
 native bf16, as the recipe does, else fp32 (``--precision`` overrides).
 
-Each finished seed is appended to ``bench/results/reference_airbench.json`` (a seed already there at the same
-epochs and numerics is skipped); a run is about 10 minutes at 9.9 epochs on 2 cores with AVX512-BF16.
+Each finished seed is appended to ``bench/results/reference_airbench.json`` with its command and git revision
+(a seed already there at the same epochs and numerics is skipped); a run is about 10 minutes at 9.9 epochs on 2 cores with AVX512-BF16.
 """
 from __future__ import annotations
 
@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench.common import parser, provenance  # noqa: E402
 from visattn.errors import ConfigError, DataError, run_main  # noqa: E402
-from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
+from visattn.options import check_at_least  # noqa: E402
 from visattn.rundir import check_rows, read_json  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "reference_airbench.json"
@@ -272,7 +273,7 @@ def main() -> None:
     from visattn import evaluate
     from visattn.rundir import write_atomic
 
-    ap = ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__)
     ap.add_argument("--epochs", type=float, default=9.9)
     ap.add_argument("--seeds", type=int, nargs="*", default=[0])
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
@@ -304,12 +305,14 @@ def main() -> None:
     if precision == "auto":
         precision = "bf16" if evaluate.resolve_precision("auto", torch.device("cpu")) == "bf16" else "fp32"
     fam = kernels("cpu")
+    made = {k: v for k, v in provenance(precision, "cpu").items() if k in ("command", "git")}
     for seed in a.seeds:
         if any(r["seed"] == seed and r["epochs"] == a.epochs and r["precision"] == precision and r["kernels"] == fam
                and r.get("reencoded_quality") == a.reencode for r in results):
             print(f"seed {seed} at {a.epochs:g} epochs ({precision} on {fam}) is already in {a.results}; skipped")
             continue
-        r = dict(train(seed, a.epochs, precision, [f"data.root={a.data_root}"] if a.data_root else [], a.reencode), kernels=fam, torch=torch.__version__)
+        r = dict(train(seed, a.epochs, precision, [f"data.root={a.data_root}"] if a.data_root else [], a.reencode),
+                 kernels=fam, torch=torch.__version__, **made)
         what = "" if a.reencode is None else f", images re-encoded at JPEG quality {a.reencode}"
         print(f"seed {seed}, {a.epochs:g} epochs{what}, {precision} on {fam}: {100 * r['val_acc']:.2f}% on the "
               f"{r['eval_split']} ({r['train_seconds']:.0f} s, {r['images_per_s']:.0f} images/s)")

@@ -19,7 +19,7 @@ blocks before and after a change, eager and compiled). ``--baseline adds, for a 
 copy of the model (same weights) running the path as it was before the fast path
 (``TokenClassifier.set_fast_path(False)``): before and after, measured in one process. ``--sdpa`` picks the
 fast path's CPU attention kernel (``visattn.attention.token.sdpa_cpu_mode``; several modes: one row each, on
-copies of the model); ``--threads``, ``--batch-size``, ``--precision`` and ``--set`` override the defaults and
+copies of the model); ``--threads``, ``--batch`` (``--batch-size``), ``--precision`` and ``--set`` override the defaults and
 the configs. The FLOP counter has no formula for the CPU flash-attention kernel, so a transformer's count leaves out the attention products themselves (q k^T and
 weights x V, under 10% of ``vit_tiny``'s FLOP): the same count for every path and ``--sdpa`` mode.
 A config with ``train.distill.teacher`` steps with its teacher's forward pass (and loss), which its FLOP count
@@ -48,11 +48,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench.common import parser, provenance  # noqa: E402
 from visattn import create_model, evaluate, trainer  # noqa: E402
 from visattn.attention.token import SDPA_CPU_MODES, MultiHeadSelfAttention, sdpa_cpu_mode  # noqa: E402
 from visattn.config import load_config  # noqa: E402
 from visattn.errors import run_main  # noqa: E402
-from visattn.options import describe  # noqa: E402
 from visattn.rundir import write_atomic  # noqa: E402
 
 
@@ -248,16 +248,14 @@ def variants(setup: Setup, compile_: bool, baseline: bool, sdpa: Sequence[str] =
 
 
 def parse_args() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__, threads=True, precision=True, repeats=3)
     ap.add_argument("--config", nargs="+", default=[str(ROOT / "configs" / "cifar10_cpu.yaml")],
                     help="one or more configs, measured in one process against one ceiling")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--matmul", type=int, default=4096)
     ap.add_argument("--no-compile", action="store_true")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: PyTorch's, all cores)")
-    ap.add_argument("--batch-size", type=int, default=0, help="override every config's batch size")
-    ap.add_argument("--precision", default="", help="override every config's precision (bf16, fp32)")
+    ap.add_argument("--batch", "--batch-size", dest="batch_size", type=int, default=0,
+                    help="override every config's batch size")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="config overrides applied to every config, e.g. model.num_heads=3")
     ap.add_argument("--baseline", action="store_true",
@@ -273,8 +271,6 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     setups = [build(c, args.batch_size, args.steps, args.precision, args.set) for c in args.config]
     flops = [step_flops(s.model, *s.batches[0], s.precision) for s in setups]
     ceilings = {s.dtype: None for s in setups}
@@ -327,11 +323,7 @@ def _relative(config: str) -> str:
 def write_results(path: Path, rows: List[dict], args: argparse.Namespace) -> None:
     """The rows of one process's measurement, with the machine and the command, as JSON (replacing ``path``
     atomically: one measurement per file, its ratios all from one process)."""
-    from attention_table import cpu_name, kernels
-
-    meta = {"command": "python bench/throughput.py " + " ".join(sys.argv[1:]), "cpu": cpu_name(),
-            "kernels": kernels(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "steps": args.steps, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d")}
+    meta = {**provenance(), "threads": torch.get_num_threads(), "steps": args.steps, "repeats": args.repeats}
     write_atomic(path, json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     print(f"\nwrote {path}")
 

@@ -11,15 +11,14 @@ epochs count (``eval.every``), so set ``eval.every=1`` to read the time to a tar
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import parser  # noqa: E402
 from visattn.errors import run_main  # noqa: E402
-from visattn.options import describe  # noqa: E402
 from visattn.rundir import complete_rows, read_json  # noqa: E402
 
 
@@ -40,7 +39,7 @@ def time_to(rs: List[dict], target: float) -> Optional[dict]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__)
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--targets", nargs="+", type=float, default=[0.94, 0.95])
     args = ap.parse_args(argv)

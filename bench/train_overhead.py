@@ -12,20 +12,25 @@ interleaved and the median is reported; the ratio is visattn / bare (1.0 = no ov
 """
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from visattn import evaluate, trainer
-from visattn.config import load_config
-from visattn.data import ImageSet, Placement, TensorLoader
-from visattn.errors import run_main
-from visattn.models import create_model
-from visattn.options import describe
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import parser  # noqa: E402
+from visattn import evaluate, trainer  # noqa: E402
+from visattn.config import load_config  # noqa: E402
+from visattn.data import ImageSet, Placement, TensorLoader  # noqa: E402
+from visattn.errors import run_main  # noqa: E402
+from visattn.models import create_model  # noqa: E402
 
 
 def bare_loop(model, batches, opt, precision):
@@ -48,15 +53,10 @@ def visattn_loop(model, loader, opt, sched, precision):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__, threads=True, batch=512, repeats=3)
     ap.add_argument("--config", default="configs/cifar10_cpu.yaml", help="the model (and its options) to time")
-    ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     n = args.batch * args.steps
     rng = np.random.default_rng(0)

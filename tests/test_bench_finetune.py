@@ -91,10 +91,20 @@ def test_bad_results_files_and_arguments_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "new.json").exists()
 
 
+def _example():
+    """``examples/finetune_torchvision.py`` as a module (it is no bench script: not on bench's path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("finetune_torchvision", ROOT / "examples" / "finetune_torchvision.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_worked_example_table_in_the_blocks_page_is_the_one_its_results_give():
-    """docs/blocks.md's torchvision fine-tune table is ``bench/finetune_torchvision.py --report`` of its JSON, and
-    every arm's step-0 score equals the base's (the blocks went in at identity)."""
-    import finetune_torchvision as ftv
+    """docs/blocks.md's torchvision fine-tune table is ``examples/finetune_torchvision.py --report`` of its JSON,
+    every arm's step-0 score equals the base's (the blocks went in at identity), and every row says what made it."""
+    ftv = _example()
 
     res = ftv.read()
     assert res, "bench/results/finetune_torchvision.json is missing"
@@ -102,18 +112,19 @@ def test_the_worked_example_table_in_the_blocks_page_is_the_one_its_results_give
     assert page.split(ftv.BEGIN + "\n")[1].split(ftv.END)[0].strip() == ftv.table(res).strip()
     assert {a["block"] for a in res["arms"]} == set(ftv.ARMS)
     assert all(a["step0_val_acc"] == res["base"]["val_acc"] for a in res["arms"])
+    assert all(r["command"].startswith("python ") and r["git"] for r in [res["base"], *res["arms"]])
 
 
 @pytest.mark.parametrize("args, says", [(["--base-epochs", "0"], "must be at least 1"),
                                         (["--epochs", "-1"], "must be at least 1")])
 def test_the_worked_example_refuses_a_budget_below_one_epoch(args, says):
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "finetune_torchvision.py"), *args], cwd=ROOT,
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "finetune_torchvision.py"), *args], cwd=ROOT,
                        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
 
 
 def test_the_worked_example_report_without_results_is_one_line(tmp_path, monkeypatch, capsys):
-    import finetune_torchvision as ftv
+    ftv = _example()
 
     doc = ROOT / "docs" / "blocks.md"
     before = doc.read_text()

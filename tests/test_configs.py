@@ -83,7 +83,7 @@ def test_attention_configs_are_a_few_lines_over_a_base(path):
 def test_the_gpu_recipe_is_the_cpu_recipe_at_airbench94s_setting_for_11_epochs():
     """``configs/cifar10_gpu.yaml`` trains as the recipe ablation's ``epochs_10_airbench`` variant (the CPU recipe
     with batch 1024, lookahead, 23% warmup, whitening bias 3 epochs) with 11 epochs, so that variant's recorded
-    10-epoch run is a run of this recipe at 10 epochs (``bench/gpu_recipe_cpu.py``); it differs in what does not
+    10-epoch run is a run of this recipe at 10 epochs (docs/changelog.md, the GPU recipe's epochs to 90%); it differs in what does not
     change training (name, run folder, compiling, evaluation cadence and batch) and in the budget, and has no
     attention block and no EMA."""
     from test_bench import _load

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -182,35 +181,3 @@ def _bench(name: str):
     sys.modules[spec.name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
-
-
-def test_teacher_targets_stats_are_the_softmaxs_accuracy_confidence_and_entropy():
-    tt = _bench("teacher_targets")
-    logits, labels = torch.tensor([[0.0] * 10, [5.0] + [0.0] * 9]), torch.tensor([3, 0])
-    s = tt.target_stats(logits, labels, 1.0)
-    p = F.softmax(logits[1], 0)
-    assert s["acc"] == pytest.approx(0.5)  # the uniform row's argmax is class 0, its label 3
-    assert s["top_prob"] == pytest.approx((0.1 + p[0].item()) / 2)
-    assert s["entropy"] == pytest.approx((math.log(10) - (p * p.log()).sum().item()) / 2, rel=1e-5)
-    hot = tt.target_stats(logits, labels, 5.0)
-    assert hot["acc"] == s["acc"] and hot["entropy"] > s["entropy"] and hot["top_prob"] < s["top_prob"]
-
-
-def test_teacher_targets_measures_a_checkpoint_on_both_splits(teacher, tmp_path, capsys):
-    """On the whole validation split its accuracy is ``visattn.evaluate``'s for the checkpoint (no TTA)."""
-    from visattn.evaluate import evaluate_checkpoint
-
-    tt = _bench("teacher_targets")
-    out = tmp_path / "rows.json"
-    assert tt.main([str(teacher), "--images", "200", "--temperatures", "1", "3", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())
-    assert [(r["split"], r["temperature"]) for r in rows] == [("train", 1), ("train", 3), ("validation", 1),
-                                                               ("validation", 3)]
-    assert all(r["images"] == 200 and r["epochs"] == 3 for r in rows)
-    assert rows[2]["acc"] == rows[3]["acc"] == pytest.approx(evaluate_checkpoint(str(teacher), tta="none")["acc"])
-    assert rows[0]["acc"] > 0.3 and rows[1]["entropy"] > rows[0]["entropy"]
-    assert "| validation | 200 | 3 |" in capsys.readouterr().out
-    assert tt.main([str(teacher), "--temperatures", "0"]) == 2
-    assert tt.main([str(tmp_path / "missing.pt")]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "--temperatures" in err[0] and "missing.pt" in err[1]

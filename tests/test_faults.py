@@ -54,12 +54,10 @@ step_log = os.environ["PROBE_STEP_LOG"]
 kill_in_save = int(os.environ.get("PROBE_KILL_IN_SAVE", "0"))
 saves = 0
 
-periodic_check = trainer.periodic_check
-def logging_periodic_check(run, step):
-    with open(step_log, "a") as f:  # before the trainer's own periodic check, which may checkpoint
+def logging(run, step):
+    with open(step_log, "a") as f:  # a step_end hook: before the step's own checks, which may checkpoint
         f.write(f"{step}\n")
-    return periodic_check(run, step)
-trainer.periodic_check = logging_periodic_check
+trainer.register_hook("step_end", logging)
 
 real_save = torch.save
 def torn_save(obj, f, *a, **k):
@@ -461,16 +459,13 @@ def _poison_weights_at_step(monkeypatch, at: int, then: Callable[[], None] = lam
     is checked only every ``check_every`` steps), then call ``then``."""
     import visattn.trainer as trainer
 
-    real = trainer.periodic_check
-
-    def poisoning(run, step: int) -> bool:
+    def poisoning(run, step: int) -> None:
         if step == at:
             with torch.no_grad():
                 next(run.model.parameters()).fill_(float("nan"))
             then()
-        return real(run, step)
 
-    monkeypatch.setattr(trainer, "periodic_check", poisoning)
+    monkeypatch.setitem(trainer.HOOKS, "step_end", [poisoning])  # a step_end hook of every run built in the test
 
 
 def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch):
@@ -513,15 +508,12 @@ def test_nonfinite_state_at_an_epoch_end_is_never_committed(tmp_path, monkeypatc
     last.pt stays the last finite one (step 5)."""
     import visattn.trainer as trainer
 
-    real = trainer.periodic_check
-
-    def poisoning(run, step: int) -> bool:
+    def poisoning(run, step: int) -> None:
         if step == 6:
             bn = next(m for m in run.model.modules() if isinstance(m, torch.nn.BatchNorm2d))
             bn.running_mean.fill_(float("nan"))
-        return real(run, step)
 
-    monkeypatch.setattr(trainer, "periodic_check", poisoning)
+    monkeypatch.setitem(trainer.HOOKS, "step_end", [poisoning])
     rd = tmp_path / "run"
     rc, err = _cli(["--config", str(SMOKE), f"run_dir={rd}", *TINY, "train.batch_size=50", "train.epochs=1",
                     "train.ckpt_every_steps=1", "log.tensorboard=false"])

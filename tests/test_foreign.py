@@ -181,7 +181,8 @@ def test_torchvision_mobilenet_with_eca_trains_and_the_checkpoint_rebuilds_witho
     (rd / "config.yaml").unlink()  # the checkpoint's spec alone rebuilds the model
     model, stored, _ = visattn.load_model_from_checkpoint(str(rd / "best.pt"), torch.device("cpu"))
     assert stored.model.name == "torchvision/mobilenet_v3_small"
-    assert sum(1 for m in model.modules() if getattr(m, "_visattn_attention", None) == "eca") == 6  # one per inverted residual with a skip
+    skips = sum(1 for m in model.modules() if getattr(m, "use_res_connect", False))  # 7 at width 0.25
+    assert sum(1 for m in model.modules() if getattr(m, "_visattn_attention", None) == "eca") == skips == 7
 
 
 def test_a_timm_vits_own_attention_is_logged_as_maps(tmp_path):
@@ -397,7 +398,7 @@ def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_pr
     cbam = dict(ref, config=bench.TABLE_REFERENCE["cbam"], val_acc=0.875,
                 overrides=["model.attn_kwargs.init=identity", "model.attn_position=unit_bn"])  # its file's own values
     other = [dict(ref, seed=2, kernels="amx"), dict(ref, seed=3, epochs=8), dict(ref, seed=4, precision="bf16"),
-             dict(ref, seed=5, overrides=["model.attention=se"]), dict(ref, seed=6, config="configs/attention/resnet_fast_se.yaml"),
+             dict(ref, seed=5, overrides=["model.attention=se"]), dict(ref, seed=6, config="configs/attention/resnet_fast_gc.yaml"),
              dict(cbam, seed=7, overrides=["model.attn_position=unit_act"])]
     table_file = tmp_path / "attention_table.json"
     table_file.write_text(json.dumps([ref, cbam, *other]))
@@ -416,7 +417,7 @@ def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_pr
         table_file.write_text(json.dumps([ref, bad]))
         with pytest.raises(DataError, match=f"attention_table.json: row 2 .*{says}"):
             bench.reference_rows(ours, table_file)  # a damaged row of the reference: one line naming it
-    table_file.write_text(json.dumps([ref, {"config": "configs/attention/resnet_fast_se.yaml", "seed": "x"}]))
+    table_file.write_text(json.dumps([ref, {"config": "configs/attention/resnet_fast_gc.yaml", "seed": "x"}]))
     assert len(bench.reference_rows(ours, table_file)) == 1  # another config's rows are not the reference's to check
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 import subprocess
 import sys
 
@@ -156,11 +155,10 @@ def test_the_gpu_recipes_steps_read_the_host_only_at_the_checks(tmp_path, monkey
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t, _real=torch.Tensor.tolist: listed.append(1) or _real(t))
     reads, marks = _HostReads(), []
 
-    def after_step(run, step: int) -> bool:
+    def after_step(run, step: int) -> None:
         marks.append((reads.count, len(listed)))
-        return False
 
-    monkeypatch.setattr(trainer, "periodic_check", after_step)
+    run.hooks["step_end"].append(after_step)
     with reads:
         trainer.train_one_epoch(run.model, run.train_loader, run.opt, run.policy, run=run)
     per_step = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(marks[1:], marks)]  # steps 2.. (step 1 sets up the epoch)
@@ -177,76 +175,14 @@ def test_no_synchronising_cuda_call_between_checks(tmp_path, monkeypatch):
     cfg = load_config(GPU, [*SYNTHETIC, "data.synthetic_size=2200", "train.batch_size=128", "train.epochs=1",
                             "sched.warmup_epochs=0.23", "train.check_every=1000", "compile=false", "device=cuda",
                             f"run_dir={tmp_path / 'r'}"])
+    cfg.train.max_steps = 8
     run = trainer.build(cfg, log=lambda *a, **k: None)
 
-    def after_step(run, step: int) -> bool:
+    def after_step(run, step: int) -> None:  # before the step's own checks (step 8: the stop, and its save)
         torch.cuda.set_sync_debug_mode("error" if step < 8 else 0)
-        return step >= 8
 
-    monkeypatch.setattr(trainer, "periodic_check", after_step)
+    run.hooks["step_end"].append(after_step)
     try:
         trainer.train_one_epoch(run.model, run.train_loader, run.opt, run.policy, run=run)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-
-
-def _fake_run(d, seed: int, accs, steps: int = 43, batch: int = 1024):
-    """A finished run folder of the GPU recipe with the given per-epoch validation accuracies."""
-    d.mkdir(parents=True)
-    (d / "config.yaml").write_text(f"train:\n  epochs: {len(accs)}\n  batch_size: {batch}\n")
-    (d / "run_info.json").write_text(json.dumps({"seed": seed, "precision": "bf16", "device": "cpu", "git": "abc",
-                                                 "versions": {"torch": "2.x"}, "eval_split": "validation split"}))
-    (d / "metrics.jsonl").write_text("".join(json.dumps({"epoch": e + 1, "val_acc": a, "epoch_seconds": 10.0,
-                                                         "epoch_steps": steps}) + "\n" for e, a in enumerate(accs)))
-
-
-def test_the_cpu_record_reads_the_first_epoch_at_90_and_its_images(tmp_path, monkeypatch, capsys):
-    _fake_run(tmp_path / "s0", 0, [0.5, 0.89, 0.9004, 0.905])
-    _fake_run(tmp_path / "s1", 1, [0.5, 0.89, 0.899])
-    out = tmp_path / "r.json"
-    code, _, _ = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, str(tmp_path / "s0"), str(tmp_path / "s1"),
-                              "--results", str(out))
-    assert code == 0
-    runs = json.loads(out.read_text())["runs"]
-    assert [(r["seed"], r["epoch_to_90"], r["images_to_90"]) for r in runs] == [(0, 3, 3 * 43 * 1024), (1, None, None)]
-    assert runs[0]["val_acc_by_epoch"] == [0.5, 0.89, 0.9004, 0.905] and runs[0]["train_seconds"] == 40.0
-    code, table, _ = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, "--table", "--results", str(out))
-    assert code == 0 and "| `configs/cifar10_gpu.yaml` | 0 | bf16 on" in table and "| **90.50** | 3 | 132,096 |" in table
-
-
-def test_an_unfinished_run_is_refused_with_one_line(tmp_path, monkeypatch, capsys):
-    _fake_run(tmp_path / "s0", 0, [0.5, 0.6])
-    (tmp_path / "s0" / "config.yaml").write_text("train:\n  epochs: 10\n  batch_size: 1024\n")
-    code, _, err = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, str(tmp_path / "s0"),
-                                "--results", str(tmp_path / "r.json"))
-    assert code == 1 and err.count("\n") == 1 and "2 of 10 epochs" in err and not (tmp_path / "r.json").exists()
-
-
-def test_a_damaged_config_or_results_file_is_one_line(tmp_path, monkeypatch, capsys):
-    """A run folder whose config.yaml is not YAML, or has no budget, and a results file that is not JSON: one
-    line naming the file, exit status 1 or 2, no results written."""
-    out = tmp_path / "r.json"
-    for text, fragment in (("train: [unclosed\n", "is not valid YAML"), ("train:\n  epochs: .nan\n",
-                                                                           "no positive train.epochs")):
-        _fake_run(tmp_path / "s0", 0, [0.5, 0.91])
-        (tmp_path / "s0" / "config.yaml").write_text(text)
-        code, _, err = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, str(tmp_path / "s0"), "--results", str(out))
-        assert code in (1, 2) and err.count("\n") == 1 and fragment in err and not out.exists(), err
-        shutil.rmtree(tmp_path / "s0")
-    for text, fragment in (('{"runs": [', "not a readable JSON file"), ("{}", "its target is None"),
-                           ('{"target": 0.9, "runs": [{}], "earlier": [], "reference": []}', "row 1 has no 'seed'"),
-                           ('{"target": 0.9, "runs": [], "earlier": [], "reference": []}', "holds no runs")):
-        out.write_text(text)
-        code, table, err = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, "--table", "--results", str(out))
-        assert code == 2 and err.count("\n") == 1 and fragment in err and not table, err
-
-
-def test_the_results_pages_gpu_table_is_the_recorded_one(monkeypatch, capsys):
-    """docs/results.md#gpu shows ``python bench/gpu_recipe_cpu.py --table``, or says no run is recorded yet."""
-    block = (ROOT / "docs" / "results.md").read_text().split(
-        "<!-- gpu recipe table: python bench/gpu_recipe_cpu.py --table -->\n")[1].split("<!-- end of gpu recipe table -->")[0]
-    if not (ROOT / "bench" / "results" / "gpu_recipe_cpu.json").is_file():
-        assert "not recorded yet" in block
-        return
-    code, out, _ = _script_main("gpu_recipe_cpu.py", monkeypatch, capsys, "--table")
-    assert code == 0 and block.strip() == out.strip()

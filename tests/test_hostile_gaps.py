@@ -375,7 +375,9 @@ def test_the_ablation_and_worked_example_readers_name_a_damaged_row(tmp_path, mo
     out, err = capsys.readouterr()
     assert e.value.code == 2 and not out
     _one_line(2, err, "row 1 has no 'val_acc', which must be a finite number")
-    example = _load("finetune_torchvision")
+    from test_bench_finetune import _example
+
+    example = _example()
     monkeypatch.setattr(example, "RESULTS", tmp_path / "example.json")
     example.RESULTS.write_text('{"base": {"epochs": 4, "val_acc": 0.6}, "arms": [{"block": "cbam", "val_acc": "68%"}]}')
     with pytest.raises(DataError, match="row 1 has no 'inserted'"):

@@ -408,7 +408,8 @@ def check_for_training(cfg: Config) -> None:
     """What a run refuses before it builds anything, though each value is valid alone: a stored config (a
     checkpoint's, read by evaluate and visualize) may hold them, so they are not the schema's. A warmup longer
     than the run, a cutout hole larger than the images, reflect padding as wide as them, a distillation
-    temperature that switches the teacher off; one :class:`ConfigError` line each."""
+    temperature that switches the teacher off, a cutout that blanks every image under albumentations, data
+    workers the tensor loader never starts; one :class:`ConfigError` line each."""
     w, e, sched = cfg.sched.warmup_epochs, cfg.train.epochs, cfg.sched.name
     if sched != "constant" and w > e:
         raise ConfigError(f"sched.warmup_epochs={w:g} is longer than the run (train.epochs={e}): the {sched} schedule "
@@ -418,6 +419,14 @@ def check_for_training(cfg: Config) -> None:
     if aug.cutout > size:
         raise ConfigError(f"data.augment.cutout={aug.cutout} is larger than the {size}x{size} images ({key}={size}): its "
                           "hole would blank most or all of every image")
+    if aug.cutout >= size and cfg.data.loader == "albumentations":  # its hole lies wholly inside the image
+        raise ConfigError(f"data.augment.cutout={aug.cutout} with data.loader=albumentations blanks the whole of every "
+                          f"{size}x{size} image ({key}={size}): albumentations keeps the hole inside the image (the tensor "
+                          "loader clips a hole centred anywhere); give a smaller cutout")
+    if cfg.data.workers and cfg.data.loader == "tensor":
+        raise ConfigError(f"data.workers={cfg.data.workers} does nothing with data.loader=tensor (it augments whole "
+                          "batches on the device, in the training process); use data.loader=albumentations for "
+                          "worker processes, or data.workers=0")
     if aug.crop_padding >= size and aug.padding_mode == "reflect":
         raise ConfigError(f"data.augment.crop_padding={aug.crop_padding} with padding_mode=reflect needs images wider "
                           f"than the padding ({key}={size}); use a smaller padding or padding_mode=constant")

@@ -62,6 +62,21 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def main_logits(out: Any) -> torch.Tensor:
+    """A classifier's logits from what its forward returned: the tensor itself, or the main logits of a tuple
+    or named tuple (torchvision's GoogLeNet and Inception v3 return ``(logits, aux_logits...)`` in training
+    mode: the ``logits`` field, else the first element). Anything else is a :class:`ConfigError` line."""
+    if isinstance(out, torch.Tensor):
+        return out
+    field = getattr(out, "logits", None)
+    if isinstance(field, torch.Tensor):
+        return field
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise ConfigError(f"the model returned a {type(out).__name__}, not logits (a tensor, or a tuple whose first "
+                      "element is the logits)")
+
+
 def tta_views(x: torch.Tensor, tta: str) -> List[torch.Tensor]:
     """Test-time views: the image, its mirror, and (flip_translate) 1-pixel shifts of both."""
     views = [x]
@@ -89,7 +104,7 @@ def evaluate(model: nn.Module, loader: Iterable, *, device: torch.device, precis
         logits = None
         for v in tta_views(xb, tta):
             with autocast(device, precision):
-                out = model(v).float()
+                out = main_logits(model(v)).float()
             logits = out if logits is None else logits + out
         logits = logits / len(tta_views(xb[:1], tta))
         loss_sum += F.cross_entropy(logits, yb, reduction="sum").double()

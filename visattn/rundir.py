@@ -279,15 +279,27 @@ def check_branch(run_dir: Path, checkpoint: Path) -> None:
                           "to branch into, or resume=auto to continue that folder's own run")
 
 
-def check_rewind(run_dir: Path, checkpoint: Path, epoch: int) -> None:
-    """A checkpoint of ``run_dir`` other than its ``last.pt`` may not rewind the run over epochs it has finished."""
-    if checkpoint.resolve() == (run_dir / "last.pt").resolve() or checkpoint.resolve().parent != run_dir.resolve():
+def check_rewind(run_dir: Path, checkpoint: Path, epoch: int, step: Optional[int] = None) -> None:
+    """A checkpoint of ``run_dir`` other than its ``last.pt`` may not rewind the run over epochs it has finished:
+    neither those ``metrics.jsonl`` records nor those ``last.pt`` holds itself (its own epoch and step, which no
+    edit of the metrics file can hide; a ``last.pt`` that does not load is no later state to keep)."""
+    last = run_dir / "last.pt"
+    if checkpoint.resolve() == last.resolve() or checkpoint.resolve().parent != run_dir.resolve():
         return
+    rewind = "resuming there would overwrite them: branch into a new run_dir instead (resume=PATH run_dir=NEW)"
     later = [e for e in _finished_epochs(run_dir) if e > epoch]
     if later:
         raise ConfigError(f"resume: {str(checkpoint)!r} is from epoch {epoch}, but run_dir {str(run_dir)!r} has "
-                          f"finished epochs up to {max(later)}; resuming there would overwrite them: branch into a new "
-                          "run_dir instead (resume=PATH run_dir=NEW)")
+                          f"finished epochs up to {max(later)}; {rewind}")
+    if step is None or not last.is_file():
+        return
+    try:
+        held = load_checkpoint(last)
+    except CheckpointError:
+        return
+    if held["step"] > step or held["epoch"] > epoch:
+        raise ConfigError(f"resume: {str(checkpoint)!r} is from epoch {epoch} (step {step}), but {str(last)!r} holds "
+                          f"epoch {held['epoch']} (step {held['step']}); {rewind.replace('them', 'it')}")
 
 
 def _finished_epochs(run_dir: Path) -> List[int]:
@@ -320,6 +332,11 @@ CHECKPOINT_FORMAT = 2
 # and no digest lost its digest after it was written
 DIGEST_ERA_ENTRIES = (FORMAT_KEY, "teacher_digest")
 DIGEST_ERA_CONFIG = (("model", "init_from"), ("data", "placed"))  # config keys that came with digests
+# timm / torchvision models by name (model.name=timm/<name>) and their options came after digests: a stored
+# config that names one, or holds one of its options, shows a writer of digests (and the name cannot go: the
+# model is rebuilt from it)
+FOREIGN_PREFIXES = ("timm/", "torchvision/")
+FOREIGN_OPTIONS = ("pretrained_file", "cifar_stem", "attn_at", "kwargs")
 
 
 def state_digest(state: Dict[str, Any]) -> str:
@@ -489,6 +506,14 @@ def _digest_era(state: Dict[str, Any]) -> str:
     for section, key in DIGEST_ERA_CONFIG:
         if isinstance(config, dict) and isinstance(config.get(section), dict) and key in config[section]:
             return f"config (it holds {section}.{key})"
+    model = config.get("model") if isinstance(config, dict) else None
+    if isinstance(model, dict):
+        name = model.get("name")
+        if isinstance(name, str) and (name.startswith(FOREIGN_PREFIXES) or MODELS.namespace(name) is not None):
+            return f"config (its model.name is {_short(name)}, a package model: those came with digests)"
+        held_opt = next((k for k in FOREIGN_OPTIONS if k in model), None)
+        if held_opt is not None:
+            return f"config (it holds model.{held_opt}, an option of the package models, which came with digests)"
     return ""
 
 

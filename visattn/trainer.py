@@ -39,7 +39,7 @@ from .config import Config, DistillConfig, check_for_training, with_defaults
 from .data import Placement, Splits, build_loader, check_augment, load_splits, normalize, spread_indices
 from .data.loaders import EpochLoader
 from .errors import CheckpointError, ConfigError, TrainingError
-from .evaluate import autocast, cpu_has_native_bf16, evaluate, resolve_precision
+from .evaluate import autocast, cpu_has_native_bf16, evaluate, main_logits, resolve_precision
 from .maps import find_taps
 from .maps.record import foreign_modules
 from .maps.tensorboard import MapLogger
@@ -206,6 +206,20 @@ class EpochStats:
         return (0 < self.steps <= self.nonfinite_steps) or (0 < self.new_steps <= self.new_nonfinite)
 
 
+# hooks every run built from now on calls (:func:`register_hook`), after its own; a run's own are in Run.hooks
+HOOKS: Dict[str, List[Callable[..., None]]] = {"step_end": [], "epoch_end": []}
+
+
+def register_hook(event: str, hook: Callable[..., None]) -> Callable[[], None]:
+    """Call ``hook`` in every run built after this (``"step_end"``: ``hook(run, step)`` after each optimizer step;
+    ``"epoch_end"``: ``hook(run, epoch, row)`` after each epoch's row and checkpoints), e.g. from a script that
+    then calls ``visattn.cli.main``; returns a function that removes it. A hook that raises stops the run."""
+    if event not in HOOKS:
+        raise ValueError(f"unknown hook event {event!r}; valid: {', '.join(HOOKS)}")
+    HOOKS[event].append(hook)
+    return lambda: HOOKS[event].remove(hook) if hook in HOOKS[event] else None
+
+
 @dataclass
 class Run:
     """Everything a run holds. ``model`` is the module whose state is saved (never the compiled/DDP wrapper)."""
@@ -241,7 +255,7 @@ class Run:
     # gradients still on the parameters), "epoch_end" hooks as hook(run, epoch, row) after the epoch's metrics
     # row, checkpoints and TensorBoard scalars (rank 0); the progress bar is the first step_end hook
     hooks: Dict[str, List[Callable[..., None]]] = field(
-        default_factory=lambda: {"step_end": [_advance_bar], "epoch_end": []})
+        default_factory=lambda: {"step_end": [_advance_bar, *HOOKS["step_end"]], "epoch_end": [*HOOKS["epoch_end"]]})
 
     @property
     def device(self) -> torch.device:
@@ -302,7 +316,7 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
     _check_init_folder(cfg, run_dir)
     resume_from = _resume_path(cfg, run_dir)
     check_augment(cfg.data)
-    _check_model_options(cfg)
+    _check_model_options(cfg, fresh=resume_from is None)
     say = log if di.is_main else (lambda *a, **k: None)
     if cfg.resume == "auto" and resume_from is None:
         say(f"resume=auto: no checkpoint ({run_dir / 'last.pt'}) to continue; starting a new run")
@@ -373,7 +387,8 @@ def resume(run: Run, path: Path) -> None:
         why = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise CheckpointError(f"resume: {path} does not fit this run ({e.__class__.__name__}: {why[:120]})") from None
     check_branch(run.run_dir, path)  # a checkpoint that fits, but its folder must not be mixed or rewound
-    check_rewind(run.run_dir, path, run.epoch)
+    check_rewind(run.run_dir, path, run.epoch, run.step)
+    _check_epochs_left(run, path)
     _fit_schedule(run, state, path)
     run.best_acc = float(state.get("best_acc", -1.0))
     run.carry = state.get("epoch_stats") if run.dist.is_main else None  # all-rank totals: counted once, on rank 0
@@ -461,7 +476,7 @@ def train_one_epoch(model: nn.Module, loader: Iterable, opt: Optimization, polic
     t0 = time.perf_counter()
     for xb, yb in loader:
         with autocast(device, policy.precision):
-            logits = model(xb)
+            logits = main_logits(model(xb))  # a tuple of (logits, aux logits): the main logits
         loss = training_loss(logits, xb, yb, policy)
         opt.optimizer.zero_grad(set_to_none=True)
         finite = torch.isfinite(loss.detach())
@@ -615,11 +630,14 @@ def _resume_path(cfg: Config, run_dir: Path) -> Optional[Path]:
     return p
 
 
-def _check_model_options(cfg: Config) -> None:
-    """Build the model once on the meta device (no memory, no data): bad options fail before any data is read."""
+def _check_model_options(cfg: Config, fresh: bool = True) -> None:
+    """Build the model once on the meta device (no memory, no data): bad options fail before any data is read.
+    A resumed run (``fresh=False``) holds its weights in the checkpoint: its ``model.pretrained_file`` is not
+    read (it may be gone or replaced since), as :func:`_build_model` does not read it."""
+    options = cfg.model.options() if fresh else without_weights(cfg.model.options())
     try:
         with torch.device("meta"):
-            model = create_model(cfg.model.name, num_classes=10, **cfg.model.options())
+            model = create_model(cfg.model.name, num_classes=10, **options)
     except NotImplementedError:  # a constructor that reads tensor values cannot run on the meta device
         return
     except (ValueError, TypeError, RuntimeError) as e:
@@ -699,6 +717,7 @@ def _init_from(cfg: Config, model: nn.Module, splits: Splits, say: Callable[...,
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     own = model.state_dict()
+    weights, moved = _into_wrapped(model, weights, own)
     new = [p for p, m in model.named_modules() if p and is_attention_block(m)  # blocks with state, none of it held
            and any(k.startswith(p + ".") for k in own) and not any(k.startswith(p + ".") for k in weights)]
     unused = [k for k in weights if k not in own]
@@ -716,10 +735,37 @@ def _init_from(cfg: Config, model: nn.Module, splits: Splits, say: Callable[...,
         raise CheckpointError(f"model.init_from: {path} does not fit model {cfg.model.name!r}: {'; '.join(problems)}")
     model.load_state_dict(weights, strict=False)
     origin = {"path": str(Path(path).resolve()), "epoch": int(state["epoch"]), "best_acc": state.get("best_acc"),
-              "weights": kind, "new_blocks": new}
+              "weights": kind, "new_blocks": new, "wrapped": moved}
     say(f"model.init_from: {path} (epoch {origin['epoch']}, best val acc {origin['best_acc']}): its {kind} weights; "
-        + (f"new, starting fresh: {keys(new)}" if new else "no new blocks"))
+        + (f"new, starting fresh: {keys(new)}" if new else "no new blocks")
+        + (f"; the weights of {keys(moved)}, which a block now follows, load as their .inner ones" if moved else ""))
     return origin
+
+
+def _into_wrapped(model: nn.Module, weights: Dict[str, Any], own: Dict[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """A checkpoint's weights under the names they take in ``model``, where a block was put after a module since
+    the checkpoint was trained: ``model.attn_at`` wraps module ``X`` as ``AttnAfter(inner=X, attn=block)``
+    (``X.weight`` becomes ``X.inner.weight``), a torchvision ResNet's last BN becomes ``bnX.norm``. Only a
+    checkpoint key this model lacks, whose wrapped name it has, is renamed. Returns (weights, the modules renamed)."""
+    moves = []  # ("X.", "X.inner."): a module holding a block named "attn" and the module it follows
+    for path, m in model.named_modules():
+        kids = dict(m.named_children())
+        if path and len(kids) == 2 and "attn" in kids and is_attention_block(kids["attn"]):
+            other = next(n for n in kids if n != "attn")
+            moves.append((f"{path}.", f"{path}.{other}."))
+    if not moves:
+        return weights, []
+    out, moved = {}, []
+    for k, v in weights.items():
+        if k not in own:
+            for pre, inner in moves:
+                if k.startswith(pre) and not k.startswith((inner, f"{pre}attn.")) and inner + k[len(pre):] in own:
+                    k = inner + k[len(pre):]
+                    if pre[:-1] not in moved:
+                        moved.append(pre[:-1])
+                    break
+        out[k] = v
+    return out, moved
 
 
 def _pretrained(model: nn.Module, say: Callable[..., None]) -> Optional[Dict[str, Any]]:
@@ -728,12 +774,16 @@ def _pretrained(model: nn.Module, say: Callable[..., None]) -> Optional[Dict[str
     loaded = getattr(model, "pretrained_origin", None)
     if not loaded:
         return None
-    replaced = loaded["replaced"]
-    say(f"model.pretrained_file: {loaded['path']}: {loaded['tensors']} tensors loaded"
-        + (f"; its classifier ({', '.join(replaced)}) has another class count: replaced by a fresh one" if replaced
-           else ""))
+    replaced, entry, others = loaded["replaced"], loaded.get("entry"), loaded.get("other_entries") or []
+    where = ""
+    if entry is not None:  # a timm checkpoint: which of its weight entries was taken
+        where = f" (its {entry} entry" + (", the EMA weights" if entry == "state_dict_ema" else "") \
+            + (f"; it also holds {', '.join(others)}, not used" if others else "") + ")"
+    say(f"model.pretrained_file: {loaded['path']}{where}: {loaded['tensors']} tensors loaded"
+        + (f"; its classifier ({', '.join(replaced)}) has another class count ({loaded.get('file_classes')} classes, "
+           f"this run's {loaded.get('num_classes')}): replaced by a fresh one" if replaced else ""))
     return {"path": loaded["path"], "epoch": None, "best_acc": None, "weights": "pretrained_file",
-            "new_blocks": [], "replaced": replaced}
+            "new_blocks": [], "replaced": replaced, "entry": entry, "other_entries": others}
 
 
 def _data_key(k: str) -> str:
@@ -1030,7 +1080,7 @@ def training_loss(logits: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, poli
     if d is None or d.weight == 0:
         return loss
     with torch.no_grad(), autocast(policy.device, policy.precision):
-        target = d.teacher(xb)
+        target = main_logits(d.teacher(xb))
     return (1 - d.weight) * loss + d.weight * distill_loss(logits, target, d.kind, d.temperature)
 
 
@@ -1053,6 +1103,22 @@ def _fit_schedule(run: Run, state: Dict[str, Any], path: Path) -> None:
             f"{cfg.train.epochs} epochs and goes on from step {done} (lr {was:.3g} -> "
             f"{run.opt.optimizer.param_groups[0]['lr']:.3g}); for a fresh schedule from these weights instead: "
             f"model.init_from={path} run_dir=NEW")
+
+
+def _check_epochs_left(run: Run, path: Path) -> None:
+    """A resume asking for fewer epochs than the checkpoint has trained (or trained into), or for no more steps
+    than it has taken (``train.max_steps``), would train nothing and rewrite ``config.yaml`` to that setting: one
+    line, before anything is written."""
+    epochs, done, into = run.cfg.train.epochs, run.epoch, run.train_loader.position
+    if done > epochs or (done == epochs and into > 0):
+        what = f"{done} epochs" + (f" and {into} batches of epoch {done + 1}" if into else "")
+        raise ConfigError(f"resume: {path} has trained {what}, more than train.epochs={epochs}: nothing would train; "
+                          f"give train.epochs={done + (1 if into else 0)} or more (or start a new run from these "
+                          f"weights: model.init_from={path} run_dir=NEW)")
+    limit = run.cfg.train.max_steps
+    if limit is not None and run.step >= limit and done < epochs:
+        raise ConfigError(f"resume: {path} has taken {run.step} steps, train.max_steps={limit}: nothing would train; "
+                          f"give a larger train.max_steps, or train.max_steps=null to train to train.epochs={epochs}")
 
 
 def _check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None:

@@ -96,10 +96,11 @@ def check_augment(cfg: Any) -> None:
     data is read; a bad one raises ConfigError naming its entry."""
     from ..errors import ConfigError
 
+    size = cfg.placed.canvas if cfg.source == "placed" else cfg.image_size  # the size of the images trained on
     for i, spec in enumerate(cfg.augment.extra):
         try:
             build_albumentations_transform(spec)
-            _check_keeps_size(spec, cfg.image_size)
+            _check_keeps_size(spec, size)
         except ValueError as e:
             raise ConfigError(f"data.augment.extra: entry {i}: {e}") from None
 

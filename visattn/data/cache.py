@@ -29,9 +29,11 @@ def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
-def load_cache(cache: Path) -> Tuple[Parts, int]:
+def load_cache(cache: Path, size: Optional[int] = None) -> Tuple[Parts, int]:
     """Read every array of ``cache`` now (a lazy read would fail later, far from here) and check they fit
-    together; raises ValueError (or the reader's own error) for anything else."""
+    together, and that the images are ``size`` px square where given (the file's name is the only record of the
+    decode it holds: a cache of another size is never trusted); raises ValueError (or the reader's own error)
+    for anything else."""
     with np.load(cache, allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
     classes = tuple(str(c) for c in arrays["classes"])
@@ -42,6 +44,8 @@ def load_cache(cache: Path) -> Tuple[Parts, int]:
         x, y = arrays[f"{s}_x"], arrays[f"{s}_y"]
         if x.dtype != np.uint8 or x.ndim != 4 or x.shape[-1] != 3 or y.shape != (len(x),) or y.dtype.kind not in "iu":
             raise ValueError(f"{s} arrays of shapes {x.shape}, {y.shape}")
+        if size is not None and x.shape[1:3] != (size, size):
+            raise ValueError(f"{s} images are {x.shape[1]}x{x.shape[2]}, not the {size}x{size} this key decodes to")
         if len(y) and (y.min() < 0 or y.max() >= len(classes)):
             raise ValueError(f"{s} labels outside the {len(classes)} classes")
         parts[s] = ImageSet(x, y.astype(np.int64), classes)
@@ -51,13 +55,15 @@ def load_cache(cache: Path) -> Tuple[Parts, int]:
 
 
 def cached_read(root: Path, key_extra: Tuple[Any, ...], cache_dir: Path,
-                read: Callable[[], Tuple[Parts, int]], warn: Callable[[str], None] = _warn) -> Tuple[Parts, int]:
-    """``read()``'s (parts, skipped count), from the cache when ``root`` and ``key_extra`` are unchanged."""
+                read: Callable[[], Tuple[Parts, int]], warn: Callable[[str], None] = _warn,
+                size: Optional[int] = None) -> Tuple[Parts, int]:
+    """``read()``'s (parts, skipped count), from the cache when ``root`` and ``key_extra`` are unchanged (and its
+    images are ``size`` px square, where given: ``read`` decodes to that size)."""
     key = fingerprint(root, *key_extra)[:24]
     cache = cache_dir / f"{root.name.split('.')[0]}-{key}.npz"
     if cache.exists():
         try:
-            return load_cache(cache)
+            return load_cache(cache, size)
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error, RuntimeError) as e:
             why = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
             warn(f"decode cache {cache} is truncated, corrupt or unreadable ({e.__class__.__name__}"

@@ -195,7 +195,8 @@ class AlbumentationsLoader(EpochLoader):
 def build_loader(images: ImageSet, cfg: DataConfig, batch_size: int, train: bool, seed: int,
                  placement: Placement = Placement()) -> EpochLoader:
     """The loader ``cfg.loader`` names, for ``images``."""
-    if cfg.loader == "albumentations":
-        return AlbumentationsLoader(images, batch_size, cfg.mean, cfg.std, train, cfg.augment, cfg.image_size,
+    if cfg.loader == "albumentations":  # the images' own size: placed objects' canvases are not data.image_size
+        size = images.x.shape[1] if len(images.x.shape) == 4 else cfg.image_size
+        return AlbumentationsLoader(images, batch_size, cfg.mean, cfg.std, train, cfg.augment, size,
                                     workers=cfg.workers, seed=seed, placement=placement)
     return TensorLoader(images, batch_size, cfg.mean, cfg.std, train, cfg.augment, seed=seed, placement=placement)

@@ -53,8 +53,13 @@ def load_splits(cfg: DataConfig, seed: int, eval_only: bool = False) -> Splits:
             raise DataError(f"data.root {str(root)!r} does not exist")
         parts, skipped = cached_read(root, (source, cfg.image_size, cfg.on_bad_image, cfg.max_image_pixels), cache_dir,
                                      lambda: sources.read_source(root, source, cfg.image_size, cfg.on_bad_image, cache_dir,
-                                                                 cfg.max_image_pixels, need_train=not eval_only))
+                                                                 cfg.max_image_pixels, need_train=not eval_only),
+                                     size=cfg.image_size if source == "folder" else None)
         origin = str(root)
+        got = next(iter(parts.values())).x.shape[1:3] if parts else None
+        if got is not None and tuple(got) != (cfg.image_size, cfg.image_size):  # CIFAR batches are 32 px, always
+            raise DataError(f"data.image_size={cfg.image_size}, but {origin} holds {got[0]}x{got[1]} images "
+                            f"({source}: data.image_size resizes only image folders); give data.image_size={got[0]}")
     if "train" not in parts:
         if not eval_only or "test" not in parts:
             raise DataError(f"{origin}: no train/ folder (expected train/<class>/<image>)")
@@ -73,6 +78,9 @@ def load_splits(cfg: DataConfig, seed: int, eval_only: bool = False) -> Splits:
         ev = ImageSet(train.x[va_idx], train.y[va_idx], train.classes)
         train = ImageSet(train.x[tr_idx], train.y[tr_idx], train.classes)
         eval_split = f"validation split held out from train ({len(ev)} images, stratified, split seed {cfg.split_seed})"
+    if cfg.subset is not None and cfg.subset < len(train.classes):
+        raise DataError(f"data.subset={cfg.subset} is smaller than the {len(train.classes)} classes: some classes would "
+                        "have no training image (and still be scored)")
     if cfg.subset is not None and cfg.subset < len(train):  # after the hold-out: the eval images never change
         keep, _ = stratified_split(train.y, len(train) - cfg.subset, cfg.split_seed + 1)
         train = ImageSet(train.x[keep], train.y[keep], train.classes)

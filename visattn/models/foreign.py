@@ -5,17 +5,26 @@ model path: :func:`~visattn.registry.create_model` builds it like visattn's own 
 :func:`build_foreign` builds the package's model with ``num_classes`` from the data and the builder options in
 ``kwargs``, optionally adapts its stem to 32-px inputs (``cifar_stem``, :data:`CIFAR_STEMS`), loads local weights
 (``pretrained_file``: ``.safetensors``, a ``.pth``/``.bin`` state dict, or a timm checkpoint; a classifier of
-another class count is replaced and reported, every other key must land) and inserts an attention block with
+another class count is replaced and reported, every other key must land, of a floating-point type where the
+model's is) and inserts an attention block with
 :func:`~visattn.attention.insert_attention` (``attention``, ``attn_kwargs``, placement ``attn_at``). Nothing is
-downloaded. Every refusal is a one-line ``ValueError`` naming the option, which the commands report as a
-config error.
+downloaded. Every key of ``kwargs`` is checked against the type the builder's class gives it (a bool is never a
+number, a string never a bool) and every rate-like one (dropout, drop path, stochastic depth) is a probability
+in [0, 1) (:func:`check_kwargs`). Every refusal is a one-line ``ValueError`` naming the option, which the
+commands report as a config error.
 """
 from __future__ import annotations
 
+import collections.abc
 import difflib
 import functools
+import inspect
+import math
 import os
 import pickle
+import re
+import typing
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -105,6 +114,136 @@ def check_options(package: str, arch: str, options: Dict[str, Any]) -> None:
             raise ValueError(f"model.kwargs.{key}: {RESERVED[key]}{'; ' + hint if hint else ''}")
     if options.get("pretrained_file") == "":
         raise ValueError("model.pretrained_file: an empty path")
+    if isinstance(options.get("kwargs"), dict):
+        check_kwargs(package, arch, options["kwargs"])
+
+
+# a builder option that is a probability (dropout, drop path, drop block, stochastic depth, patch dropout): any
+# key of model.kwargs whose name holds "drop", or ends in "_prob" / starts with "stochastic_depth", given a number
+RATE_LIKE = re.compile(r"drop|_prob$|^prob$|^stochastic_depth")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _shown(v: Any) -> str:
+    text = "true" if v is True else "false" if v is False else repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@functools.lru_cache(maxsize=64)
+def _class_params(package: str, arch: str) -> Tuple[Tuple[str, Any, Any], ...]:
+    """(name, annotation, default) of the keyword options of the class ``package`` builds for ``arch`` (found by
+    building it once with no options on the meta device: no memory, no weights); () where that fails."""
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cls = type(_package_model(package, arch, 10, {}))
+        sig = inspect.signature(cls.__init__)
+        try:
+            hints = typing.get_type_hints(cls.__init__)
+        except Exception:  # noqa: BLE001 - an annotation that does not resolve: take them as written
+            hints = {}
+    except Exception:  # noqa: BLE001 - a builder that cannot run on the meta device: no types to check against
+        return ()
+    return tuple((p.name, hints.get(p.name, p.annotation), p.default) for p in sig.parameters.values()
+                 if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self")
+
+
+Misfit = Optional[Tuple[str, str, Any]]  # (where under the key: "" or "[i]", what it must be, the value there)
+
+
+def _misfit(annotation: Any, value: Any) -> Misfit:
+    """Why ``value`` is not of ``annotation``'s type (None where it is, or where the annotation says nothing a
+    config value could be checked against: a callable, a module class): a bool is never a number, a string
+    never a bool or a number, a list's items are checked one by one."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is inspect.Parameter.empty or annotation is Any:
+        return None
+    if origin is Union or type(annotation).__name__ == "UnionType":
+        if value is None and type(None) in args:
+            return None
+        whys = [_misfit(a, value) for a in args if a is not type(None)]
+        return None if not whys or not all(whys) else whys[0]
+    if origin is typing.Literal:
+        ok = any(value == a and type(value) is type(a) for a in args)
+        return None if ok else ("", "must be one of " + ", ".join(map(repr, args)), value)
+    if annotation is bool:
+        return None if isinstance(value, bool) else ("", "must be true or false", value)
+    if annotation is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else ("", "must be an integer", value)
+    if annotation is float:
+        return None if _is_number(value) else ("", "must be a number", value)
+    if annotation is str:
+        return None if isinstance(value, str) else ("", "must be a string", value)
+    if origin in (list, tuple, collections.abc.Sequence):
+        if not isinstance(value, (list, tuple)):
+            return ("", "must be a list", value)
+        each = args[:1] if (origin is not tuple or (len(args) == 2 and args[1] is Ellipsis)) else args
+        if origin is tuple and args and args[-1] is not Ellipsis and len(args) != len(value):
+            return ("", f"must be a list of {len(args)} values", value)
+        for i, v in enumerate(value):
+            why = _misfit(each[min(i, len(each) - 1)], v) if each else None
+            if why:
+                return (f"[{i}]{why[0]}", why[1], why[2])
+        return None
+    if origin in (dict, collections.abc.Mapping) or annotation is dict:
+        return None if isinstance(value, dict) else ("", "must be a mapping", value)
+    return None
+
+
+def _by_default(default: Any) -> Any:
+    """The type an unannotated option takes, from its default (bool, int, float, or a list of ints)."""
+    if isinstance(default, bool):
+        return bool
+    if isinstance(default, (int, float)):
+        return float if isinstance(default, float) else int
+    if isinstance(default, (list, tuple)) and default and all(_is_number(v) for v in default):
+        return Tuple[float if any(isinstance(v, float) for v in default) else int, ...]
+    return inspect.Parameter.empty
+
+
+def check_kwargs(package: str, arch: str, kwargs: Dict[str, Any]) -> None:
+    """Every key of ``model.kwargs`` against the type the builder's class gives it (its annotation, else its
+    default: a bool where a number belongs is refused, and a string where a bool belongs), and every rate-like
+    key (:data:`RATE_LIKE`: dropout, drop path, drop block, stochastic depth probabilities) in [0, 1), lists of
+    them included; a ValueError naming the key."""
+    params = {name: (a, d) for name, a, d in _class_params(package, arch)} if kwargs else {}
+    for key, value in kwargs.items():
+        where = f"model.kwargs.{key}"
+        if key in params:
+            annotation, default = params[key]
+            if annotation is inspect.Parameter.empty:
+                annotation = _by_default(default)
+            if value is None and default is not None and annotation in (bool, int, float):
+                raise ValueError(f"{where} must be {'true or false' if annotation is bool else 'a number'}, not null")
+            why = _misfit(annotation, value)
+            if why:
+                at, must, got = why
+                kind = "a bool" if isinstance(got, bool) else f"a {type(got).__name__}"
+                raise ValueError(f"{where}{at} {must}, not {_shown(got)} ({kind}; {package}'s {arch} takes "
+                                 f"{key}: {_type_text(annotation)})")
+        if RATE_LIKE.search(str(key)) and value is not None:
+            _check_rate(where, value)
+
+
+def _type_text(annotation: Any) -> str:
+    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+    return text.replace("typing.", "")
+
+
+def _check_rate(where: str, value: Any) -> None:
+    """A probability: a number in [0, 1), or a list of them (per-block rates); never a bool or a string."""
+    items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+    for i, v in items:
+        key = where if i is None else f"{where}[{i}]"
+        if isinstance(v, bool) or isinstance(v, str):
+            raise ValueError(f"{key} is a probability: it must be a number in [0, 1), not {_shown(v)}"
+                             + (" (true would be taken as 1.0)" if v is True else ""))
+        if _is_number(v) and math.isfinite(v) and not 0 <= v < 1:
+            raise ValueError(f"option {key.removeprefix('model.')} must be in [0, 1), got {v} (a probability: "
+                             "1 drops everything)")
 
 
 # ---- the CIFAR stem --------------------------------------------------------------------------------------
@@ -175,10 +314,26 @@ def apply_cifar_stem(model: nn.Module, name: str) -> None:
 # ---- weights from a local file ---------------------------------------------------------------------------
 
 
+WEIGHT_ENTRIES = ("state_dict_ema", "state_dict", "model")  # a timm checkpoint's weights, in the order taken
+
+
 def read_weights(path: Union[str, os.PathLike]) -> Dict[str, torch.Tensor]:
     """The state dict in a ``.safetensors`` file, a ``.pth``/``.bin`` state dict or a timm checkpoint (its
-    ``state_dict``, ``model`` or ``state_dict_ema`` entry; a ``module.`` prefix is dropped). Loaded without
-    running pickled code; every failure is a one-line ValueError naming the file."""
+    ``state_dict_ema``, ``state_dict`` or ``model`` entry, in that order; a ``module.`` prefix is dropped). Loaded
+    without running pickled code; every failure is a one-line ValueError naming the file."""
+    return read_weights_entry(path)[0]
+
+
+def _damaged(what: str, e: BaseException) -> ValueError:
+    first = str(e).strip().splitlines()[0][:120] if str(e).strip() else e.__class__.__name__
+    return ValueError(f"{what} is damaged or not a weights file ({first})")
+
+
+def read_weights_entry(path: Union[str, os.PathLike]) -> Tuple[Dict[str, torch.Tensor], Optional[str], List[str]]:
+    """:func:`read_weights`'s state dict, the checkpoint entry it came from (None for a plain state dict) and
+    the other weight entries the file holds (a timm checkpoint's ``state_dict`` beside its ``state_dict_ema``)."""
+    from safetensors import SafetensorError
+
     p = Path(path).expanduser()
     what = f"model.pretrained_file: {str(path)!r}"
     if not p.is_file():
@@ -186,7 +341,12 @@ def read_weights(path: Union[str, os.PathLike]) -> Dict[str, torch.Tensor]:
     if p.stat().st_size > MAX_WEIGHTS_BYTES:
         raise ValueError(f"{what} is {p.stat().st_size / 2**30:.1f} GiB; the limit is {MAX_WEIGHTS_BYTES // 2**30} GiB")
     try:
+        with open(p, "rb") as f:
+            head = f.read(8)
         if p.suffix == ".safetensors":
+            torch_file = head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"  # a torch.save zip, a legacy pickle
+            if torch_file and int.from_bytes(head, "little") > p.stat().st_size:  # no header length fits the file
+                raise ValueError(f"{what} is a PyTorch (torch.save) file, not a safetensors file: name it .pth")
             from safetensors.torch import load_file
 
             state: Any = load_file(str(p))
@@ -196,24 +356,29 @@ def read_weights(path: Union[str, os.PathLike]) -> Dict[str, torch.Tensor]:
         why = "it holds pickled objects other than tensors (not loaded: that could run code)" \
             if "weights_only" in str(e) or "Unsupported global" in str(e) else "corrupt"
         raise ValueError(f"{what} is {why}") from None
-    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError, KeyError, IndexError, TypeError,
-            AttributeError) as e:
-        first = str(e).strip().splitlines()[0][:120] if str(e).strip() else e.__class__.__name__
-        raise ValueError(f"{what} is damaged or not a weights file ({first})") from None
-    if isinstance(state, dict) and "digest" in state and "config" in state:
+    except ValueError as e:
+        if str(e).startswith(what):
+            raise
+        raise _damaged(what, e) from None
+    except (SafetensorError, RuntimeError, EOFError, zipfile.BadZipFile, OSError, KeyError, IndexError, TypeError,
+            AttributeError, OverflowError, MemoryError) as e:  # SafetensorError: a bad header, a truncated file
+        raise _damaged(what, e) from None
+    if isinstance(state, dict) and "config" in state and ("digest" in state or {"model", "step"} <= set(state)):
         raise ValueError(f"{what} is a visattn checkpoint: start from it with model.init_from={path}")
-    for key in ("state_dict_ema", "state_dict", "model"):
-        if isinstance(state, dict) and isinstance(state.get(key), dict):
-            state = state[key]
-            break
+    entry, others = None, []
+    if isinstance(state, dict):
+        held = [k for k in WEIGHT_ENTRIES if isinstance(state.get(k), dict)]
+        if held:
+            entry, others = held[0], held[1:]
+            state = state[entry]
     if not isinstance(state, dict) or not state or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{what} holds no state dict (a mapping of parameter names to tensors)")
-    if all(k.startswith("module.") for k in state):
+    if all(isinstance(k, str) and k.startswith("module.") for k in state):
         state = {k[len("module."):]: v for k, v in state.items()}
     bad = next((k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
     if bad is not None:
         raise ValueError(f"{what} holds non-finite weights (NaN or inf in {bad})")
-    return state
+    return state, entry, others
 
 
 def _classifier_names(model: nn.Module, num_classes: int) -> List[str]:
@@ -232,27 +397,63 @@ def _keys(ks: Sequence[str]) -> str:
     return ", ".join(ks[:3]) + (f" and {len(ks) - 3} more" if len(ks) > 3 else "")
 
 
+def _head_split(state: Dict[str, torch.Tensor], own: Dict[str, torch.Tensor], head_keys: Sequence[str]
+                ) -> Tuple[List[str], Optional[str]]:
+    """The classifier keys to replace (kept fresh) because the file's classifier has another class count, or a
+    reason the file's classifier does not fit (a half-mismatched head: one line, never half replaced)."""
+    differ = [k for k in head_keys if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    if not differ:
+        return [], None
+    count = [k for k in differ if state[k].dim() >= 1 and own[k].dim() >= 1 and state[k].shape[0] != own[k].shape[0]
+             and tuple(state[k].shape[1:]) == tuple(own[k].shape[1:])]
+    if len(count) < len(differ):  # another input width (maybe also another count): not a class-count change
+        return [], None  # left to the shape check, which names each key with both shapes
+    fits = [k for k in head_keys if k in state and k not in differ and own[k].dim() >= 1]
+    classes = sorted({int(state[k].shape[0]) for k in count})
+    if fits or len(classes) > 1:
+        first = count[0]
+        why = f"but {fits[0]} {list(state[fits[0]].shape)} fits" if fits else \
+            f"and its tensors disagree on the class count ({', '.join(map(str, classes))})"
+        return [], (f"its classifier is only partly of another class count ({first} {list(state[first].shape)} here "
+                    f"{list(own[first].shape)}, {why}): a damaged or hand-edited file; nothing was replaced")
+    return sorted(count), None
+
+
 def load_pretrained(model: nn.Module, path: str, num_classes: int) -> Dict[str, Any]:
-    """Load :func:`read_weights` into ``model``: the classifier is replaced (kept fresh) where the file's has
-    another class count; any other missing, unexpected or misshapen key is a ValueError naming the file and the
-    first keys. Returns what was done (for the run to say and record)."""
-    state, own = read_weights(path), model.state_dict()
+    """Load :func:`read_weights` into ``model``: the classifier is replaced (kept fresh) where every tensor of
+    the file's has another class count (and only that); any other missing, unexpected, misshapen or
+    integer-for-float key, or a classifier only partly of another class count, is a ValueError naming the
+    file and the first keys. BatchNorm's ``num_batches_tracked`` counters may be absent (older torchvision
+    files), as torch's own ``load_state_dict`` takes them. Returns what was done (for the run to say and record)."""
+    (state, entry, others), own = read_weights_entry(path), model.state_dict()
     heads = tuple(f"{n}." for n in _classifier_names(model, num_classes))
+    head_keys = [k for k in own if k.startswith(heads)]
+    replaced, half = _head_split(state, own, head_keys)
+    file_classes = int(state[replaced[0]].shape[0]) if replaced else None
     shape = {k for k in state if k in own and tuple(state[k].shape) != tuple(own[k].shape)}
-    replaced = sorted(k for k in shape if k.startswith(heads))
     state = {k: v for k, v in state.items() if k not in replaced}
     unexpected = [k for k in state if k not in own]
-    missing = [k for k in own if k not in state and k not in replaced]
-    wrong = [f"{k} {list(state[k].shape)} here {list(own[k].shape)}" for k in sorted(shape - set(replaced))]
-    problems = ([f"its {_keys(unexpected)} have no place in this model"] if unexpected else []) + \
+    missing = [k for k in own if k not in state and k not in replaced and not k.endswith(".num_batches_tracked")
+               and k != "num_batches_tracked"]
+    width = set(head_keys) & shape - set(replaced)
+    said = set(replaced) | (set(head_keys) if half else set())  # a half-mismatched head is named once, by ``half``
+    wrong = [f"{k} {list(state[k].shape)} here {list(own[k].shape)}" for k in sorted(shape - said)]
+    kinds = [f"{k} ({str(state[k].dtype).removeprefix('torch.')})" for k in state
+             if k in own and own[k].is_floating_point() and not state[k].is_floating_point()]
+    problems = ([half] if half else []) + \
+        ([f"its {_keys(unexpected)} have no place in this model"] if unexpected else []) + \
         ([f"this model's {_keys(missing)} are not in it"] if missing else []) + \
-        ([f"shapes differ: {_keys(wrong)}"] if wrong else [])
+        ([f"shapes differ: {_keys(wrong)}" + (" (the classifier's input width differs, not only its class count)"
+                                               if width else "")] if wrong else []) + \
+        ([f"it holds integer (or bool) tensors where this model's weights are floating point: {_keys(kinds)}"]
+         if kinds else [])
     if problems:
         raise ValueError(f"model.pretrained_file: {path} does not fit this model (another architecture, or other "
                          f"model.kwargs / cifar_stem?): {'; '.join(problems)}")
     if not any(t.is_meta for t in own.values()):  # a check on the meta device (nothing to load into) stops here
         model.load_state_dict(state, strict=False)
-    return {"path": str(Path(path).expanduser().resolve()), "tensors": len(state), "replaced": replaced}
+    return {"path": str(Path(path).expanduser().resolve()), "tensors": len(state), "replaced": replaced,
+            "entry": entry, "other_entries": others, "file_classes": file_classes, "num_classes": num_classes}
 
 
 # ---- the builder -----------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """A worked example of the user's path: a torchvision network trained here, then a block inserted and fine-tuned.
 
-    python bench/finetune_torchvision.py              # the base, then each arm; arms already in the results are skipped
-    python bench/finetune_torchvision.py --report     # the table, and docs/blocks.md's section rewritten from it
+    python examples/finetune_torchvision.py              # the base, then each arm; arms already in the results are skipped
+    python examples/finetune_torchvision.py --report     # the table, and docs/blocks.md's section rewritten from it
 
 The network is torchvision's ``mobilenet_v3_small(num_classes=10)``, which has squeeze-and-excitation modules of
 its own, with a stride-1 stem (at 32x32 the stock stride-2 stem leaves 1x1 maps). It is trained in plain PyTorch,
@@ -13,13 +13,17 @@ the eval-mode output is bit-identical, scores it once before any step (it must e
 ``--epochs`` (2) with a fresh one-cycle schedule at a tenth of the base's peak, the same data order for every arm
 (``none``, ``cbam``). One seed: this shows the path, it is not evidence for a block (``bench/finetune.py`` is).
 
-Results go to ``bench/results/finetune_torchvision.json`` after the base and after every arm.
+Results go to ``bench/results/finetune_torchvision.json`` after the base and after every arm, each with the
+command and git revision that made it. It needs visattn importable (``pip install -e .`` from the repository root)
+and torchvision.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import json
+import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -28,22 +32,34 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn.functional as F
 
+from visattn.errors import DataError
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from attention_table import cpu_name  # noqa: E402
-
-from visattn.errors import DataError  # noqa: E402
-
 RESULTS = ROOT / "bench" / "results" / "finetune_torchvision.json"
 DOC = ROOT / "docs" / "blocks.md"
 BASE_CKPT = ROOT / "runs" / "ft_torchvision" / "base.pt"
 ARMS = ("none", "cbam")
 BATCH = 256
 BASE_LR = 4e-3
-BEGIN = "<!-- torchvision finetune table: python bench/finetune_torchvision.py --report -->"
+BEGIN = "<!-- torchvision finetune table: python examples/finetune_torchvision.py --report -->"
 END = "<!-- end of torchvision finetune table -->"
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def stamp(argv: List[str]) -> Dict[str, str]:
+    """What made a row: the command (from the repository root) and the git revision (``-dirty``: with changes)."""
+    from visattn.rundir import git_revision
+
+    return {"command": shlex.join(["python", "examples/finetune_torchvision.py", *argv]), "git": git_revision()}
 
 
 def build_net() -> torch.nn.Module:
@@ -134,7 +150,7 @@ def write(res: Dict[str, object]) -> None:
     write_atomic(RESULTS, json.dumps(res, indent=1) + "\n")
 
 
-def base(res: Dict[str, object], tr, val, mean, std, epochs: int, seed: int) -> torch.nn.Module:
+def base(res: Dict[str, object], tr, val, mean, std, epochs: int, seed: int, made: Dict[str, str]) -> torch.nn.Module:
     torch.manual_seed(seed)
     net = build_net().to(memory_format=torch.channels_last)
     from visattn.rundir import load_checkpoint, save_checkpoint
@@ -145,7 +161,7 @@ def base(res: Dict[str, object], tr, val, mean, std, epochs: int, seed: int) -> 
     secs = train(net, tr, mean, std, epochs, BASE_LR, seed)
     save_checkpoint({"model": net.state_dict(), "config": {}, "epoch": epochs, "step": 0}, BASE_CKPT)
     res.update(base={"epochs": epochs, "lr": BASE_LR, "val_acc": accuracy(net, val, mean, std),
-                     "train_seconds": round(secs, 1)}, arms=[])
+                     "train_seconds": round(secs, 1), **made}, arms=[])
     write(res)
     return net
 
@@ -197,10 +213,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--epochs", type=positive, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report", action="store_true")
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = ap.parse_args(argv)
     if a.report:
         if "base" not in read():
-            raise DataError(f"{RESULTS} holds no run: run python bench/finetune_torchvision.py first")
+            raise DataError(f"{RESULTS} holds no run: run python examples/finetune_torchvision.py first")
         text = table(read())
         print(text)
         write_doc(text)
@@ -209,13 +226,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     res = read()
     res.update(model="torchvision mobilenet_v3_small, stride-1 stem", eval_split=split, seed=a.seed,
                cpu=cpu_name(), torch=torch.__version__)
-    net0 = base(res, tr, val, mean, std, a.base_epochs, a.seed)
+    made = stamp(argv)
+    net0 = base(res, tr, val, mean, std, a.base_epochs, a.seed, made)
     print(f"base: {res['base']['val_acc']:.2%} after {a.base_epochs} epochs", flush=True)
     done = {r["block"] for r in res.get("arms", [])}
     for name in ARMS:
         if name in done:
             continue
-        row = arm(name, net0, tr, val, mean, std, a.epochs, a.seed)
+        row = {**arm(name, net0, tr, val, mean, std, a.epochs, a.seed), **made}
         res.setdefault("arms", []).append(row)
         write(res)
         print(f"{name}: step 0 {row['step0_val_acc']:.2%} -> {row['val_acc']:.2%}", flush=True)
