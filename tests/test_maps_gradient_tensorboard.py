@@ -79,7 +79,8 @@ def test_cards_say_how_faithful_their_map_is(tmp_path):
     assert set(on.Tags()["images"]) == set(off.Tags()["images"]) == {"maps/tap", "maps/tap/grad"}
     # the maps' scores and the centre prior's (a scalar only: it has no picture)
     assert set(on.Tags()["scalars"]) == {f"faithfulness/{m}/{s}" for m in ("tap", "tap/grad", "centre")
-                                         for s in ("deletion", "insertion")}
+                                         for s in ("deletion", "insertion")} | {"gates/tap/mean", "gates/tap/std"}
+    assert set(off.Tags()["scalars"]) == {"gates/tap/mean", "gates/tap/std"}  # the gate's curve, scored or not
     for tag in ("maps/tap", "maps/tap/grad"):
         with_notes, plain = decode(on.Images(tag)[0]), decode(off.Images(tag)[0])
         assert with_notes.shape[0] == plain.shape[0] + NOTES * LINE_H + 2  # five lines above the colour bar

@@ -91,6 +91,9 @@ def test_gate_through_the_logger_stays_within_a_tenth():
         def add_text(self, *a):
             pass
 
+        def add_scalar(self, *a):
+            pass
+
     log_attention_maps(Writer(), model, images, None, 0, MapSettings(scale=4, alpha=1.0))
     pic = pictures["maps/tap"]  # a tap on the model itself is named "tap"
     original = to_uint8(images_to_float(images, size=(32, 32)))[0].permute(1, 2, 0).numpy()
@@ -150,3 +153,33 @@ def test_colour_bar_runs_the_colour_map_with_ticks(scale, norm):
     strip = levels[rows[0]][dist[rows[0]] < 2]
     assert strip[0] <= 2 and strip[-1] >= 253 and (np.diff(strip.astype(int)) >= 0).all()
     assert (bar[rows[-1] + 1 :] > 200).any()  # tick marks and labels below the bar
+
+
+def test_each_gates_mean_goes_to_tensorboard_and_falls_when_the_gate_closes():
+    """``gates/<layer>/mean`` (and ``/std``) each logging step: an identity CBAM's gates at 1 (gain), and a spatial
+    gate pushed shut (its BN's shift at -6: gain 2 sigmoid(-6) = 0.005) shows as a mean near 0."""
+    import visattn
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), visattn.create_attention("cbam", 8, init="identity"),
+                              torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10)).eval()
+    seen = {}
+
+    class Writer:
+        def add_scalar(self, tag, value, step):
+            seen[tag] = value
+
+        def add_image(self, *a, **k):
+            pass
+
+        add_histogram = add_text = add_image
+
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    summary = log_attention_maps(Writer(), net, x, None, 0, MapSettings())
+    spatial = next(t for t in seen if t.startswith("gates/") and "spatial" in t and t.endswith("/mean"))
+    channel = next(t for t in seen if t.startswith("gates/") and "channel" in t and t.endswith("/mean"))
+    assert seen[spatial] == pytest.approx(1.0, abs=1e-6) and seen[channel] == pytest.approx(1.0, abs=1e-6)
+    assert spatial in summary["scalars"] and spatial.replace("/mean", "/std") in seen
+    with torch.no_grad():
+        net[1].spatial.bn.bias.fill_(-6.0)
+    log_attention_maps(Writer(), net, x, None, 1, MapSettings())
+    assert seen[spatial] < 0.01 and seen[channel] == pytest.approx(1.0, abs=1e-6)
