@@ -183,7 +183,8 @@ def reference_rows(results: List[dict], table_results: Path = TABLE_RESULTS) -> 
     return [{"model": cfg.model.name, "recipe": f"configs/attention/resnet_fast_{{{','.join(ARMS)}}}.yaml",
              "source": table_results.name, "attention": arm_of[r["config"]], "seed": r["seed"], "epochs": r["epochs"],
              "val_acc": r["val_acc"], "images_per_s": r["images_per_s"], "parameters": r["parameters"],
-             "batch_size": cfg.train.batch_size, "lr": cfg.optim.lr, "optimizer": cfg.optim.name} for r in same]
+             "batch_size": cfg.train.batch_size, "lr": cfg.optim.lr, "optimizer": cfg.optim.name,
+             "precision": first["precision"], "kernels": first["kernels"]} for r in same]
 
 
 def _acc(runs: Dict[int, dict]) -> str:
@@ -236,7 +237,8 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
         first = runs[0]
         recipe = key[0]
         where = f"`{Path(recipe).name}`" + (f", runs of {first['source']}" if first.get("source") else "")
-        blocks = sorted({r["blocks"] for r in runs if r.get("blocks")})
+        blocks = sorted({r.get("blocks") or blocks_of(recipe, r["attention"]) for r in runs
+                         if r["attention"] != "none" and not r.get("source")})  # rows before "blocks" was kept
         seeds = sorted({r["seed"] for r in runs})
         speed = f"{statistics.median(speeds):.0f}" if speeds else "—"
         lines.append(f"| {first['model']} ({where}) | {key[1] or 'as the sweep'} | {first['parameters'] / 1e6:.1f}M | "

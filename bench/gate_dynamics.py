@@ -13,7 +13,7 @@ Trains ``configs/timm/mobilenetv3_small.yaml`` (the real images, the recipe's da
 
 Every ``--every`` steps it records, per block, from the training batch itself (train mode): the spatial gate's
 mean, spread (std over positions and images) and its minimum, the channel gate's mean, the block's parameter
-gradient norm, and whether the block has a skip; and the step's loss and the whole model's gradient norm.
+gradient norm, and whether the block has a skip; and the training loss since the record before (over that interval's images) and the whole model's gradient norm.
 Writes ``bench/results/gate_dynamics.json`` (with its command, revision and machine) and prints a summary.
 """
 from __future__ import annotations
@@ -102,6 +102,8 @@ def probe(arm: str, steps: int, every: int, work: Path, data_root: Optional[str]
                 rec.records.clear()
                 return
             loss_sum, images = float(r.live[Stat.loss_sum]), float(r.live[Stat.finite_images])
+            if images < seen[1]:  # a new epoch: its totals started again from zero
+                seen[:] = [0.0, 0.0]
             loss = (loss_sum - seen[0]) / max(images - seen[1], 1.0)
             seen[:] = [loss_sum, images]
             row = []
@@ -129,7 +131,8 @@ def probe(arm: str, steps: int, every: int, work: Path, data_root: Optional[str]
 
 def summarize(arms: Sequence[Dict[str, Any]]) -> str:
     """Per arm: at the last recorded step, the spatial gates' mean (and the lowest minimum) in blocks with and
-    without a skip, their gradient norms, the model's, and the training loss since the record before."""
+    without a skip, their gradient norms, the model's, and the training loss since the record before; then the
+    loss, the gates' gradient norms and the lowest gate at steps 15, 30 and 60."""
     lines = ["| arm | blocks (skip / no skip) | spatial gate mean, skip / no skip | lowest gate | block grad norm, "
              "skip / no skip | model grad norm | loss |", "|---|---|---|---|---|---|---|"]
     for a in arms:
@@ -147,6 +150,23 @@ def summarize(arms: Sequence[Dict[str, Any]]) -> str:
                      f"{mean('spatial_mean', False)} | {'—' if low is None else f'{low:.3f}'} | "
                      f"{mean('grad_norm', True)} / {mean('grad_norm', False)} | {last['grad_norm']:.3f} | "
                      f"{last['loss']:.3f} |")
+    marks = [15, 30, 60]
+    lines += ["", "| arm | " + " | ".join(f"step {m}: loss, gate grad norm (skip / no skip), gate min" for m in marks)
+              + " |", "|---|" + "---|" * len(marks)]
+    for a in arms:
+        by_step = {t["step"]: t for t in a["trace"]}
+        cells = []
+        for m in marks:
+            t = by_step.get(m)
+            if t is None:
+                cells.append("—")
+                continue
+            g = [f"{statistics.mean(v):.3f}" if v else "—" for v in
+                 ([b["grad_norm"] for b in t["blocks"] if b["skip"] == k] for k in (True, False))]
+            low = min((b["spatial_min"] for b in t["blocks"] if "spatial_min" in b), default=None)
+            loss = "—" if t.get("loss") is None else f"{t['loss']:.3f}"
+            cells.append(f"{loss}, {g[0]} / {g[1]}, {'—' if low is None else f'{low:.2f}'}")
+        lines.append(f"| {a['arm']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -213,3 +213,40 @@ def kept_process_state() -> Iterator[None]:
         torch.set_float32_matmul_precision(torch_rest[2])
         torch.set_grad_enabled(torch_rest[3])
         Image.MAX_IMAGE_PIXELS = max_pixels
+
+
+# ---- the fast tier: `make test` runs what is not marked slow; `make test-all` (CI) runs everything -------------
+# Besides the tests marked in their files, these node ids (or prefixes) are slow: each took over 10 s in a full run
+# (`pytest --durations=0`, 2026-12-03). What stays fast still covers each area: the configs' smoke runs keep one
+# per family (the rest train a few steps of every other config), a package model trains in fp32 and bf16.
+SLOW = (
+    "tests/test_bench.py::test_a_killed_sweep_run_goes_on_from_its_checkpoint_or_starts_again",
+    "tests/test_bench.py::test_gpu_table_",
+    "tests/test_bench.py::test_a_sweep_",
+    "tests/test_bench_blocks.py::test_a_quick_run_writes_every_ratio_from_one_process",
+    "tests/test_bench_faithfulness.py::test_scores_every_kind_writes_rows_and_reports",
+    "tests/test_distributed.py::test_torchrun_two_ranks_agree_count_all_images_and_resume_exactly",
+    "tests/test_faults.py::test_kill_9_anywhere_loses_at_most_one_interval_and_resumes_exactly",
+    "tests/test_faults.py::test_sigterm_saves_the_current_step_and_exits_143",
+    "tests/test_foreign.py::test_placed_objects_on_a_package_model_are_scored_by_the_localization_bench",
+    "tests/test_foreign.py::test_each_precision_layout_ema_and_compile_trains_a_package_model[compile]",
+    "tests/test_foreign.py::test_each_precision_layout_ema_and_compile_trains_a_package_model[fp16-ema]",
+    "tests/test_foreign.py::test_torchrun_trains_a_package_model_on_two_ranks",
+    "tests/test_foreign.py::test_resume_continues_a_package_model_exactly",
+    "tests/test_foreign.py::test_the_cli_trains_logs_the_blocks_maps_and_evaluate_scores_it",
+    "tests/test_gpu_race.py::test_the_race_runs_end_to_end_on_the_cpu_and_writes_its_json",
+    "tests/test_reference_airbench.py::test_a_short_run_on_synthetic_images_runs_end_to_end",
+    "tests/test_tensorboard_server.py::",
+    "tests/test_train.py::test_ema_warms_up",
+    "tests/test_train.py::test_compile_on_cpu",
+)
+FAST_CONFIGS = {"smoke.yaml", "cifar10_cpu.yaml", "attention/resnet_fast_cbam.yaml", "timm/mobilenetv3_small.yaml",
+                "vit_tiny.yaml", "placed/resnet_fast_none.yaml"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        nid = item.nodeid
+        config_smoke = nid.startswith("tests/test_configs.py::test_config_trains_a_few_steps[")
+        if nid.startswith(SLOW) or (config_smoke and nid.split("[", 1)[1][:-1] not in FAST_CONFIGS):
+            item.add_marker(pytest.mark.slow)
