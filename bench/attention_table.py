@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import sys
@@ -115,7 +116,10 @@ def run_one(config: str, seed: int, epochs: Optional[int], run_root: Path, data_
     with LoadSampler() as load:
         summary, resumed = run_resuming(ROOT / config, overrides, run_dir, log=lambda *a: None)
     rows, info = complete_rows(run_dir / "metrics.jsonl"), read_json(run_dir / "run_info.json")
+    shown = [o for o in overrides if not o.startswith(("run_dir=", "log.progress=", "data.root="))]
+    command = shlex.join(["python", "train.py", "--config", config, *shown])  # what reproduces the run
     return {"config": config, "name": name, "seed": seed, "epochs": cfg.train.epochs, "val_acc": rows[-1]["val_acc"],
+            "command": command,
             "overrides": list(extra), "model": cfg.model.options(),
             "train_seconds": sum(r["epoch_seconds"] for r in rows),
             "images_per_s": statistics.mean(r["images_per_s"] for r in rows), "parameters": info["parameters"],
