@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -57,6 +56,7 @@ from attention_report import (  # noqa: E402
     tables,
 )
 
+from bench.common import cpu_name, kernels  # noqa: E402,F401  (kernels and cpu_name: the one copy, re-exported)
 from visattn.errors import CheckpointError, ConfigError, run_main  # noqa: E402
 from visattn.options import describe  # noqa: E402
 from visattn.rundir import Interrupted, complete_rows, read_json, write_atomic  # noqa: E402
@@ -178,16 +178,6 @@ def set_aside(run_dir: Path, why: str) -> Optional[Path]:
     return aside
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def default_epochs(config: str) -> Optional[int]:
     """The transformers train for the CPU recipe's epochs (the same budget in images as the ResNets)."""
     if config in TRANSFORMER_CONFIGS:
@@ -195,26 +185,6 @@ def default_epochs(config: str) -> Optional[int]:
 
         return load_config(ROOT / "configs" / "cifar10_cpu.yaml").train.epochs
     return None
-
-
-def kernels(device: str = "auto") -> str:
-    """The family of kernels a run on this machine computes with: the CUDA device's name, else the CPU's best
-    of ``amx`` (AMX tiles), ``avx512_bf16``, ``avx512``, ``avx2``, else ``cpu``, by the same ``torch.cpu``
-    probes with which ``precision: auto`` decides whether bf16 is native (``visattn.evaluate``).
-
-    The same seed gives a different result on another family (86.76% on AMX against 86.66% with AVX512-BF16
-    for ``resnet_fast_none`` seed 0 in bf16), so runs are paired only within one family."""
-    import torch
-
-    from visattn import options
-
-    dev = options.resolve_device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    for probe, name in (("amx_tile", "amx"), ("avx512_bf16", "avx512_bf16"), ("avx512", "avx512"), ("avx2", "avx2")):
-        if getattr(torch.cpu, f"_is_{probe}_supported", lambda: False)():
-            return name
-    return "cpu"
 
 
 def ran(results: List[dict], config: str, seed: int, epochs: Optional[int] = None, tag: str = "",

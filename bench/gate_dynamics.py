@@ -96,11 +96,11 @@ def probe(arm: str, steps: int, every: int, work: Path, data_root: Optional[str]
     seen = [0.0, 0.0]  # the epoch's loss sum and images at the last record: the loss since then is their difference
     with record_attention(model, max_passes=1) as rec:
         def on_step(r: Any, step: int) -> None:
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
             if step % every and step != 1:
                 rec.records.clear()
                 return
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
             loss_sum, images = float(r.live[Stat.loss_sum]), float(r.live[Stat.finite_images])
             if images < seen[1]:  # a new epoch: its totals started again from zero
                 seen[:] = [0.0, 0.0]
@@ -187,6 +187,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         data = read_json(Path(args.out), dict)
         if not isinstance(data.get("arms"), list):
             raise ConfigError(f"{args.out}: no 'arms' list (not a gate_dynamics.py results file)")
+        for i, arm in enumerate(data["arms"], 1):
+            if not (isinstance(arm, dict) and isinstance(arm.get("trace"), list) and isinstance(arm.get("blocks"), list)
+                    and all(isinstance(t, dict) and isinstance(t.get("blocks"), list) for t in arm["trace"])):
+                raise ConfigError(f"{args.out}: arm {i} has no trace and blocks lists (damaged, or not this script's file)")
         text = summarize(data["arms"]) + (f"\n\n{data.get('steps')} steps of `{data.get('recipe')}` (seed 0, "
                                           f"{data['arms'][0].get('precision')} on {data.get('kernels')}), at the last "
                                           f"recorded step; `{data.get('command')}` at {str(data.get('git'))[:7]}.")

@@ -421,7 +421,8 @@ def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_pr
     assert len(bench.reference_rows(ours, table_file)) == 1  # another config's rows are not the reference's to check
 
 
-@pytest.mark.parametrize("argv", [["--epochs", "0"], ["--seeds"], ["--threads", "0"], ["--recipes", "no.yaml"]])
+@pytest.mark.parametrize("argv", [["--epochs", "0"], ["--seeds"], ["--threads", "0"], ["--recipes", "no.yaml"],
+                                  ["--arms", "gc"], ["--precision", "fp8"], ["--seeds", "nan"]])
 def test_the_bench_refuses_bad_flags_in_one_line(argv):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "foreign_models.py"), *argv, "--report"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
@@ -438,3 +439,25 @@ def test_the_report_refuses_a_damaged_or_empty_results_file_in_one_line(tmp_path
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert says in proc.stderr and (ROOT / "docs" / "results.md").read_bytes() == doc and out.read_text() == content
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--every", "-1"], ["--arms", "cbam"], ["--threads", "0"],
+                                  ["--precision", "fp8"], ["--steps", "inf"]])
+def test_the_gate_probe_refuses_bad_flags_in_one_line(argv, tmp_path):
+    out = tmp_path / "g.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gate_dynamics.py"), *argv, "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content,says", [("{", "not a readable JSON file"), ("[]", "not a dict"), ('{"arms": 3}', "no 'arms' list"),
+                                          ('{"arms": [{}]}', "arm 1 has no trace")])
+def test_the_gate_summary_refuses_a_damaged_file_and_leaves_the_docs(tmp_path, content, says):
+    out = tmp_path / "g.json"
+    out.write_text(content)
+    doc = (ROOT / "docs" / "blocks.md").read_bytes()
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gate_dynamics.py"), "--summary", "--write", "--out",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert says in proc.stderr and (ROOT / "docs" / "blocks.md").read_bytes() == doc
