@@ -1,9 +1,9 @@
 """Data-parallel training under torchrun: two CPU ranks over gloo.
 
 Each rank runs ``train.py``'s own ``main`` inside a small probe (written to the test's temporary folder) that,
-without changing the package, records what the rank did: its final weights and EMA weights, the image counts
-the engine reported (already reduced over ranks), and every file-system write it made under the run folder
-(through a Python audit hook), so the test can check that ranks agree, metrics count all ranks' images, and
+through the loop's hooks (``trainer.register_hook``), records what the rank did: its final weights and EMA
+weights, the image counts the engine reported (already reduced over ranks), and every file-system write it
+made under the run folder (through a Python audit hook), so the test can check that ranks agree, metrics count all ranks' images, and
 only rank 0 writes run files. Resume is checked to be exact under torchrun too.
 """
 from __future__ import annotations
@@ -35,7 +35,6 @@ import json, os, sys
 from pathlib import Path
 
 import torch
-import timm.utils
 
 import visattn.trainer as trainer
 from visattn.cli import main
@@ -43,7 +42,7 @@ from visattn.cli import main
 rank = int(os.environ.get("RANK", "0"))
 out = Path(os.environ["PROBE_OUT"])
 run_dir = os.path.realpath(os.environ["PROBE_RUN_DIR"])
-seen = {"models": [], "emas": [], "train_images": [], "eval_images": [], "writes": []}
+seen = {"train_images": [], "eval_images": [], "writes": []}
 
 def inside(path):
     try:
@@ -65,40 +64,28 @@ def audit(event, args):
 
 sys.addaudithook(audit)
 
-create_model = trainer.create_model
-def recording_create_model(*a, **k):
-    m = create_model(*a, **k)
-    seen["models"].append(m)
-    return m
-trainer.create_model = recording_create_model
-
-class RecordingEma(timm.utils.ModelEmaV3):
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        seen["emas"].append(self)
-timm.utils.ModelEmaV3 = RecordingEma
-
 step_log = os.environ.get("PROBE_STEP_LOG") if rank == 0 else None
-train_one_epoch, periodic_check, evaluate = trainer.train_one_epoch, trainer.periodic_check, trainer.evaluate
-def recording_periodic_check(run, step):
+
+def started(run):  # the loop's hooks, every rank's: the run itself, each step, each epoch's reduced counts
+    seen["run"] = run
+
+def stepped(run, step):
     if step_log:
         with open(step_log, "a") as f:
             f.write(f"{step}\n")
-    return periodic_check(run, step)
-def recording_train_one_epoch(*a, **k):
-    res = train_one_epoch(*a, **k)
-    seen["train_images"].append(res[0].images)
-    return res
-def recording_evaluate(*a, **k):
-    res = evaluate(*a, **k)
-    seen["eval_images"].append(res["images"])
-    return res
-trainer.train_one_epoch, trainer.periodic_check, trainer.evaluate = \
-    recording_train_one_epoch, recording_periodic_check, recording_evaluate
+
+def epoch_done(run, epoch, row):
+    seen["train_images"].append(round(row["images_per_s"] * row["epoch_seconds"]))
+    if "val_acc" in row:
+        seen["eval_images"].append(run.last_eval["images"])
+
+for event, hook in (("fit_start", started), ("step_end", stepped), ("epoch_end", epoch_done)):
+    trainer.register_hook(event, hook)
 
 rc = main(sys.argv[1:])
-torch.save({"model": seen["models"][-1].state_dict(),
-            "ema": seen["emas"][-1].state_dict() if seen["emas"] else None}, out / f"rank{rank}.pt")
+ema = seen["run"].opt.ema
+torch.save({"model": seen["run"].model.state_dict(), "ema": ema.state_dict() if ema is not None else None},
+           out / f"rank{rank}.pt")
 (out / f"rank{rank}.json").write_text(json.dumps({k: seen[k] for k in ("train_images", "eval_images", "writes")}))
 sys.exit(rc)
 '''
@@ -209,3 +196,20 @@ def test_torchrun_two_ranks_agree_count_all_images_and_resume_exactly(tmp_path):
     assert metrics_rows(part) == rows
     assert _differing(res2["weights"][1]["ema"], w1["ema"]) == []
 
+
+
+@pytest.mark.parametrize("env, data_parallel", [
+    ({}, False),
+    ({"WORLD_SIZE": "1"}, False),  # torchrun with one rank trains as one process ...
+    ({"WORLD_SIZE": "1", "VISATTN_DATA_PARALLEL": "1"}, True),  # ... unless asked to take the data-parallel path
+    ({"VISATTN_DATA_PARALLEL": "1"}, False),  # not under torchrun: nothing to be parallel with
+    ({"WORLD_SIZE": "2"}, True),
+])
+def test_the_data_parallel_path_is_taken_from_two_ranks_or_when_asked(monkeypatch, env, data_parallel):
+    from visattn.trainer import DistInfo
+
+    for name in ("WORLD_SIZE", "VISATTN_DATA_PARALLEL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert DistInfo().enabled is data_parallel

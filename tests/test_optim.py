@@ -89,10 +89,9 @@ def test_muon_runs_newton_schulz_in_fp32_where_bf16_is_emulated_and_the_swap_is_
         return original(G, *args, dtype=dtype, **kw)
 
     monkeypatch.setattr(muon, "zeropower_via_newtonschulz", spy)
-    monkeypatch.setattr(trainer, "cpu_has_native_bf16", lambda: native)
     torch.manual_seed(0)
     model = create_model("cct_2", depth=1, dim=32, num_heads=2, num_classes=3)
-    opt = trainer.build_optimizer(model, "muon", 1e-2, 0.0, momentum=0.95)
+    opt = trainer.build_optimizer(model, "muon", 1e-2, 0.0, momentum=0.95, native_bf16=native)
     sched = trainer.StepScheduler(opt, "onecycle", 1e-2, 10, 2)  # torch's schedulers wrap the optimizer's step
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
     before = model.blocks[0].attn.qkv.weight.detach().clone()

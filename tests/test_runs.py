@@ -578,10 +578,15 @@ def test_nonfinite_eval_loss_is_written_as_null_and_fails_the_run_at_its_end(tmp
     run goes on; the last one is the run's result: one error line, exit 3, and that epoch is not committed."""
     import visattn.trainer as trainer
 
-    real = trainer.evaluate
-    monkeypatch.setattr(trainer, "evaluate", lambda *a, **k: {**real(*a, **k), "loss": float("nan")})
+    def nan_in_eval(run) -> None:  # the model's logits are NaN in evaluation, finite in training
+        run.model.register_forward_hook(lambda m, args, out: None if m.training else out * float("nan"))
+
     rd = tmp_path / "run"
-    rc, out, err = _cli(_train(rd, "train.epochs=2", "log.tensorboard=false"))
+    remove = trainer.register_hook("fit_start", nan_in_eval)
+    try:
+        rc, out, err = _cli(_train(rd, "train.epochs=2", "log.tensorboard=false"))
+    finally:
+        remove()
     assert rc == 3
     line = _one_error_line(err)
     assert "the validation loss after the last epoch (2) is nan, not a finite number" in line
@@ -667,27 +672,22 @@ def test_a_mid_epoch_checkpoint_of_five_statistics_still_resumes(tmp_path):
 def test_a_few_nonfinite_losses_are_skipped_counted_and_the_run_goes_on(tmp_path, monkeypatch):
     """NaN losses injected at the 2nd, 3rd and 8th training steps: those steps are skipped and counted in the
     epoch line and the metrics row; the loss and accuracy are means over the finite steps; the run ends in 0."""
-    import torch.nn.functional as F
-
     import visattn.trainer as trainer
 
     calls = []
 
-    class Functional:  # torch.nn.functional as the trainer sees it, with the training loss poisoned at those steps
-        def __getattr__(self, name):
-            return getattr(F, name)
+    def poisoned(module, args, logits):  # the training forward passes' logits, NaN at those steps
+        if not module.training:
+            return None
+        calls.append(1)
+        return logits * float("nan") if len(calls) in (2, 3, 8) else None
 
-        def cross_entropy(self, *a, **k):
-            loss = F.cross_entropy(*a, **k)
-            if "label_smoothing" in k:  # the training loss (the evaluation's sums instead)
-                calls.append(1)
-                if len(calls) in (2, 3, 8):
-                    return loss * float("nan")
-            return loss
-
-    monkeypatch.setattr(trainer, "F", Functional())
     rd = tmp_path / "run"
-    rc, out, err = _cli(_train(rd, "train.epochs=2", "log.tensorboard=false"))
+    remove = trainer.register_hook("fit_start", lambda run: run.model.register_forward_hook(poisoned))
+    try:
+        rc, out, err = _cli(_train(rd, "train.epochs=2", "log.tensorboard=false"))
+    finally:
+        remove()
     assert rc == 0, err
     assert "Traceback" not in err and "warning" not in out + err
     rows = metrics_rows(rd)

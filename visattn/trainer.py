@@ -102,13 +102,16 @@ MUON_FALLBACK = ("head.*", "fc.*", "classifier.*")  # the classifier trains with
 
 
 class DistInfo:
-    """This process's place under ``torchrun`` (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``); one process without it."""
+    """This process's place under ``torchrun`` (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``); one process without it.
+    The data-parallel path (DDP, the process group's all-reduce) is taken from two ranks on, or under ``torchrun``
+    with one rank where ``VISATTN_DATA_PARALLEL=1`` (to check that path on a machine with one device)."""
 
     def __init__(self) -> None:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.enabled = self.world_size > 1
+        forced = "WORLD_SIZE" in os.environ and os.environ.get("VISATTN_DATA_PARALLEL") == "1"
+        self.enabled = self.world_size > 1 or forced
         self.is_main = self.rank == 0
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -150,6 +153,7 @@ class StepPolicy:
     check_every: int = 20  # steps between host reads of the statistics (GPUs; a CPU reads every step)
     reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # all-reduce under data parallelism
     distill: Optional[Distill] = None  # a teacher's logits in the loss
+    host_every: Optional[int] = None  # steps between host reads; None: every step on a CPU, check_every on a GPU
 
 
 class Stat(enum.IntEnum):
@@ -207,13 +211,21 @@ class EpochStats:
 
 
 # hooks every run built from now on calls (:func:`register_hook`), after its own; a run's own are in Run.hooks
-HOOKS: Dict[str, List[Callable[..., None]]] = {"step_end": [], "epoch_end": []}
+HOOKS: Dict[str, List[Callable[..., None]]] = {"fit_start": [], "step_end": [], "epoch_end": [], "fit_end": []}
 
 
 def register_hook(event: str, hook: Callable[..., None]) -> Callable[[], None]:
-    """Call ``hook`` in every run built after this (``"step_end"``: ``hook(run, step)`` after each optimizer step;
-    ``"epoch_end"``: ``hook(run, epoch, row)`` after each epoch's row and checkpoints), e.g. from a script that
-    then calls ``visattn.cli.main``; returns a function that removes it. A hook that raises stops the run."""
+    """Call ``hook`` in every run built after this, e.g. from a script that then calls ``visattn.cli.main``:
+
+    * ``"fit_start"``: ``hook(run)`` once, before the first step (the run folder's outputs open, the model
+      wrapped for training); a forward hook put on ``run.model`` here sees every training and evaluation batch;
+    * ``"step_end"``: ``hook(run, step)`` after each optimizer step (the gradients still on the parameters);
+    * ``"epoch_end"``: ``hook(run, epoch, row)`` after each epoch's metrics row, checkpoints and scalars, on
+      every rank (rank 0 alone writes; ``run.last_eval`` holds the epoch's evaluation where it had one);
+    * ``"fit_end"``: ``hook(run)`` once, after the last epoch of a run that trained to its end, before its
+      outputs close (the loaders, the EMA copy and the TensorBoard writer still there).
+
+    Returns a function that removes it. A hook that raises stops the run."""
     if event not in HOOKS:
         raise ValueError(f"unknown hook event {event!r}; valid: {', '.join(HOOKS)}")
     HOOKS[event].append(hook)
@@ -251,11 +263,11 @@ class Run:
     maps: Any = None  # the probe's MapLogger (it owns log.faithfulness=auto's cost budget)
     stop_saved: bool = True  # whether the last stop-time save was made (not with non-finite weights)
     teacher_digest: Optional[str] = None  # train.distill.teacher's file digest, kept in checkpoints
-    # the loop's hook points: "step_end" hooks are called as hook(run, step) after every optimizer step (the
-    # gradients still on the parameters), "epoch_end" hooks as hook(run, epoch, row) after the epoch's metrics
-    # row, checkpoints and TensorBoard scalars (rank 0); the progress bar is the first step_end hook
+    # the loop's hook points (:func:`register_hook` says when each is called, with what); a run's own hooks go
+    # first, then the registered ones; the progress bar is the first step_end hook
     hooks: Dict[str, List[Callable[..., None]]] = field(
-        default_factory=lambda: {"step_end": [_advance_bar, *HOOKS["step_end"]], "epoch_end": [*HOOKS["epoch_end"]]})
+        default_factory=lambda: {event: [*([_advance_bar] if event == "step_end" else []), *registered]
+                                 for event, registered in HOOKS.items()})
 
     @property
     def device(self) -> torch.device:
@@ -413,6 +425,8 @@ def fit(run: Run) -> Dict[str, Any]:
         if run.writer is not None and "val_acc" in (run.init_from or {}):
             run.writer.add_scalar("val/acc", run.init_from["val_acc"], 0)
             run.writer.add_scalar("val/loss", run.init_from["val_loss"], 0)
+    for hook in run.hooks["fit_start"]:
+        hook(run)
     run.t_start = time.perf_counter()
     with graceful_signals(run.stop):
         for epoch in range(run.epoch, cfg.train.epochs):
@@ -443,6 +457,8 @@ def fit(run: Run) -> Dict[str, Any]:
             _end_epoch(run, ep, epoch + 1)
             if run.stop:
                 raise _interrupted(run)
+    for hook in run.hooks["fit_end"]:
+        hook(run)
     if run.writer is not None:  # trained as asked: the HParams row's status is "success"
         finish_hparams(run.run_dir / "tb")
     _close(run)
@@ -579,10 +595,18 @@ def _end_epoch(run: Run, ep: EpochStats, done: int) -> None:
         run.best_acc = row["val_acc"]
     row["best_val_acc"] = run.best_acc
     run.history.append(row)
-    if not run.dist.is_main:
-        return
-    # last.pt goes last: it commits the epoch. A crash before it redoes the epoch on resume, which first drops
-    # the metrics rows past the checkpoint, so no row is lost or written twice.
+    if run.dist.is_main:
+        _commit_epoch(run, row, done, is_best)
+    for hook in run.hooks["epoch_end"]:  # every rank's (each holds the same, reduced row)
+        hook(run, done, row)
+    if run.dist.is_main:
+        run.say(_epoch_line(run, ep, row, done))
+
+
+def _commit_epoch(run: Run, row: Dict[str, Any], done: int, is_best: bool) -> None:
+    """Rank 0's writes at an epoch's end: the metrics row, the checkpoints, the TensorBoard scalars and maps.
+    last.pt goes last: it commits the epoch. A crash before it redoes the epoch on resume, which first drops the
+    metrics rows past the checkpoint, so no row is lost or written twice."""
     with open(run.run_dir / "metrics.jsonl", "a") as f:
         f.write(metrics_line(row, run.say) + "\n")
     run.train_loader.set_epoch(done)
@@ -592,9 +616,6 @@ def _end_epoch(run: Run, ep: EpochStats, done: int) -> None:
     save_checkpoint(state, run.run_dir / "last.pt")
     if run.writer is not None:
         _log_scalars(run, row, done)
-    for hook in run.hooks["epoch_end"]:
-        hook(run, done, row)
-    run.say(_epoch_line(run, ep, row, done))
 
 
 def _advance_bar(run: Run, step: int) -> None:
@@ -887,7 +908,8 @@ def make_scaler(device: torch.device, precision: str) -> Optional[torch.amp.Grad
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, momentum: float = 0.9,
                     nesterov: bool = True, betas: Sequence[float] = (0.9, 0.999),
-                    no_decay_norm_bias: bool = True, norm_bias_lr_scale: float = 1.0) -> torch.optim.Optimizer:
+                    no_decay_norm_bias: bool = True, norm_bias_lr_scale: float = 1.0,
+                    native_bf16: Optional[bool] = None) -> torch.optim.Optimizer:
     """SGD (Nesterov by default), AdamW or Muon through timm's ``create_optimizer_v2``.
 
     Muon (timm's ``Muon``, Jordan et al. 2024) orthogonalises the momentum of every weight matrix and
@@ -895,7 +917,8 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     size, so ``lr`` means what it means for AdamW. The classifier (``head``, ``fc``, ``classifier``), 1-d
     parameters and those in ``no_weight_decay()`` (positional embeddings, class token) go to its AdamW
     fallback with ``betas``. Where the CPU emulates bf16 (:func:`cpu_has_native_bf16`), its Newton-Schulz
-    iterations run in fp32 instead of timm's bf16 (about 30x faster there).
+    iterations run in fp32 instead of timm's bf16 (about 30x faster there); ``native_bf16`` says whether bf16 is
+    native where the model lies (``None``: asked of the model's device).
 
     With ``no_decay_norm_bias`` (the default) norm weights, biases (all 1-d tensors) and every parameter the
     model lists in ``no_weight_decay()`` (a ViT's ``pos_embed`` and ``cls_token``) get no weight decay.
@@ -924,7 +947,7 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
                                               MUON_FALLBACK if name == "muon" else ())
     optimizer = create_optimizer_v2(params, opt=opt, lr=lr, weight_decay=weight_decay,
                                     filter_bias_and_bn=no_decay_norm_bias, **kwargs)
-    if name == "muon" and not _native_bf16_for(model):
+    if name == "muon" and not (_native_bf16_for(model) if native_bf16 is None else native_bf16):
         _newton_schulz_in_fp32(optimizer)
     return optimizer
 
@@ -1144,8 +1167,10 @@ def _check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None
 
 
 def host_check_every(policy: StepPolicy) -> int:
-    """Steps between the loop's host reads: ``policy.check_every`` on a GPU (a read waits for the queued steps),
-    every step on a CPU (reading a finished scalar is free there)."""
+    """Steps between the loop's host reads: ``policy.host_every`` where set, else ``policy.check_every`` on a
+    GPU (a read waits for the queued steps) and every step on a CPU (reading a finished scalar is free there)."""
+    if policy.host_every is not None:
+        return policy.host_every
     return 1 if policy.device.type == "cpu" else policy.check_every
 
 
