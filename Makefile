@@ -41,8 +41,8 @@ lock: venv
 	$(PY) tools/lock.py
 
 bench: venv
-	$(PY) bench/train_overhead.py
-	$(PY) bench/blocks.py --vs-timm
+	$(PY) -m bench.speed overhead
+	$(PY) -m bench.blocks --vs-timm
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache site

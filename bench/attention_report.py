@@ -1,10 +1,10 @@
 """The attention table's report: merges results files, prints the tables and the plot, and writes the summary into docs/results.md, from the results file alone (no training).
 
-    python bench/attention_report.py                  # every run: one table per budget and kernel family
-    python bench/attention_report.py --plot assets/accuracy_vs_time.png     # and the accuracy-vs-time plot
-    python bench/attention_report.py --summary        # the README's summary: placement ablation and budgets
-    python bench/attention_report.py --summary --write    # the same, written into docs/results.md
-    python bench/attention_report.py --merge OUT/results.json    # add another machine's runs (bench/gpu_table.sh)
+    python -m bench.attention_report                  # every run: one table per budget and kernel family
+    python -m bench.attention_report --plot assets/accuracy_vs_time.png     # and the accuracy-vs-time plot
+    python -m bench.attention_report --summary        # the README's summary: placement ablation and budgets
+    python -m bench.attention_report --summary --write    # the same, written into docs/results.md
+    python -m bench.attention_report --merge OUT/results.json    # add another machine's runs (bench/gpu_table.sh)
 
 ``bench/attention_table.py`` trains the runs and appends them to the results file. Runs are paired by seed
 against ``resnet_fast_none`` within one budget (epochs) and one kernel family (:func:`numerics`: the same seed
@@ -16,16 +16,12 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from visattn.errors import ConfigError, DataError, VisattnError, run_main  # noqa: E402
-from visattn.options import ArgumentParser, describe  # noqa: E402
-from visattn.rundir import check_rows, read_json, write_atomic  # noqa: E402
+from bench.common import ROOT, parser, splice
+from visattn.errors import ConfigError, DataError, VisattnError, run_main
+from visattn.rundir import check_rows, read_json, write_atomic
 
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
 CNN_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ATTENTION]
@@ -46,7 +42,7 @@ CONTENDED = {("resnet_fast_se", 0, "53cd2e228a6a1089310ef9ac33078045ac623bbd"):
              ("resnet_fast_none", 3, "1bdac42065c4c9aac48181581a71c43b7599e497-dirty"):
              "tests beside it in epochs 1-2: 278-300 images/s there against 456-488 in epochs 3-4"}
 RESULTS = ROOT / "bench" / "results" / "attention_table.json"
-# the blocks' cost: one process's training steps of every config (python bench/blocks.py --out SPEED)
+# the blocks' cost: one process's training steps of every config (python -m bench.blocks --out SPEED)
 SPEED = ROOT / "bench" / "results" / "block_speed.json"
 # two-sided 95% quantiles of Student's t for 1..30 degrees of freedom
 T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -229,7 +225,7 @@ BUDGETS = (4, 16)  # the recipe's epochs and the longer budget (the recipe as sh
 # the table at 32 epochs, an H100 did (bench/gpu_table.sh); paired only within that family, like every column
 OTHER_BUDGETS = ((16, "bf16 on NVIDIA H100 80GB HBM3", "16 epochs, H100"),
                  (32, "bf16 on NVIDIA H100 80GB HBM3", "32 epochs, H100"))
-README_BEGIN = "<!-- attention summary: python bench/attention_report.py --summary --write -->"
+README_BEGIN = "<!-- attention summary: python -m bench.attention_report --summary --write -->"
 README_END = "<!-- end of attention summary -->"
 
 
@@ -428,17 +424,8 @@ SUMMARY_PAGES = (ROOT / "docs" / "results.md",)
 def write_summary(text: str, pages: Sequence[Path] = SUMMARY_PAGES) -> List[Path]:
     """Put ``text`` (the :func:`summary`) between the markers of each page that has them; returns the pages
     changed. A page whose block is already ``text`` is left as it is."""
-    changed = []
-    for page in pages:
-        doc = page.read_text()
-        if README_BEGIN not in doc:
-            continue
-        start = doc.index(README_BEGIN)
-        end = doc.index(README_END, start) + len(README_END)
-        if doc[start:end] != text:
-            write_atomic(page, doc[:start] + text + doc[end:])
-            changed.append(page)
-    return changed
+    inner = text.removeprefix(README_BEGIN + "\n").removesuffix("\n" + README_END)  # the markers are the page's
+    return [page for page in pages if README_BEGIN in page.read_text() and splice(page, README_BEGIN, README_END, inner)]
 
 
 # what the tables, the summary, the plot and the merge read of every run (rundir.check_rows)
@@ -460,7 +447,7 @@ def tables(results: List[dict]) -> str:
 
 
 def main() -> None:
-    ap = ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__)
     ap.add_argument("--results", default=str(RESULTS), help="the results file (--merge: read and appended to)")
     ap.add_argument("--merge", nargs="+", default=None, metavar="FILE",
                     help="add the runs of these results files (another machine's) that the results file lacks")

@@ -1,8 +1,8 @@
 """The attention table's runner: trains each config for a fixed number of epochs, paired by seed against no attention, and appends each run to the results file (resumable).
 
-    python bench/attention_table.py                          # every config below, seeds until the CIs are tight
-    python bench/attention_table.py --configs configs/attention/resnet_fast_se.yaml --seeds 0 1
-    python bench/attention_table.py --epochs 16 --tag wide --backbone --set 'model.widths=[128,384,384]'
+    python -m bench.attention_table                          # every config below, seeds until the CIs are tight
+    python -m bench.attention_table --configs configs/attention/resnet_fast_se.yaml --seeds 0 1
+    python -m bench.attention_table --epochs 16 --tag wide --backbone --set 'model.widths=[128,384,384]'
                                     # a backbone variant: every config, none included, as CONFIG/wide
 
 The tables, the README's summary, the plot and merging another machine's runs are
@@ -37,12 +37,7 @@ import threading
 from pathlib import Path
 from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-sys.path.insert(0, str(ROOT / "bench"))
-
-from attention_report import (  # noqa: E402
+from bench.attention_report import (
     BASELINE,
     CNN_CONFIGS,
     MIN_PAIRS,
@@ -55,11 +50,9 @@ from attention_report import (  # noqa: E402
     shipped,
     tables,
 )
-
-from bench.common import cpu_name, kernels  # noqa: E402,F401  (kernels and cpu_name: the one copy, re-exported)
-from visattn.errors import CheckpointError, ConfigError, run_main  # noqa: E402
-from visattn.options import describe  # noqa: E402
-from visattn.rundir import Interrupted, complete_rows, read_json, write_atomic  # noqa: E402
+from bench.common import ROOT, cpu_name, kernels, parser
+from visattn.errors import CheckpointError, ConfigError, run_main
+from visattn.rundir import Interrupted, complete_rows, read_json, write_atomic
 
 
 class LoadSampler:
@@ -243,8 +236,14 @@ def plan(results: List[dict], configs: List[str], seed: int, target: float,
     return [c for c in wanted if not ran(here, c, seed, budget(c), variant(c, tag, backbone))]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=describe(__doc__))
+def make_parser() -> argparse.ArgumentParser:
+    """The runner's flags (``bench/gpu_table.sh`` reads a job's ``--tag``, ``--set``, ``--backbone`` and
+    ``--precision`` with it)."""
+    ap = parser(__doc__, threads=True, precision=True, precisions=("auto", "bf16", "fp16", "fp32"), help={
+        "precision": "override every config's precision (the runs keep their names: the table keys them by precision "
+                     "and kernel family)",
+        "threads": "torch threads (default: torch's own); 1 lets a run share the 2 cores with other work without the "
+                   "2-thread slowdown; its time is then left out of the table's medians"})
     ap.add_argument("--configs", nargs="*", default=CNN_CONFIGS + TRANSFORMER_CONFIGS)
     ap.add_argument("--seeds", nargs="*", type=int, default=None, help="exactly these seeds (default: adaptive)")
     ap.add_argument("--max-seeds", type=int, default=10)
@@ -258,20 +257,15 @@ def main() -> None:
                     help="the --set overrides change the backbone (e.g. model.widths=[128,384,384]), not the "
                          "block: resnet_fast_none runs them too, as resnet_fast_none/TAG, and every CONFIG/TAG "
                          "pairs with it")
-    ap.add_argument("--precision", choices=["auto", "bf16", "fp16", "fp32"], default=None,
-                    help="override every config's precision (the runs keep their names: the table keys them by "
-                         "precision and kernel family)")
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--runs", default=str(ROOT / "runs" / "attention_table"))
     ap.add_argument("--results", default=str(RESULTS), help="the results file, read and appended to")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads (default: torch's own); 1 lets a run share the 2 cores with other work "
-                         "without the 2-thread slowdown; its time is then left out of the table's medians")
-    args = ap.parse_args()
-    if args.threads:
-        import torch
+    return ap
 
-        torch.set_num_threads(args.threads)
+
+def main() -> None:
+    ap = make_parser()
+    args = ap.parse_args()
     if args.set and not args.tag:
         ap.error("--set changes the runs: name the variant with --tag")
     if args.backbone and not args.set:
@@ -297,7 +291,7 @@ def main() -> None:
             live.append(r)
             write_atomic(out, json.dumps(results, indent=1))  # a kill mid-write keeps the old file
             print(f"{r['name']} seed {seed}: val {100 * r['val_acc']:.2f}% in {r['train_seconds']:.0f}s", flush=True)
-    print(tables(results))  # every run's table (bench/attention_report.py prints it without training)
+    print(tables(results))  # every run's table (python -m bench.attention_report prints it without training)
 
 
 def variant(config: str, tag: str, backbone: bool = False) -> str:

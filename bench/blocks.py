@@ -1,10 +1,10 @@
 """What the attention blocks cost: each feature-map block against ``none`` in the CPU recipe's whole training step,
 and against its own earlier implementation, in one process; or (``--vs-timm``) each block against timm's.
 
-    python bench/blocks.py --threads 2 --out bench/results/block_speed.json   # the recipe step + each block alone
-    python bench/blocks.py --device cuda --out DIR/block_speed.json          # the same on a GPU (bf16: the recipe's)
-    python bench/blocks.py --quick                        # a dry run: one repeat of one step, eager (batch 16 on a CPU)
-    python bench/blocks.py --vs-timm --repeats 7 --threads 2 [--dtype bf16] [--no-compile]   # against timm's blocks
+    python -m bench.blocks --threads 2 --out bench/results/block_speed.json   # the recipe step + each block alone
+    python -m bench.blocks --device cuda --out DIR/block_speed.json          # the same on a GPU (bf16: the recipe's)
+    python -m bench.blocks --quick                        # a dry run: one repeat of one step, eager (batch 16 on a CPU)
+    python -m bench.blocks --vs-timm --repeats 7 --threads 2 [--precision bf16] [--no-compile]   # against timm's
 
 **The recipe step** (the default). For ``none`` and every block, the network of
 ``configs/attention/resnet_fast_<block>.yaml`` (the CPU recipe's: ``resnet_fast`` 64-256-256, the block in each
@@ -25,12 +25,14 @@ after, on the three feature maps the recipe feeds it (recorded from ``none``'s n
 ``--precision auto`` is the recipe's own (bf16 where the device runs it natively, else fp32:
 ``visattn.evaluate.resolve_precision``). ``--out`` writes the rows, the ratios, the issue's targets and the
 machine (CPU or GPU name, kernel family, whether bf16 is native, threads, precision, date, the command) as JSON;
-``bench/results/block_speed.json`` is the attention summary's cost column (``bench/attention_report.py``).
+``bench/results/block_speed.json`` is the attention summary's cost column (``bench/attention_report.py``). The
+timing is :func:`bench.common.interleaved`'s, the flags :func:`bench.common.parser`'s.
 
 **Against timm** (``--vs-timm``): visattn's block and timm's equivalent with the same configuration (timm's
 options set to the paper defaults visattn uses where they differ), the same input and upstream gradient,
 forward + backward in train mode, four ways (each eager, each under ``torch.compile``); feature maps
-``--batch x 64 x 32 x 32``, tokens ``--batch x 65 x 192`` with 3 heads. ratio = visattn ms / timm ms.
+``--batch x 64 x 32 x 32``, tokens ``--batch x 65 x 192`` with 3 heads; ``--precision bf16`` (also spelled
+``--dtype``) runs them under CPU autocast. ratio = visattn ms / timm ms.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ import argparse
 import atexit
 import copy
 import importlib
+import importlib.util
 import json
 import platform
 import re
@@ -50,24 +53,20 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import timm
 import torch
+from timm.layers import Attention, EcaModule, GlobalContext, NonLocalAttn, SEModule
+from timm.layers.cbam import CbamModule, SpatialAttn
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import timm  # noqa: E402
-from timm.layers import Attention, EcaModule, GlobalContext, NonLocalAttn, SEModule  # noqa: E402
-from timm.layers.cbam import CbamModule, SpatialAttn  # noqa: E402
-
-import visattn  # noqa: E402
-from visattn import evaluate  # noqa: E402
-from visattn.attention.spatial import coord_mip  # noqa: E402
-from visattn.config import load_config  # noqa: E402
-from visattn.errors import DataError, run_main  # noqa: E402
-from visattn.options import ArgumentParser, check_at_least, describe  # noqa: E402
-from visattn.rundir import check_rows, read_json, write_atomic  # noqa: E402
+import visattn
+from bench.common import ROOT, command, cpu_name, interleaved, kernels, parser
+from visattn import evaluate
+from visattn.attention.spatial import coord_mip
+from visattn.config import load_config
+from visattn.errors import DataError, run_main
+from visattn.options import check_at_least
+from visattn.rundir import check_rows, read_json, write_atomic
 
 try:  # coordinate attention arrived in timm 1.0.16 (timm/layers/coord_attn.py)
     from timm.layers.coord_attn import CoordAttn
@@ -149,15 +148,15 @@ def load_before(rev: str) -> Dict[str, type]:
         for up in re.findall(r"^from \.\.(\w+) import", text, re.M):
             if up != "registry":
                 sys.modules.setdefault(f"{package}.{up}", importlib.import_module(f"visattn.{up}"))
-    sys.path.insert(0, str(tmp))
-    try:
-        for name in done:
-            try:
-                importlib.import_module(f"{package}.attention.{name}")
-            except Exception as e:  # a damaged or foreign file in a --before folder: one line, not its traceback
-                raise SystemExit(f"blocks.py: --before {rev}: {name}.py does not load ({type(e).__name__}: {e})") from None
-    finally:
-        sys.path.remove(str(tmp))
+    # the package from its folder (its modules found through its __path__, not sys.path)
+    spec = importlib.util.spec_from_file_location(package, pkg / "__init__.py", submodule_search_locations=[str(pkg)])
+    sys.modules[package] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[package])
+    for name in done:
+        try:
+            importlib.import_module(f"{package}.attention.{name}")
+        except Exception as e:  # a damaged or foreign file in a --before folder: one line, not its traceback
+            raise SystemExit(f"blocks.py: --before {rev}: {name}.py does not load ({type(e).__name__}: {e})") from None
     return importlib.import_module(f"{package}.registry").BLOCKS
 
 
@@ -209,7 +208,7 @@ Key = Tuple[str, ...]  # ("step", block, impl, "eager" | "compiled") or ("alone"
 def build_recipe(args: argparse.Namespace, before: Dict[str, type]):
     """The models of every config (``after``; ``before`` with the old blocks swapped in), the batches, the
     precision, the block options and the three feature-map shapes the blocks see."""
-    import throughput
+    from bench.speed import build
 
     device = torch.device(args.device)
     precision = evaluate.resolve_precision(args.precision, device)
@@ -217,7 +216,7 @@ def build_recipe(args: argparse.Namespace, before: Dict[str, type]):
     kwargs: dict = {}
     for block in (BASELINE, *args.only):
         config = ROOT / "configs" / "attention" / f"resnet_fast_{block}.yaml"
-        setup = throughput.build(str(config), args.batch, args.steps, precision)
+        setup = build(str(config), args.batch, args.steps, precision)
         model = setup.model.to(device)
         if block == BASELINE:
             batches = [(x.to(device), y.to(device)) for x, y in setup.batches]
@@ -232,16 +231,16 @@ def build_recipe(args: argparse.Namespace, before: Dict[str, type]):
 
 def step_flop(models, batch, precision: str) -> Dict[str, int]:
     """FLOP of one recipe step of each config's network (``none`` and every block as it is now) on ``batch``:
-    convolutions and matmuls, the CPU flash-attention kernel included (``throughput.step_flops``)."""
-    import throughput
+    convolutions and matmuls, the CPU flash-attention kernel included (``bench.speed.step_flops``)."""
+    from bench.speed import step_flops
 
-    return {block: throughput.step_flops(model, *batch, precision, cpu_attention=True)
+    return {block: step_flops(model, *batch, precision, cpu_attention=True)
             for (block, impl), model in models.items() if impl != "before"}
 
 
 def step_variants(models, batches, precision: str, compile_: bool) -> List[Tuple[Key, Callable[[], None]]]:
     """One callable per (block, implementation, eager or compiled): the recipe's training steps on ``batches``."""
-    import throughput
+    from bench.speed import make_step
 
     out = []
     if compile_:  # one network per variant, all through the same forward code: past dynamo's default of 8
@@ -251,7 +250,7 @@ def step_variants(models, batches, precision: str, compile_: bool) -> List[Tuple
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, nesterov=True)
         kinds = [("eager", model)] + ([("compiled", torch.compile(model, dynamic=False))] if compile_ else [])
         for kind, m in kinds:
-            step = throughput.make_step(m, opt, precision)
+            step = make_step(m, opt, precision)
             out.append((("step", block, impl, kind), lambda step=step: [step(x, y) for x, y in batches]))
     return out
 
@@ -284,29 +283,6 @@ def _fwd_bwd(block: nn.Module, x: torch.Tensor, g: torch.Tensor, precision: str)
     return run
 
 
-def interleave(variants: List[Tuple[Key, Callable[[], None]]], repeats: int, warmup: int,
-               device: str) -> Tuple[Dict[Key, List[float]], Dict[Key, float]]:
-    """Each variant's seconds per call in ``repeats`` interleaved repeats (the order reversed every other one),
-    after ``warmup`` untimed calls each (where the compiled variants compile), and those warm-ups' seconds."""
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    times: Dict[Key, List[float]] = {k: [] for k, _ in variants}
-    warm: Dict[Key, float] = {}
-    for key, fn in variants:
-        t = time.perf_counter()
-        for _ in range(warmup):
-            fn()
-        sync()
-        warm[key] = time.perf_counter() - t
-    for r in range(repeats):
-        for key, fn in variants if r % 2 == 0 else variants[::-1]:
-            sync()
-            t = time.perf_counter()
-            fn()
-            sync()
-            times[key].append(time.perf_counter() - t)
-    return times, warm
-
-
 def results(times: Dict[Key, List[float]], warm: Dict[Key, float], blocks: Sequence[str], images: int,
             meta: dict, flop: Optional[Dict[str, int]] = None) -> dict:
     """The measurement as the JSON holds it: ``rows`` (one per config, implementation ``path`` and step kind, the
@@ -336,8 +312,6 @@ def results(times: Dict[Key, List[float]], warm: Dict[Key, float], blocks: Seque
 
 def machine(args: argparse.Namespace, precision: str) -> dict:
     """Where and how the figures were measured."""
-    from attention_table import cpu_name, kernels
-
     cuda = args.device.startswith("cuda")
     native = torch.cuda.is_bf16_supported() if cuda else evaluate.cpu_has_native_bf16()
     def git(*argv: str) -> str:  # "" where the tree has no git history, or the machine no git
@@ -353,7 +327,7 @@ def machine(args: argparse.Namespace, precision: str) -> dict:
         head = PREPARED_REVISION.read_text().strip()
     rev = git("rev-parse", "HEAD")  # the whole tree's revision (every results file records one), -dirty with changes
     rev += "-dirty" if rev and git("status", "--porcelain", "--untracked-files=no") else ""
-    return {"command": " ".join(["python bench/blocks.py", *args.argv]), "git": rev or head or "unknown",
+    return {"command": command(args.argv, __file__), "git": rev or head or "unknown",
             "device": args.device,
             "cpu": cpu_name(), "kernels": kernels(args.device), "native_bf16": bool(native), "precision": precision,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -435,15 +409,12 @@ def read_table(path: Path) -> str:
 
 
 def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = ArgumentParser(description=describe(__doc__))
-    p.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="autocast precision (auto: the recipe's, bf16 where native, else fp32)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads on a CPU (default: PyTorch's)")
-    p.add_argument("--batch", type=int, default=0, help="images per step (default: the recipe's, 512)")
+    p = parser(__doc__, threads=True, precision="auto", precisions=("auto", "fp32", "bf16", "fp16"), batch=True,
+               repeats=5, warmup=1, device="cpu", out=True,
+               help={"precision": "autocast precision (auto: the recipe's, bf16 where native, else fp32)",
+                     "batch": "images per step (default: the recipe's, 512)",
+                     "out": "write the JSON here (bench/results/block_speed.json)"})
     p.add_argument("--steps", type=int, default=1, help="training steps per timed call")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats (medians)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls per variant first (compilation)")
     p.add_argument("--before", default=BEFORE, help="git revision whose blocks are 'before', or a folder of its "
                    "visattn/attention files (gpu_check.sh --prepare writes data/gpu_check/before; default: %(default)s)")
     p.add_argument("--only", nargs="+", choices=BLOCKS, default=list(BLOCKS), help="blocks to measure (none always)")
@@ -451,15 +422,13 @@ def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"a dry run: one repeat of one step, eager only, batch {QUICK_CPU_BATCH} on a CPU "
                         "(unless --batch); its times are no claim")
-    p.add_argument("--out", type=Path, default=None, help="write the JSON here (bench/results/block_speed.json)")
     p.add_argument("--table", type=Path, nargs="?", const=SPEED, default=None, metavar="JSON",
                    help="print the tables of a measurement's JSON (default: %(const)s) and stop: the docs' block")
     p.add_argument("--vs-timm", action="store_true",
-                   help="instead: each block against timm's (its own options: bench/blocks.py --vs-timm --help)")
+                   help="instead: each block against timm's (its own options: python -m bench.blocks --vs-timm --help)")
     args = p.parse_args(argv)
     args.argv = list(argv)
-    for flag, low in (("--repeats", 1), ("--steps", 1), ("--warmup", 0), ("--batch", 0), ("--threads", 0)):
-        check_at_least(flag, getattr(args, flag[2:]), low)
+    check_at_least("--steps", args.steps, 1)
     if args.quick:
         args.repeats, args.steps, args.compile = 1, 1, False
         if not args.batch and not args.device.startswith("cuda"):
@@ -472,18 +441,17 @@ def recipe_main(argv: Sequence[str]) -> None:
     if args.table:
         print(read_table(args.table))
         return
-    if args.threads:
-        torch.set_num_threads(args.threads)
     before = load_before(args.before)
     models, batches, precision, kwargs, shapes = build_recipe(args, before)
     args.batch_or_recipe = batches[0][0].shape[0]
     flop = step_flop(models, batches[0], precision)
     variants = step_variants(models, batches, precision, args.compile)
     variants += alone_variants(args.only, before, kwargs, shapes, args.device, precision)
-    t0 = time.perf_counter()
-    times, warm = interleave(variants, args.repeats, args.warmup, args.device)
-    meta = dict(machine(args, precision), total_seconds=round(time.perf_counter() - t0))
-    data = results(times, warm, args.only, args.batch_or_recipe * args.steps, meta, flop)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    timed = interleaved(dict(variants), args.repeats, args.warmup, sync)  # the order reversed every other repeat
+    total = sum(timed.warmup.values()) + sum(t for ts in timed.seconds.values() for t in ts)
+    meta = dict(machine(args, precision), total_seconds=round(total))
+    data = results(timed.seconds, timed.warmup, args.only, args.batch_or_recipe * args.steps, meta, flop)
     print(tables(data))
     if args.out:
         write_atomic(args.out, json.dumps(data, indent=1) + "\n")
@@ -557,48 +525,32 @@ def rows(channels: int, dim: int, heads: int) -> List[Row]:
     ]
 
 
-def step(module: nn.Module, x: torch.Tensor, grad: torch.Tensor, autocast_dtype) -> float:
-    """One forward + backward; returns seconds."""
-    t0 = time.perf_counter()
-    with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        out = module(x)
-    out.backward(grad.to(out.dtype))
-    dt = time.perf_counter() - t0
-    x.grad = None
-    module.zero_grad(set_to_none=True)
-    return dt
-
-
 VARIANTS = ("visattn eager", "timm eager", "visattn compiled", "timm compiled")
-
+TIMM_DOC = """Each block against timm's equivalent: forward + backward in train mode, eager and compiled."""
 
 
 def timm_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = ArgumentParser(prog="blocks.py --vs-timm", description="each block against timm's equivalent")
-    p.add_argument("--repeats", type=int, default=7, help="timed forward+backward calls per block and side")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--batch", type=int, default=128)
+    p = parser(TIMM_DOC, prog="blocks.py --vs-timm", threads=True, precision="fp32", precisions=("fp32", "bf16"),
+               batch=128, repeats=7, warmup=2, aliases={"precision": ("--dtype",)},
+               help={"precision": "bf16: run under CPU autocast (also spelled --dtype; default: %(default)s)",
+                     "batch": "the inputs' batch (default: %(default)s)",
+                     "repeats": "timed forward+backward calls per block and side (default: %(default)s)"})
     p.add_argument("--channels", type=int, default=64)
     p.add_argument("--size", type=int, default=32, help="feature-map height and width")
     p.add_argument("--dim", type=int, default=192)
     p.add_argument("--heads", type=int, default=3)
     p.add_argument("--tokens", type=int, default=65)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16: run under CPU autocast")
     p.add_argument("--only", nargs="*", default=None, help="row names to run (default: all)")
     p.add_argument("--no-compile", dest="compile", action="store_false", help="eager only (no torch.compile)")
     args = p.parse_args(list(argv))
-    for flag in ("repeats", "threads", "batch", "channels", "size", "dim", "heads", "tokens"):
+    for flag in ("channels", "size", "dim", "heads", "tokens"):
         check_at_least(f"--{flag}", getattr(args, flag), 1)
-    check_at_least("--warmup", args.warmup, 0)
     return args
 
 
 def vs_timm_main(argv: Sequence[str]) -> None:
     args = timm_args(argv)
-    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    autocast_dtype = torch.bfloat16 if args.dtype == "bf16" else None
     table = rows(args.channels, args.dim, args.heads)
     if args.only:
         table = [r for r in table if r[0] in args.only]
@@ -607,36 +559,27 @@ def vs_timm_main(argv: Sequence[str]) -> None:
         "tokens": torch.randn(args.batch, args.tokens, args.dim),
     }
     grads = {k: torch.randn_like(v) for k, v in inputs.items()}
-    variants = VARIANTS if args.compile else VARIANTS[:2]
-    built: Dict[str, Dict[str, nn.Module]] = {}
-    for name, _, ours, ref, _ in table:
+    names = VARIANTS if args.compile else VARIANTS[:2]
+    variants: Dict[Tuple[str, str], Callable[[], None]] = {}
+    for name, _, ours, ref, kind in table:
         o, r = ours().train(), ref().train()
-        built[name] = {"visattn eager": o, "timm eager": r}
+        built = {"visattn eager": o, "timm eager": r}
         if args.compile:  # the compiled modules share the eager ones' parameters
-            built[name]["visattn compiled"] = torch.compile(o, fullgraph=True, dynamic=False)
-            built[name]["timm compiled"] = torch.compile(r, dynamic=False)
-    t_start = time.perf_counter()
-    times: Dict[Tuple[str, str], List[float]] = {}
-    for name, _, _, _, kind in table:  # warm-up; compiles the compiled variants
-        x = inputs[kind].clone().requires_grad_()
-        for v in variants:
-            for _ in range(args.warmup):
-                step(built[name][v], x, grads[kind], autocast_dtype)
-    t_warm = time.perf_counter() - t_start
-    for r in range(args.repeats):
-        for name, _, _, _, kind in table:
-            x = inputs[kind].clone().requires_grad_()
-            order = variants if r % 2 == 0 else variants[::-1]  # alternate who goes first
-            for v in order:
-                times.setdefault((name, v), []).append(step(built[name][v], x, grads[kind], autocast_dtype))
-    timm_table({k: statistics.median(v) * 1e3 for k, v in times.items()}, table, args, t_warm)
+            built["visattn compiled"] = torch.compile(o, fullgraph=True, dynamic=False)
+            built["timm compiled"] = torch.compile(r, dynamic=False)
+        x = inputs[kind].clone().requires_grad_()  # one input per block, both sides
+        for v in names:
+            variants[name, v] = _fwd_bwd(built[v], x, grads[kind], args.precision)
+    timed = interleaved(variants, args.repeats, args.warmup)  # the warm-up compiles the compiled variants
+    med = {k: statistics.median(v) * 1e3 for k, v in timed.seconds.items()}
+    timm_table(med, table, args, sum(timed.warmup.values()))
 
 
 def timm_table(med: Dict[Tuple[str, str], float], table: List[Row], args: argparse.Namespace, t_warm: float) -> None:
     print(
-        f"visattn blocks vs timm, forward+backward, train mode, {args.dtype}"
-        f"{' (CPU autocast)' if args.dtype == 'bf16' else ''}; torch {torch.__version__}, timm {timm.__version__}, "
-        f"{args.threads} thread(s), {platform.processor() or platform.machine()}"
+        f"visattn blocks vs timm, forward+backward, train mode, {args.precision}"
+        f"{' (CPU autocast)' if args.precision == 'bf16' else ''}; torch {torch.__version__}, timm {timm.__version__}, "
+        f"{torch.get_num_threads()} thread(s), {platform.processor() or platform.machine()}"
     )
     print(
         f"feature maps {args.batch}x{args.channels}x{args.size}x{args.size}; "

@@ -1,13 +1,20 @@
 """What every bench script shares: the parser with the common flags, the provenance stamp of a results file, the
 interleaved timing harness and the splice that writes a table into a docs page.
 
+Every script runs from the repository root as a module, ``python -m bench.NAME ARGS``, and imports what it shares
+as ``from bench.common import ...`` (no script edits ``sys.path``).
+
 * :func:`parser`: the project's one-line-error parser (:class:`visattn.options.ArgumentParser`) with the flags a
-  script asks for (``--threads``, ``--precision``, ``--batch``, ``--repeats``, ``--out``), each checked after
-  parsing (a count below 1 is one line, exit 2) and ``--threads`` applied.
+  script asks for (``--threads``, ``--precision``, ``--batch``/``--batch-size``, ``--repeats``, ``--warmup``,
+  ``--device``, ``--out``), each count checked after parsing (a count below 1, a ``--warmup`` below 0: one line,
+  exit 2) and ``--threads`` applied; :func:`mode` adds a mode (``python -m bench.speed flops``) with its own
+  common flags. The script adds its own flags to the parser returned.
 * :func:`provenance`: ``{"command", "git", "date", "torch", "cpu", "kernels", "precision"}``, the keys every
-  ``bench/results`` file records beside its rows, so each file says what made it and on what.
-* :func:`interleaved`: time callables in turn, ``repeats`` rounds of each (CUDA synchronised), so a load that
-  comes and goes falls on every variant alike; the ratio of two medians is the figure to quote.
+  ``bench/results`` file records beside its rows, so each file says what made it and on what; :func:`command` is
+  the command alone (``python -m bench.NAME ARGS``).
+* :func:`interleaved`: time callables in turn, ``repeats`` rounds of each (CUDA synchronised; the order reversed
+  every other round), after timed warm-up calls, so a load that comes and goes falls on every variant alike; the
+  ratio of two medians (:func:`ratio`) is the figure to quote.
 * :func:`splice`: replace the text between a docs page's two marker comments, atomically, or one line naming the
   page if a marker is missing.
 """
@@ -22,29 +29,28 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Hashable, List, Mapping, NamedTuple, Optional, Sequence, Union
+
+from visattn.errors import ConfigError
+from visattn.options import ArgumentParser, check_at_least, describe
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+BENCH = ROOT / "bench"
+PRECISIONS = ("bf16", "fp16", "fp32")
 
-from visattn.errors import ConfigError  # noqa: E402
-from visattn.options import ArgumentParser, describe  # noqa: E402
-
-__all__ = ["ROOT", "cpu_name", "interleaved", "kernels", "parser", "provenance", "splice"]
+__all__ = ["ROOT", "Timed", "command", "cpu_name", "interleaved", "kernels", "mode", "parser", "provenance", "ratio",
+           "splice"]
 
 
 class BenchParser(ArgumentParser):
     """:class:`ArgumentParser` that checks the common count flags and applies ``--threads`` after parsing."""
 
-    counts = ("threads", "batch", "repeats")
+    counts = {"threads": 1, "batch": 1, "repeats": 1, "warmup": 0}  # flag -> its least value
 
     def parse_args(self, args: Optional[Sequence[str]] = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
         ns = super().parse_args(args, namespace)
-        for name in self.counts:
-            value = getattr(ns, name, None)
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name} must be at least 1, got {value}")
+        for name, low in self.counts.items():
+            check_at_least(f"--{name}", getattr(ns, name, None), low)
         if getattr(ns, "threads", None):
             import torch
 
@@ -52,23 +58,62 @@ class BenchParser(ArgumentParser):
         return ns
 
 
-def parser(doc: str, *, threads: bool = False, precision: bool = False, batch: Optional[int] = None,
-           repeats: Optional[int] = None, out: Optional[str] = None) -> BenchParser:
-    """The parser of a bench script whose module docstring is ``doc``, with the common flags asked for (their
-    defaults given here; ``threads``: torch's own unless set; ``precision``: the config's unless set)."""
-    ap = BenchParser(description=describe(doc), formatter_class=argparse.RawDescriptionHelpFormatter)
-    if threads:
-        ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    if precision:
-        ap.add_argument("--precision", default=None, choices=["bf16", "fp16", "fp32"],
-                        help="instead of the config's precision")
-    if batch is not None:
-        ap.add_argument("--batch", type=int, default=batch, help=f"images a step (default {batch})")
-    if repeats is not None:
-        ap.add_argument("--repeats", type=int, default=repeats, help=f"timed rounds of each variant (default {repeats})")
-    if out is not None:
-        ap.add_argument("--out", default=out, help="the results file written")
+Flag = Union[None, bool, int, str, Path]  # None / False: no such flag; True: the flag, its default None; else its default
+
+
+def parser(doc: str, *, prog: Optional[str] = None, **flags: Any) -> BenchParser:
+    """The parser of a bench script whose module docstring is ``doc``, with the common flags asked for
+    (:func:`add_flags`); the script adds its own to it."""
+    ap = BenchParser(prog=prog, description=describe(doc), formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(ap, **flags)
     return ap
+
+
+def mode(modes: Any, name: str, doc: str, **flags: Any) -> argparse.ArgumentParser:
+    """A mode of a script with modes (``modes``: the script parser's ``add_subparsers()``), described by ``doc``
+    (its first paragraph), with the common flags asked for (:func:`add_flags`)."""
+    sub = modes.add_parser(name, help=describe(doc), description=describe(doc),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(sub, **flags)
+    return sub
+
+
+def add_flags(ap: argparse.ArgumentParser, *, threads: bool = False, precision: Flag = None,
+              precisions: Sequence[str] = PRECISIONS, batch: Flag = None, repeats: Optional[int] = None,
+              warmup: Optional[int] = None, device: Optional[str] = None, out: Flag = None,
+              help: Optional[Mapping[str, str]] = None, aliases: Optional[Mapping[str, Sequence[str]]] = None) -> None:
+    """Add the common flags asked for, each spelled and checked the same in every script:
+
+    ``--threads`` (torch's own unless set); ``--precision`` (``True``: the config's unless set, else the default
+    named, one of ``precisions``); ``--batch``, also spelled ``--batch-size`` (``True``: the config's unless set,
+    else the default); ``--repeats`` and ``--warmup`` (the timing harness's rounds and untimed calls, defaults
+    given); ``--device`` (default given); ``--out`` (the results file written; ``True``: none unless set).
+    ``help`` replaces a flag's help text (by name), ``aliases`` adds other spellings of a flag (by name)."""
+    def given(value: Flag) -> Any:
+        return None if value is True else value
+
+    specs: List[tuple] = []
+    if threads:
+        specs.append(("threads", ["--threads"], dict(type=int, default=None), "torch threads (default: torch's own)"))
+    if precision not in (None, False):
+        specs.append(("precision", ["--precision"], dict(default=given(precision), choices=list(precisions)),
+                      "instead of the config's precision" if precision is True else "autocast precision (default: %(default)s)"))
+    if batch not in (None, False):
+        specs.append(("batch", ["--batch", "--batch-size"], dict(type=int, default=given(batch)),
+                      "images a step (default: the config's)" if batch is True else "images a step (default: %(default)s)"))
+    if repeats is not None:
+        specs.append(("repeats", ["--repeats"], dict(type=int, default=repeats),
+                      "timed rounds of each variant, interleaved (medians; default: %(default)s)"))
+    if warmup is not None:
+        specs.append(("warmup", ["--warmup"], dict(type=int, default=warmup),
+                      "untimed calls of each variant first (compilation, caches; default: %(default)s)"))
+    if device is not None:
+        specs.append(("device", ["--device"], dict(default=device), "cpu, cuda (cuda:N) or auto (default: %(default)s)"))
+    if out not in (None, False):
+        specs.append(("out", ["--out"], dict(type=Path, default=given(out)),
+                      "also write the results here" if out is True else "the results file written (default: %(default)s)"))
+    for name, spellings, kwargs, text in specs:
+        ap.add_argument(*spellings, *(aliases or {}).get(name, ()), dest=name, help=(help or {}).get(name, text), **kwargs)
 
 
 def cpu_name() -> str:
@@ -98,57 +143,91 @@ def kernels(device: str = "auto") -> str:
     return "cpu"
 
 
+def command(argv: Optional[Sequence[str]] = None, script: Optional[str] = None) -> str:
+    """The command that runs this process again from the repository root: ``python -m bench.NAME ARGS`` for a bench
+    script (run as a module, its ``sys.argv[0]`` is its file's path), ``python PATH ARGS`` for another ``.py`` file,
+    else the command line as it was (a test runner's). ``argv``: the arguments (default ``sys.argv[1:]``);
+    ``script``: the script's file (default ``sys.argv[0]``), for a ``main(argv)`` called in-process."""
+    script = (sys.argv[0] if sys.argv else "python") if script is None else str(script)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not script.endswith(".py"):
+        return shlex.join([script, *args])
+    path = Path(script).resolve()
+    if path.parent == BENCH:
+        return shlex.join(["python", "-m", f"bench.{path.stem}", *args])
+    return shlex.join(["python", os.path.relpath(path, ROOT), *args])
+
+
 def provenance(precision: Optional[str] = None, device: str = "auto") -> Dict[str, Any]:
-    """The stamp a results file carries: the command that made it (from the repository root), the git revision
+    """The stamp a results file carries: the command that made it (:func:`command`), the git revision
     (``-dirty`` with uncommitted changes), the UTC date, torch's version, the CPU, the kernel family and the
     precision (``None``: each row says its own)."""
     import torch
 
     from visattn.rundir import git_revision
 
-    argv = [os.path.relpath(sys.argv[0], ROOT) if sys.argv and sys.argv[0].endswith(".py") else "python"] + sys.argv[1:]
-    command = "python " + shlex.join(argv) if argv[0].endswith(".py") else shlex.join(sys.argv)
-    return {"command": command, "git": git_revision(), "date": datetime.datetime.now(datetime.timezone.utc)
+    return {"command": command(), "git": git_revision(), "date": datetime.datetime.now(datetime.timezone.utc)
             .strftime("%Y-%m-%dT%H:%M:%SZ"), "torch": torch.__version__, "cpu": cpu_name(), "kernels": kernels(device),
             "precision": precision}
 
 
-def interleaved(variants: Mapping[str, Callable[[], Any]], repeats: int, warmup: int = 1,
-                sync: Optional[Callable[[], None]] = None) -> Dict[str, List[float]]:
-    """Seconds of each call of each variant: ``warmup`` untimed calls each, then ``repeats`` rounds that call
-    every variant once in turn. ``sync`` (default: CUDA's synchronize where CUDA is up) runs before each clock
+class Timed(NamedTuple):
+    """What :func:`interleaved` measured: each timed call's seconds, and each variant's warm-up seconds."""
+
+    seconds: Dict[Hashable, List[float]]
+    warmup: Dict[Hashable, float]
+
+
+def interleaved(variants: Mapping[Hashable, Callable[[], Any]], repeats: int, warmup: int = 1,
+                sync: Optional[Callable[[], None]] = None, *, alternate: bool = True,
+                warm: Optional[Mapping[Hashable, Callable[[], Any]]] = None) -> Timed:
+    """Seconds of each call of each variant: ``warmup`` untimed calls each (their seconds, compilation included,
+    kept apart), then ``repeats`` rounds that call every variant once in turn, the order reversed every other
+    round unless not ``alternate``. ``warm``: what a variant's warm-up calls instead of the variant itself (a
+    variant it lacks has none). ``sync`` (default: CUDA's synchronize where CUDA is up) runs before each clock
     read, so queued GPU work is counted."""
     import torch
 
     if sync is None and torch.cuda.is_available() and torch.cuda.is_initialized():
         sync = torch.cuda.synchronize
     sync = sync or (lambda: None)
-    for fn in variants.values():
-        for _ in range(warmup):
-            fn()
-    times: Dict[str, List[float]] = {k: [] for k in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
+    warmed: Dict[Hashable, float] = {}
+    for key, fn in variants.items():
+        first = fn if warm is None else warm.get(key)
+        t0 = time.perf_counter()
+        for _ in range(warmup if first is not None else 0):
+            first()
+        sync()
+        warmed[key] = time.perf_counter() - t0
+    order = list(variants.items())
+    times: Dict[Hashable, List[float]] = {k: [] for k in variants}
+    for r in range(repeats):
+        for key, fn in order if r % 2 == 0 or not alternate else order[::-1]:
             sync()
             t0 = time.perf_counter()
             fn()
             sync()
-            times[name].append(time.perf_counter() - t0)
-    return times
+            times[key].append(time.perf_counter() - t0)
+    return Timed(times, warmed)
 
 
-def ratio(times: Mapping[str, List[float]], name: str, baseline: str) -> float:
+def ratio(times: Mapping[Hashable, List[float]], name: Hashable, baseline: Hashable) -> float:
     """Speed of ``name`` against ``baseline`` (above 1: faster), from the medians of their calls."""
     return statistics.median(times[baseline]) / statistics.median(times[name])
 
 
-def splice(doc: Path, begin: str, end: str, text: str) -> None:
-    """Write ``text`` between the markers ``begin`` and ``end`` of ``doc`` (atomically); a page without both is
-    one ConfigError line naming it, the page untouched."""
+def splice(doc: Path, begin: str, end: str, text: str) -> bool:
+    """Write ``text`` between the markers ``begin`` and ``end`` of ``doc`` (atomically; a page whose block is
+    already ``text`` is left as it is); returns whether the page changed. A page without both markers (or no
+    page) is one ConfigError line naming it, the page untouched."""
     from visattn.rundir import write_atomic
 
-    page = doc.read_text()
-    if begin not in page or end not in page:
-        raise ConfigError(f"{doc}: the table's markers are missing ({begin})")
+    page = Path(doc).read_text() if Path(doc).is_file() else ""
+    if begin not in page or end not in page.split(begin, 1)[1]:
+        raise ConfigError(f"{doc}: the table's markers are missing ({begin} ... {end})")
     head, rest = page.split(begin, 1)
-    write_atomic(doc, f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
+    new = f"{head}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}"
+    if new == page:
+        return False
+    write_atomic(Path(doc), new)
+    return True

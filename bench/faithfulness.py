@@ -2,10 +2,10 @@
 random orders, into ``bench/results/faithfulness.json``; ``--report`` prints it as a markdown table that says,
 per model, which map is the most faithful.
 
-    python bench/faithfulness.py runs/cbam runs/gc runs/coord runs/cct_2 runs/vit_tiny      # 500 images each
-    python bench/faithfulness.py runs/attention_table --images 500 --vit-images 200        # every run found below
-    python bench/faithfulness.py --report                                                  # the table, no scoring
-    python bench/faithfulness.py --summary                                                 # the README's table
+    python -m bench.faithfulness runs/cbam runs/gc runs/coord runs/cct_2 runs/vit_tiny      # 500 images each
+    python -m bench.faithfulness runs/attention_table --images 500 --vit-images 200        # every run found below
+    python -m bench.faithfulness --report                                                  # the table, no scoring
+    python -m bench.faithfulness --summary                                                 # the README's table
 
 Checkpoints: each path is a run directory (``last.pt`` beside the run's ``config.yaml``), or a folder searched
 for run directories (any depth). The model, its config name and seed come from the checkpoint; ``val_acc`` is
@@ -36,13 +36,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.common import parser, provenance  # noqa: E402
-from visattn.errors import DataError, run_main  # noqa: E402
-from visattn.options import check_at_least  # noqa: E402
-from visattn.rundir import check_rows, complete_rows, read_json, write_atomic  # noqa: E402
+from bench.common import ROOT, parser, provenance
+from visattn.errors import DataError, run_main
+from visattn.options import check_at_least
+from visattn.rundir import check_rows, complete_rows, read_json, write_atomic
 
 RESULTS = ROOT / "bench" / "results" / "faithfulness.json"
 KINDS = ("attention", "attention_gradient", "layers_gradient", "rollout", "gradient_rollout", "input_x_gradient",
@@ -193,7 +190,7 @@ def report(rows: List[Dict[str, Any]]) -> str:
 
 
 ATTENTION_KINDS = ("attention", "attention_gradient", "layers_gradient", "rollout", "gradient_rollout")
-README_BEGIN = "<!-- faithfulness table: python bench/faithfulness.py --summary -->"
+README_BEGIN = "<!-- faithfulness table: python -m bench.faithfulness --summary -->"
 README_END = "<!-- end of faithfulness table -->"
 
 
@@ -263,11 +260,10 @@ def _against_gradient(group: List[Dict[str, Any]], reference: str = "input_x_gra
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = parser(__doc__)
+    ap = parser(__doc__, device="auto", out=RESULTS)
     ap.add_argument("runs", nargs="*", help="run directories (with last.pt), or folders holding them")
     ap.add_argument("--report", action="store_true", help="print the markdown table of --out and stop")
     ap.add_argument("--summary", action="store_true", help="print the README's table of --out and stop")
-    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--images", type=int, default=500, help="held-out images per checkpoint")
     ap.add_argument("--vit-images", type=int, default=None, help="held-out images for vit_* models (default: --images)")
     ap.add_argument("--steps", type=int, default=16)
@@ -277,7 +273,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--no-sanity", dest="sanity", action="store_false", help="skip the model-randomisation check")
     ap.add_argument("--data", default=None, help="dataset path or 'synthetic' (default: each run's data.root)")
-    ap.add_argument("--device", default="auto")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.report or args.summary:

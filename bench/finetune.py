@@ -1,8 +1,8 @@
 """Fine-tuning a block into a trained network: what adding attention to a network that has already trained pays.
 
-    python bench/finetune.py --lr 0.25                  # every block x seed; runs already in the results are skipped
-    python bench/finetune.py --report                   # the table, and docs/results.md's section rewritten from it
-    python bench/finetune.py --blocks none cbam --seeds 0 --base 'runs/ft/base_none_s{seed}/best.pt'
+    python -m bench.finetune --lr 0.25                  # every block x seed; runs already in the results are skipped
+    python -m bench.finetune --report                   # the table, and docs/results.md's section rewritten from it
+    python -m bench.finetune --blocks none cbam --seeds 0 --base 'runs/ft/base_none_s{seed}/best.pt'
 
 Base: the CPU recipe's ``none`` checkpoints, ``runs/ft/base_none_s{seed}/best.pt`` (``--base``): trained with
 ``configs/attention/resnet_fast_none.yaml`` (the recipe, 4 epochs) and that seed. Fine-tune: for each block,
@@ -22,23 +22,17 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import statistics
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from attention_report import mean_ci  # noqa: E402
-from attention_table import cpu_name, run_resuming  # noqa: E402
-
-from bench.common import parser  # noqa: E402
-from visattn.errors import ConfigError, run_main  # noqa: E402
-from visattn.options import check_at_least  # noqa: E402
-from visattn.rundir import Interrupted, check_rows, complete_rows, read_json, write_atomic  # noqa: E402
+from bench.attention_report import mean_ci
+from bench.attention_table import run_resuming
+from bench.common import ROOT, command, cpu_name, parser, splice
+from visattn.errors import ConfigError, run_main
+from visattn.options import check_at_least
+from visattn.rundir import Interrupted, check_rows, complete_rows, read_json, write_atomic
 
 RESULTS = ROOT / "bench" / "results" / "finetune.json"
 DOC = ROOT / "docs" / "results.md"
@@ -46,7 +40,7 @@ BLOCKS = ("none", "se", "eca", "cbam", "coord")
 EPOCHS = 2
 WARMUP = 0.4  # epochs: 20% of the fine-tune, as the recipe's 0.8 of 4
 BASE = "runs/ft/base_none_s{seed}/best.pt"
-BEGIN = "<!-- finetune table: python bench/finetune.py --report -->"
+BEGIN = "<!-- finetune table: python -m bench.finetune --report -->"
 END = "<!-- end of finetune table -->"
 
 
@@ -117,7 +111,7 @@ def read(path: Path = RESULTS) -> Dict[str, list]:
 def table(data: Dict[str, list]) -> str:
     runs = data["runs"]
     if not runs:
-        return "(no fine-tune runs yet: python bench/finetune.py --lr LR)"
+        return "(no fine-tune runs yet: python -m bench.finetune --lr LR)"
     base_epochs = "/".join(sorted({str(r["base_epoch"]) for r in runs}))
     lines = [f"| block | peak lr | seeds | base ({base_epochs} epochs) | step 0 | after {EPOCHS} more epochs | "
              "vs none, points (95% CI) |",
@@ -146,11 +140,7 @@ def table(data: Dict[str, list]) -> str:
 
 
 def write_doc(text: str, doc: Path = DOC) -> None:
-    page = doc.read_text() if doc.is_file() else ""
-    if BEGIN not in page or END not in page:
-        raise ConfigError(f"{doc}: no {BEGIN} ... {END} block to fill")
-    head, rest = page.split(BEGIN, 1)
-    write_atomic(doc, head + BEGIN + "\n" + text + "\n" + END + rest.split(END, 1)[1])
+    splice(doc, BEGIN, END, text)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -171,7 +161,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         ap.error("--lr: give the fine-tune's peak learning rate (0 < lr <= 10)")
     path = Path(args.results)
     data = read(path)
-    command = shlex.join(["python", "bench/finetune.py", *(sys.argv[1:] if argv is None else argv)])
+    made = command(argv, __file__)  # python -m bench.finetune ARGS
     if args.report:
         if not data["runs"]:  # a missing or empty file would replace the page's table with "no runs yet"
             raise ConfigError(f"--report: {path} holds no fine-tune runs")
@@ -184,7 +174,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             if any(r["block"] == block and r["seed"] == seed and r["lr"] == args.lr for r in data["runs"]):
                 continue
             print(f"== {block} seed {seed} lr {args.lr:g}", flush=True)
-            row = {**run_one(block, seed, args.lr, args.base, Path(args.runs), args.set), "command": command}
+            row = {**run_one(block, seed, args.lr, args.base, Path(args.runs), args.set), "command": made}
             print(f"   step 0 {row['step0_val_acc']:.4f} (base {row['base_val_acc']:.4f}) -> {row['val_acc']:.4f}",
                   flush=True)
             data["runs"].append(row)

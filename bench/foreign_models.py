@@ -1,10 +1,10 @@
 """timm and torchvision models through ``train.py`` at the CPU recipe's budget, with each block inserted by the
 default rule (``insert_attention``) and without, beside visattn's ``resnet_fast``.
 
-    python bench/foreign_models.py                      # every recipe x {none, se, cbam, coord} x seeds 0 1 (resumable)
-    python bench/foreign_models.py --recipes configs/timm/regnetx_002.yaml --seeds 0 --arms none eca
-    python bench/foreign_models.py --report             # the table (no training)
-    python bench/foreign_models.py --report --write     # ... written into docs/results.md
+    python -m bench.foreign_models                      # every recipe x {none, se, cbam, coord} x seeds 0 1 (resumable)
+    python -m bench.foreign_models --recipes configs/timm/regnetx_002.yaml --seeds 0 --arms none eca
+    python -m bench.foreign_models --report             # the table (no training)
+    python -m bench.foreign_models --report --write     # ... written into docs/results.md
 
 Each recipe (``configs/timm/*.yaml``: the CPU recipe's data, augmentation and 4 epochs, SGD for a BatchNorm
 network) trains on the 45,000 training images left after holding out the stratified 5,000-image validation
@@ -31,15 +31,10 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from attention_table import run_one  # noqa: E402
-
-from visattn.errors import ConfigError, run_main  # noqa: E402
-from visattn.options import ArgumentParser, describe  # noqa: E402
-from visattn.rundir import Interrupted, check_rows, read_json, write_atomic  # noqa: E402
+from bench.attention_table import planned_numerics, run_one
+from bench.common import ROOT, parser, splice
+from visattn.errors import ConfigError, run_main
+from visattn.rundir import Interrupted, check_rows, read_json, write_atomic
 
 RESULTS = ROOT / "bench" / "results" / "foreign_models.json"
 DOC = ROOT / "docs" / "results.md"
@@ -64,7 +59,7 @@ TABLE_RESULTS = ROOT / "bench" / "results" / "attention_table.json"
 TABLE_REFERENCE = {arm: f"configs/attention/resnet_fast_{arm}.yaml" for arm in ARMS}
 TABLE_FIELDS = {"config": "str", "seed": "int", "epochs": "int", "val_acc": "number", "images_per_s": "number",
                 "parameters": "int", "precision": "str?", "kernels": "str?", "overrides": "list?"}
-BEGIN = "<!-- foreign models table: python bench/foreign_models.py --report --write -->"
+BEGIN = "<!-- foreign models table: python -m bench.foreign_models --report --write -->"
 END = "<!-- end of foreign models table -->"
 ROW_FIELDS = {"model": "str", "recipe": "str", "attention": "str", "seed": "int", "epochs": "int", "val_acc": "number",
               "images_per_s": "number", "precision": "str", "cpu": "str", "kernels": "str", "threads": "int",
@@ -78,11 +73,9 @@ def blocks_of(recipe: str, attention: str) -> int:
         return 0
     import visattn
     from visattn.config import load_config
-    from visattn.models.foreign import without_weights
+    from visattn.models import from_config
 
-    cfg = load_config(ROOT / recipe)
-    model = visattn.create_model(cfg.model.name, num_classes=10, **without_weights(cfg.model.options()))
-    return visattn.insert_attention(model, attention)
+    return visattn.insert_attention(from_config(load_config(ROOT / recipe), weights=False), attention)
 
 
 def row(recipe: str, attention: str, seed: int, run: dict) -> dict:
@@ -143,8 +136,6 @@ def cpu_lock(path: Optional[str]) -> Iterator[None]:
 
 
 def train(args: argparse.Namespace) -> None:
-    from attention_table import planned_numerics
-
     results = read_json(Path(args.results), list, missing=[])
     for recipe, attention, seed in plan(args.recipes, args.seeds, not args.no_reference, args.arms):
         if done(results, recipe, attention, seed, args.epochs, planned_numerics(recipe, args.precision)):
@@ -221,7 +212,7 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
     arm's paired difference to it (mean, then each seed), the blocks the rule puts in, images/s of ``none``;
     the papers' published differences under it."""
     if not results:
-        raise ConfigError(f"{RESULTS.name}: no runs to report (train some first: python bench/foreign_models.py)")
+        raise ConfigError(f"{RESULTS.name}: no runs to report (train some first: python -m bench.foreign_models)")
     rows = [r for r in results if r["recipe"] != REFERENCE and current(r)]
     history = [r for r in results if not current(r)]
     rows += reference_rows(results) if reference is None else reference
@@ -261,26 +252,23 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
 
 
 def write_doc(text: str, doc: Path = DOC) -> None:
-    from bench.common import splice
-
     splice(doc, BEGIN, END, text)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    ap = ArgumentParser(description=describe(__doc__))
+    ap = parser(__doc__, threads=True, precision=True, precisions=("bf16", "fp32"), help={
+        "precision": "instead of the recipe's auto (fp32 ran these depthwise-conv models 1.25x faster than bf16 on an "
+                     "AMX CPU); the rows record it, and pair only within it",
+        "threads": "torch threads (default: torch's own); 1 keeps a run's speed steady beside other work on 2 cores (no "
+                   "thread waits on a preempted one)"})
     ap.add_argument("--recipes", nargs="*", default=RECIPES)
     ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1])
     ap.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=ARMS, help="none and the blocks to insert")
     ap.add_argument("--epochs", type=int, default=4, help="the budget of every run (the CPU recipe's 4)")
     ap.add_argument("--no-reference", action="store_true", help=f"leave out {REFERENCE} (resnet_fast)")
-    ap.add_argument("--precision", default=None, choices=["bf16", "fp32"],
-                    help="instead of the recipe's auto (fp32 ran these depthwise-conv models 1.25x faster than bf16 on "
-                         "an AMX CPU); the rows record it, and pair only within it")
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--runs", default=str(ROOT / "runs" / "foreign_models"))
     ap.add_argument("--results", default=str(RESULTS))
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own); 1 keeps a run's "
-                    "speed steady beside other work on 2 cores (no thread waits on a preempted one)")
     ap.add_argument("--lock", default=None, help="a lock file held for each run (other jobs wait: flock FILE CMD)")
     ap.add_argument("--report", action="store_true", help="print the table from the results file; no training")
     ap.add_argument("--write", action="store_true", help="with --report: write the table into docs/results.md")
@@ -290,12 +278,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for recipe in args.recipes:
         if not (ROOT / recipe).is_file():
             raise ConfigError(f"--recipes: {recipe} not found")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be at least 1, got {args.threads}")
-        import torch
-
-        torch.set_num_threads(args.threads)
     if args.report:
         path = Path(args.results)
         text = table(check_rows(path, read_json(path, list), ROW_FIELDS))  # a damaged row: one line naming it

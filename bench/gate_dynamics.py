@@ -1,7 +1,7 @@
 """What drives a gate's collapse: each inserted block's gates and gradients over the first training steps.
 
-    python bench/gate_dynamics.py                       # MobileNetV3-Small + CBAM, three placements and none, 100 steps
-    python bench/gate_dynamics.py --steps 40 --arms se-slot none --out /tmp/g.json
+    python -m bench.gate_dynamics                       # MobileNetV3-Small + CBAM, three placements and none, 100 steps
+    python -m bench.gate_dynamics --steps 40 --arms se-slot none --out /tmp/g.json
 
 Trains ``configs/timm/mobilenetv3_small.yaml`` (the real images, the recipe's data, SGD and schedule, seed 0) for
 ``--steps`` optimizer steps per arm, through the trainer (its ``step_end`` hook), with CBAM at identity:
@@ -20,23 +20,18 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.common import parser, provenance  # noqa: E402
-from visattn.errors import ConfigError, run_main  # noqa: E402
-from visattn.rundir import write_atomic  # noqa: E402
+from bench.common import ROOT, parser, provenance, splice
+from visattn.errors import ConfigError, run_main
+from visattn.rundir import write_atomic
 
 RECIPE = "configs/timm/mobilenetv3_small.yaml"
 RESULTS = ROOT / "bench" / "results" / "gate_dynamics.json"
 DOC = ROOT / "docs" / "blocks.md"
-BEGIN = "<!-- gate dynamics: python bench/gate_dynamics.py --summary --write -->"
+BEGIN = "<!-- gate dynamics: python -m bench.gate_dynamics --summary --write -->"
 END = "<!-- end of gate dynamics -->"
 ARMS = ("earlier", "earlier-skip", "se-slot", "none")
 
@@ -181,7 +176,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--write", action="store_true", help="with --summary: write it into docs/blocks.md")
     args = ap.parse_args(argv)
     if args.summary:
-        from bench.common import splice
         from visattn.rundir import read_json
 
         data = read_json(Path(args.out), dict)

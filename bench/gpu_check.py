@@ -1,10 +1,10 @@
 """The GPU check: every GPU path of visattn in one device call, each result written as JSON, a summary at the end.
 
     bash bench/gpu_check.sh                         # on one CUDA GPU: the set-up, then this file (docs/development.md)
-    python bench/gpu_check.py --out DIR --data ARCHIVE      # the same without the shell script's set-up
-    python bench/gpu_check.py --dry --out DIR       # on the CPU: synthetic images, a few steps, no timing claims (CI)
-    python bench/gpu_check.py --table DIR/gpu_check.json    # the docs' GPU table from a check's JSON
-    python bench/gpu_check.py --merge first.json rerun.json  # one JSON of a call and a rerun of some rows
+    python -m bench.gpu_check --out DIR --data ARCHIVE      # the same without the shell script's set-up
+    python -m bench.gpu_check --dry --out DIR       # on the CPU: synthetic images, a few steps, no timing claims (CI)
+    python -m bench.gpu_check --table DIR/gpu_check.json    # the docs' GPU table from a check's JSON
+    python -m bench.gpu_check --merge first.json rerun.json  # one JSON of a call and a rerun of some rows
 
 The rows, most important first; each runs in a child process under a time guard (what is left of ``--budget``,
 and at most the row's own cap), and ``DIR/gpu_check.json`` is rewritten after every row, so a row that overruns
@@ -45,12 +45,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
-HERE = Path(__file__).resolve()
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import ROOT, command, parser
 
-from bench.common import parser  # noqa: E402
+HERE = "bench.gpu_check"  # its children run it as a module too: python -m bench.gpu_check --child ...
 
 CONFIG = ROOT / "configs" / "cifar10_gpu.yaml"
 RESULTS = "gpu_check.json"
@@ -101,7 +98,7 @@ class Check:
         runs. Its output goes to the check's log too. Returns rc (None when stopped at the limit), out, err."""
         t0 = time.monotonic()
         with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
-            if self.fork and len(cmd) > 1 and cmd[0] == self.py and cmd[1].endswith(".py"):
+            if self.fork and len(cmd) > 2 and cmd[0] == self.py and cmd[1] == "-m" and cmd[2].startswith("bench."):
                 proc: Any = Forked(cmd[1:], env or {}, fo, fe)
             else:
                 proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
@@ -136,15 +133,15 @@ class Check:
         over = self.overrides(name, resnet_fast=config == CONFIG)
         if self.dry and "compile=true" in extra:
             extra = [*extra, "compile=false"]  # Inductor's CPU build would take minutes
-        cmd = [self.py, *launcher, str(HERE), "--child", "-c", str(config), *over, *extra]
+        cmd = [self.py, *launcher, "-m", HERE, "--child", "-c", str(config), *over, *extra]
         r = self.spawn(name, cmd, limit, env, **kw)
         return r, _metrics(self.work / name)
 
 
 class Forked:
-    """``python ARGV`` as a forked child of this process (``runpy`` runs the script as ``__main__``), with its own
-    session, environment, stdout and stderr; as much of ``Popen`` as the check uses (``pid``, ``poll``, ``wait``,
-    ``send_signal``, ``returncode``)."""
+    """``python -m bench.NAME ARGS`` as a forked child of this process (``runpy`` runs the module's file as
+    ``__main__``, as ``-m`` does), with its own session, environment, stdout and stderr; as much of ``Popen`` as the
+    check uses (``pid``, ``poll``, ``wait``, ``send_signal``, ``returncode``)."""
 
     def __init__(self, argv: List[str], env: Dict[str, str], out: Any, err: Any):
         sys.stdout.flush(), sys.stderr.flush()
@@ -160,9 +157,9 @@ class Forked:
                 sys.stderr = open(2, "w", buffering=1, closefd=False)
                 os.environ.update(env)
                 os.chdir(ROOT)
-                sys.argv = list(argv)  # as `python SCRIPT ARGS` sets them
-                sys.path.insert(0, str(Path(argv[0]).parent))
-                runpy.run_path(argv[0], run_name="__main__")
+                script = str(ROOT / (argv[1].replace(".", "/") + ".py"))  # argv: -m bench.NAME ARGS
+                sys.argv = [script, *argv[2:]]  # as `python -m bench.NAME ARGS` sets them
+                runpy.run_path(script, run_name="__main__")
                 code = 0
             except SystemExit as e:  # sys.exit(None | int | message), as the interpreter reports it
                 code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
@@ -267,7 +264,7 @@ def trained(c: Check, r: Dict[str, Any], rows: List[dict], epochs: int = 1, chec
 def row_data(c: Check, limit: float) -> Dict[str, Any]:
     if c.dry:
         return {"status": "skipped on the CPU", "detail": "dry run: synthetic images, nothing to decode"}
-    r = c.spawn("data", [c.py, str(HERE), "--decode", c.data], limit)
+    r = c.spawn("data", [c.py, "-m", HERE, "--decode", c.data], limit)
     if r["rc"] != 0:
         return failed(r)
     return {"status": "pass", "detail": f"{r['out'].strip().splitlines()[-1]} in {r['seconds']:.0f} s"}
@@ -278,7 +275,7 @@ def row_race(c: Check, limit: float) -> Dict[str, Any]:
 
     out = c.out / "gpu_race.json"
     args = DRY_RACE if c.dry else ["--runs", str(c.runs), "--data-root", c.data, "--device", "cuda"]
-    r = c.spawn("race", [c.py, str(ROOT / "bench" / "gpu_race.py"), "--out", str(out), *args], limit)
+    r = c.spawn("race", [c.py, "-m", "bench.gpu_race", "--out", str(out), *args], limit)
     if not out.is_file():
         return failed(r)
     return race_row(read_json(out), r["rc"] is None, c.dry)
@@ -431,8 +428,7 @@ def row_blocks(c: Check, limit: float) -> Dict[str, Any]:
     else:
         args = ["--device", "cuda", "--no-compile", "--repeats", "5", "--steps", "5",
                 *(["--before", str(before)] if before.is_dir() else [])]
-    r = c.spawn("blocks", [c.py, str(ROOT / "bench" / "blocks.py"), *args, "--out", str(c.out / "block_speed.json")],
-                limit)
+    r = c.spawn("blocks", [c.py, "-m", "bench.blocks", *args, "--out", str(c.out / "block_speed.json")], limit)
     if r["rc"] != 0:
         return failed(r)
     table = "\n".join(ln for ln in r["out"].splitlines() if ln.startswith("|"))
@@ -718,7 +714,7 @@ def main() -> None:
         sys.exit("error: --budget must be positive and --runs at least 1")
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "gpu_check.log").write_text("")
-    result = {**environment(a.dry), "command": " ".join(["python", "bench/gpu_check.py", *sys.argv[1:]]),
+    result = {**environment(a.dry), "command": command(),
               "budget_seconds": a.budget, "rows": []}
     print(f"GPU check on {result['device']}, torch {result['torch']}, CUDA {result['cuda']}; budget {a.budget:.0f} s",
           flush=True)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, one entry point for one call of at most 8 minutes on one H100/H200-class GPU (docs/development.md).
-# It sets up the device's Python, then runs bench/gpu_check.py: the race against airbench94 first, then the
+# It sets up the device's Python, then runs python -m bench.gpu_check: the race against airbench94 first, then the
 # trainer's CUDA paths (pass/fail rows), the blocks' speed and a timm model; every result as JSON under $OUT
 # (gpu_check.json after every row, gpu_race.json after every race run, gpu_check.log), a summary at the end.
 #
@@ -22,7 +22,7 @@ WHEELS="pydantic pydantic_core annotated-types typing-inspection typing_extensio
 if [ -z "${PY:-}" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1  # (every Python here runs from the repository root: python -m bench.NAME)
 
 prepare() {  # here (with a network to the package registry): what the call carries, about 19 MB
   mkdir -p "$PREP/wheels" || exit 2
@@ -42,7 +42,7 @@ prepare() {  # here (with a network to the package registry): what the call carr
     -d "$PREP/wheels" "${pins[@]}" || { echo "error: pip download failed"; exit 2; }
   { git rev-parse --short=12 HEAD; git status --porcelain --untracked-files=no | grep -q . && echo "+changes"; } \
     | paste -sd '' > "$PREP/REVISION"
-  # the blocks as they were before their speed work, for bench/blocks.py's "before" (the tree travels without git)
+  # the blocks as they were before their speed work, for bench.blocks' "before" (the tree travels without git)
   local before
   before=$(sed -n 's/^BEFORE = "\([0-9a-f]*\)".*/\1/p' bench/blocks.py)
   rm -rf "$PREP/before" && mkdir -p "$PREP/before" || exit 2
@@ -55,7 +55,7 @@ prepare() {  # here (with a network to the package registry): what the call carr
 
 case "${1:-}" in
   --prepare) prepare; exit 0 ;;
-  --table) shift; exec "$PY" bench/gpu_check.py --table "${@:?--table needs a gpu_check.json}" ;;
+  --table) shift; exec "$PY" -m bench.gpu_check --table "${@:?--table needs a gpu_check.json}" ;;
   "") ;;
   *) echo "usage: bash bench/gpu_check.sh [--prepare | --table JSON]"; exit 2 ;;
 esac
@@ -73,7 +73,7 @@ else
       "(run 'bash bench/gpu_check.sh --prepare' before the call, and carry $PREP)"; exit 2; }
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site \
       "$PREP"/wheels/*.whl || exit 2
-    export PYTHONPATH=/tmp/gpu_check_site:$PYTHONPATH
+    export PYTHONPATH=/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}
   fi
   DATA=${DATA:-$PREP/cifar10-train-jpeg.tar.gz}
   [ -f "$DATA" ] || DATA=$SHARED
@@ -82,4 +82,4 @@ else
   args+=(--data "$DATA" --budget "$((BUDGET - SECONDS - 15))")  # 15 s for the summary and the files' return
 fi
 # shellcheck disable=SC2086
-exec "$PY" bench/gpu_check.py "${args[@]}" ${ONLY:+--only $ONLY}
+exec "$PY" -m bench.gpu_check "${args[@]}" ${ONLY:+--only $ONLY}

@@ -1,7 +1,7 @@
 """visattn's GPU recipe against airbench94 on one device, in one process: the training time to 90% validation.
 
-    python bench/gpu_race.py                                   # 3 runs each, alternating; bench/results/gpu_race.json
-    python bench/gpu_race.py --runs 1 --subset 512 --batch-size 128 --epochs 1 --airbench-epochs 1 --out r.json
+    python -m bench.gpu_race                                   # 3 runs each, alternating; bench/results/gpu_race.json
+    python -m bench.gpu_race --runs 1 --subset 512 --batch-size 128 --epochs 1 --airbench-epochs 1 --out r.json
                                                                # a dry run (on a CPU: add --set compile=false)
 
 The reference is ``bench/reference_airbench.py`` (airbench94 written out independently, eager, 9.9 epochs), the
@@ -23,7 +23,6 @@ import argparse
 import datetime
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,17 +30,12 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import reference_airbench as ref  # noqa: E402
-from time_to_accuracy import time_to  # noqa: E402
-
-from bench.common import parser  # noqa: E402
-from visattn import evaluate, options, trainer  # noqa: E402
-from visattn.errors import ConfigError  # noqa: E402
-from visattn.options import check_at_least  # noqa: E402
+import bench.reference_airbench as ref
+from bench.common import ROOT, command, kernels, parser
+from bench.time_to_accuracy import time_to
+from visattn import evaluate, options, trainer
+from visattn.errors import ConfigError
+from visattn.options import check_at_least
 
 CONFIG = ROOT / "configs" / "cifar10_gpu.yaml"
 RESULTS = ROOT / "bench" / "results" / "gpu_race.json"
@@ -141,8 +135,6 @@ def _median(times: List[Optional[float]]) -> Optional[float]:
 def race(args: argparse.Namespace, save: Callable[[Dict[str, Any]], None] = lambda result: None) -> Dict[str, Any]:
     """The race; ``save(result)`` is called after every run with the result so far (``complete`` false until the
     last), so a race stopped at a time limit leaves the runs it finished."""
-    from attention_table import kernels
-
     from visattn.config import load_config
 
     device = options.resolve_device(args.device)
@@ -210,26 +202,24 @@ def result(head: Dict[str, Any], runs: List[Dict[str, Any]], complete: bool) -> 
     ratio = med["visattn"] / med["airbench94"] if med["visattn"] is not None and med["airbench94"] else None
     return {**head, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git": git_revision(), "config": str(CONFIG.relative_to(ROOT)),
-            "command": " ".join(["python", "bench/gpu_race.py", *sys.argv[1:]]), "complete": complete,
+            "command": command(), "complete": complete,
             "median_seconds_to_target": med, "ratio_visattn_over_airbench94": ratio, "runs": runs}
 
 
 def main() -> None:
     from visattn.rundir import write_atomic
 
-    ap = parser(__doc__)
+    ap = parser(__doc__, precision="auto", precisions=("auto", "bf16", "fp32"), device="auto", out=RESULTS,
+                help={"out": f"default: {RESULTS.relative_to(ROOT)}"})
     ap.add_argument("--runs", type=int, default=3, help="runs of each recipe (seeds 0..runs-1)")
     ap.add_argument("--target", type=float, default=0.90)
     ap.add_argument("--epochs", type=int, default=None, help="visattn's epochs (default: the config's)")
     ap.add_argument("--airbench-epochs", type=float, default=9.9)
     ap.add_argument("--subset", type=int, default=None, help="train on this many images only (a dry run)")
     ap.add_argument("--batch-size", type=int, default=None, help="both recipes' batch size (default: their own, 1024)")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for visattn's run "
                     "(data.* ones for the reference's images too)")
-    ap.add_argument("--out", type=Path, default=RESULTS, help=f"default: {RESULTS.relative_to(ROOT)}")
     a = ap.parse_args()
     for flag, low in (("--runs", 1), ("--epochs", 1), ("--batch-size", 1), ("--subset", 10)):  # (data.subset's least)
         check_at_least(flag, getattr(a, flag[2:].replace("-", "_")), low)

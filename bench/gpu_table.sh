@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The attention table at a longer budget on one CUDA GPU, several runs at once (the CPU would need a day).
-# Every job is one bench/attention_table.py run (config, seed) with its own results file; at the end the finished
+# Every job is one python -m bench.attention_table run (config, seed) with its own results file; at the end the finished
 # ones are gathered into $OUT/results.json (and the logs into $OUT/logs.tgz: few files, as a device's transfer
 # back limits their count), so what finished before the deadline comes back, and
-# `python bench/attention_report.py --merge results.json` adds it to the committed table (the table keys runs by
+# `python -m bench.attention_report --merge results.json` adds it to the committed table (the table keys runs by
 # precision and kernel family, so GPU runs never pair with CPU runs). A job stopped at the deadline resumes
 # from its checkpoint in $RUNS when the script runs again on the same machine.
 # Usage:  DATA=path/to/cifar10-train-jpeg.tar.gz OUT=results_dir [EPOCHS=32] [SEEDS="0 1 2"] [JOBS=5]
@@ -29,14 +29,14 @@ ARGS=${ARGS:-}
 SKIP_FROM=${SKIP_FROM-bench/results/attention_table.json}
 PY=${PY:-python3}
 mkdir -p "$OUT" "$RUNS/table"
-export PYTHONUNBUFFERED=1 PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}  # (run from the repository root: python -m bench.NAME)
 export DATA OUT RUNS EPOCHS ARGS PY SKIP_FROM
 
 job() {  # job CONFIG SEED
   local t0=$SECONDS
   set -f  # $ARGS splits into words but never globs: model.widths=[128,384,384] stays as written
   # shellcheck disable=SC2086
-  "$PY" bench/attention_table.py --configs "configs/attention/resnet_fast_$1.yaml" --seeds "$2" \
+  "$PY" -m bench.attention_table --configs "configs/attention/resnet_fast_$1.yaml" --seeds "$2" \
       --epochs "$EPOCHS" --results "$RUNS/table/$1-s$2.json" --runs "$RUNS/$1-s$2" --data-root "$DATA" $ARGS \
       > "$RUNS/table/$1-s$2.log" 2>&1
   echo "$1 seed $2: exit $? after $((SECONDS - t0)) s: $(grep -m1 ' val ' "$RUNS/table/$1-s$2.log")"
@@ -48,9 +48,8 @@ export -f job
 # seed, epochs, precision and kernel family: this GPU's name), so asking for seeds 0-7 runs only the missing
 # pairs; SKIP_FROM= runs all
 "$PY" - "$SEEDS" "$CONFIGS" "$RUNS/jobs.txt" <<'EOF' || { echo "=== cannot list the jobs"; exit 1; }
-import argparse, json, os, shlex, sys
+import json, os, shlex, sys
 from pathlib import Path
-sys.path[:0] = [".", "bench"]
 import torch
 print("torch", torch.__version__, "| cuda", torch.version.cuda,
       "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU", flush=True)
@@ -61,11 +60,8 @@ try:
     print("data cache ready", flush=True)
 except Exception as e:
     print(f"no cache warm-up ({e}); each job reads its data itself", flush=True)
-import attention_table as t
-ap = argparse.ArgumentParser(add_help=False)
-ap.add_argument("--tag", default=""), ap.add_argument("--backbone", action="store_true"), ap.add_argument("--precision")
-ap.add_argument("--set", nargs="*", default=[])
-opts = ap.parse_known_args(shlex.split(os.environ["ARGS"]))[0]
+import bench.attention_table as t
+opts = t.make_parser().parse_known_args(shlex.split(os.environ["ARGS"]))[0]  # the job's --tag, --set, ...
 skip = Path(os.environ["SKIP_FROM"]) if os.environ["SKIP_FROM"] else None
 configs = {c: f"configs/attention/resnet_fast_{c}.yaml" for c in sys.argv[2].split()}
 have = json.loads(skip.read_text()) if skip and skip.is_file() else []

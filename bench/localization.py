@@ -2,8 +2,8 @@
 scored against each held-out canvas's known box, into ``bench/results/localization.json``; ``--report`` writes
 the table into docs/maps.md (between its localization markers) and prints it.
 
-    python bench/localization.py runs/placed                  # every run below; 1,000 canvases each
-    python bench/localization.py --report                     # the docs table, from the JSON
+    python -m bench.localization runs/placed                  # every run below; 1,000 canvases each
+    python -m bench.localization --report                     # the docs table, from the JSON
 
 Per checkpoint (:func:`visattn.maps.faithful.localization`): the first ``--images`` held-out canvases, one class
 at a time, with their true labels, under the run's precision; every map kind (``kind``: attention,
@@ -23,21 +23,16 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from faithfulness import ROW, by_checkpoint, find_checkpoints, kind_of, val_acc  # noqa: E402
-from faithfulness import load as load_results  # noqa: E402 (the same file form)
-
-from bench.common import parser, provenance  # noqa: E402
-from visattn.errors import DataError, run_main  # noqa: E402
-from visattn.options import check_at_least  # noqa: E402
-from visattn.rundir import check_rows, write_atomic  # noqa: E402
+from bench.common import ROOT, command, parser, provenance, splice
+from bench.faithfulness import ROW, by_checkpoint, find_checkpoints, kind_of, val_acc
+from bench.faithfulness import load as load_results  # (the same file form)
+from visattn.errors import DataError, run_main
+from visattn.options import check_at_least
+from visattn.rundir import check_rows, write_atomic
 
 RESULTS = ROOT / "bench" / "results" / "localization.json"
 DOCS = ROOT / "docs" / "maps.md"
-BEGIN = "<!-- localization table: python bench/localization.py --report -->"
+BEGIN = "<!-- localization table: python -m bench.localization --report -->"
 END = "<!-- end of localization table -->"
 ATTENTION_KINDS = ("attention", "attention_gradient", "layers_gradient", "rollout", "gradient_rollout")
 FAMILIES = (("raw attention", ("attention",)), ("attention x gradient", ("attention_gradient", "layers_gradient")),
@@ -182,18 +177,14 @@ def report(rows: List[Dict[str, Any]]) -> str:
 
 
 def write_docs(table: str, path: Path = DOCS) -> None:
-    text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise DataError(f"{path} has no localization markers ({BEGIN} ... {END})")
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    write_atomic(path, text[:start] + table + text[end:])
+    """Put :func:`report`'s table (its markers included) between the page's markers."""
+    splice(path, BEGIN, END, table.removeprefix(BEGIN + "\n").removesuffix("\n" + END))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = parser(__doc__)
+    ap = parser(__doc__, device="auto", out=RESULTS)
     ap.add_argument("runs", nargs="*", help="run directories (with last.pt), or folders holding them")
     ap.add_argument("--report", action="store_true", help="write the docs table from --out, print it and stop")
-    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--images", type=int, default=1000, help="held-out canvases per checkpoint")
     ap.add_argument("--faith-images", type=int, default=200, help="of those, scored by deletion/insertion too")
     ap.add_argument("--steps", type=int, default=8)
@@ -201,7 +192,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--draws", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default=None, help="dataset path (default: each run's data.root)")
-    ap.add_argument("--device", default="auto")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.report:
@@ -219,11 +209,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_at_least(flag, getattr(args, flag[2:].replace("-", "_")), low)
     load(out)  # a damaged results file is refused before any scoring
     options = {"steps": args.steps, "regions": args.regions, "draws": args.draws, "seed": args.seed}
-    command = "python bench/localization.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    made = command(argv, __file__)
     revision = provenance(device=args.device)["git"]
     for ckpt in find_checkpoints(args.runs):
         rows = [dict(r, git=revision) for r in score(ckpt, args.images, args.faith_images, options, args.data,
-                                                      args.device, command)]
+                                                      args.device, made)]
         again = {r["checkpoint"]["path"] for r in rows}
         save(out, [r for r in load(out) if r["checkpoint"]["path"] not in again] + rows)
         best = max((r for r in rows if r["map"]), key=merit, default=None)

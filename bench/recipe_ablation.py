@@ -1,9 +1,9 @@
 """The recipes' ablations: a recipe as shipped, and that with one lever changed or taken back, one row per lever.
 
-    python bench/recipe_ablation.py                       # the CNN recipe (configs/cifar10_cpu.yaml), seed 0
-    python bench/recipe_ablation.py --variants recipe all_levers --seeds 0 1
-    python bench/recipe_ablation.py --recipe vit_cpu      # the transformer recipe (configs/vit_cpu.yaml)
-    python bench/recipe_ablation.py --recipe vit_cpu --table
+    python -m bench.recipe_ablation                       # the CNN recipe (configs/cifar10_cpu.yaml), seed 0
+    python -m bench.recipe_ablation --variants recipe all_levers --seeds 0 1
+    python -m bench.recipe_ablation --recipe vit_cpu      # the transformer recipe (configs/vit_cpu.yaml)
+    python -m bench.recipe_ablation --recipe vit_cpu --table
 
 Recipes (:data:`RECIPES`): ``cpu`` is ``configs/cifar10_cpu.yaml`` against airbench's setting of its levers,
 results in ``bench/results/recipe_ablation.json``; ``vit_cpu`` is ``configs/vit_cpu.yaml``, results in
@@ -21,16 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-sys.path.insert(0, str(ROOT / "bench"))
-
-from attention_table import kernels, numerics, run_resuming  # noqa: E402
-
-from bench.common import parser, provenance  # noqa: E402
-from visattn.errors import CheckpointError, ConfigError, run_main  # noqa: E402
-from visattn.rundir import Interrupted, check_rows, complete_rows, read_json, write_atomic  # noqa: E402
+from bench.attention_table import numerics, run_resuming
+from bench.common import ROOT, kernels, parser, provenance
+from visattn.errors import CheckpointError, ConfigError, run_main
+from visattn.rundir import Interrupted, check_rows, complete_rows, read_json, write_atomic
 
 # airbench94's setting of the levers: batch 1024 (lr 1.5 in mean-loss form) with lookahead averaging
 AIRBENCH = ["train.batch_size=1024", "optim.lr=1.5", "train.lookahead_every=5"]

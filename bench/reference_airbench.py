@@ -1,8 +1,8 @@
 """An independent reference: airbench94's recipe written out here, trained on visattn's data and split.
 
-    python bench/reference_airbench.py                  # 9.9 epochs, seed 0
-    python bench/reference_airbench.py --epochs 16 --seeds 0 1
-    python bench/reference_airbench.py --table
+    python -m bench.reference_airbench                  # 9.9 epochs, seed 0
+    python -m bench.reference_airbench --epochs 16 --seeds 0 1
+    python -m bench.reference_airbench --table
 
 Why: on the CPU copy of CIFAR-10 (JPEG at quality 75, 45,000 training images, a 5,000-image validation split
 held out from them) visattn's ``resnet_fast_none`` plateaus near 91% (90.4% at 10 epochs with airbench's levers,
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -32,14 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench.common import parser, provenance  # noqa: E402
-from visattn.errors import ConfigError, DataError, run_main  # noqa: E402
-from visattn.options import check_at_least  # noqa: E402
-from visattn.rundir import check_rows, read_json  # noqa: E402
+from bench.common import ROOT, kernels, parser, provenance
+from visattn.errors import ConfigError, DataError, run_main
+from visattn.options import check_at_least
+from visattn.rundir import check_rows, read_json
 
 RESULTS = ROOT / "bench" / "results" / "reference_airbench.json"
 MEAN = (0.4914, 0.4822, 0.4465)  # CIFAR-10's channel statistics, as airbench normalises
@@ -268,15 +263,12 @@ ROW = {"seed": "int", "epochs": "number", "precision": "str", "kernels": "str", 
 
 
 def main() -> None:
-    from attention_table import kernels
-
     from visattn import evaluate
     from visattn.rundir import write_atomic
 
-    ap = parser(__doc__)
+    ap = parser(__doc__, precision="auto", precisions=("auto", "bf16", "fp32"))
     ap.add_argument("--epochs", type=float, default=9.9)
     ap.add_argument("--seeds", type=int, nargs="*", default=[0])
-    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
     ap.add_argument("--data-root", default=None, help="default: configs/cifar10_cpu.yaml's data.root")
     ap.add_argument("--results", type=Path, default=RESULTS, help=f"default: {RESULTS.relative_to(ROOT)}")
     ap.add_argument("--reencode", type=int, default=None, metavar="Q",

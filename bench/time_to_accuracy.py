@@ -1,6 +1,6 @@
 """Time to a target accuracy, read from a finished (or running) run's ``metrics.jsonl``.
 
-    python bench/time_to_accuracy.py runs/cifar10_gpu [--targets 0.94 0.95]
+    python -m bench.time_to_accuracy runs/cifar10_gpu [--targets 0.94 0.95]
 
 For each target: the first evaluated epoch whose ``val_acc`` reaches it, the training time up to the end of
 that epoch (the sum of ``epoch_seconds``: training steps only, evaluation excluded, as fast-CIFAR-10 records
@@ -15,11 +15,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.common import parser  # noqa: E402
-from visattn.errors import run_main  # noqa: E402
-from visattn.rundir import complete_rows, read_json  # noqa: E402
+from bench.common import parser
+from visattn.errors import run_main
+from visattn.rundir import complete_rows, read_json
 
 
 def rows(run_dir: Path) -> List[dict]:

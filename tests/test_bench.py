@@ -2,7 +2,7 @@
 intervals, the verdicts, which runs' times are quoted, and a resumable sweep that never loses a result."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -16,10 +16,8 @@ from conftest import ROOT
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The bench script ``bench/NAME.py`` as the module ``bench.NAME`` (what ``python -m bench.NAME`` imports)."""
+    return importlib.import_module(f"bench.{name}")
 
 
 table = _load("attention_table")  # the runner (trains)
@@ -33,14 +31,11 @@ def _r(name: str, seed: int, acc: float, seconds: float = 100.0, load=None) -> d
 
 
 def _script_main(script: str, monkeypatch, capsys, *args) -> tuple:
-    """``python bench/SCRIPT ARGS`` in this process: (exit code, stdout, stderr) as the process would end
-    (``run_main``'s one-line errors; a ``sys.exit(message)`` prints the message, status 1)."""
-    import runpy
-
+    """``python -m bench.SCRIPT ARGS`` (``SCRIPT``: its file's name) in this process: (exit code, stdout, stderr) as
+    the process would end (``run_main``'s one-line errors; a ``sys.exit(message)`` prints the message, status 1)."""
     monkeypatch.setattr(sys, "argv", [script, *args])
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     try:
-        runpy.run_path(str(ROOT / "bench" / script), run_name="__main__")
+        run_module(script)
         code = 0
     except SystemExit as e:
         code = e.code
@@ -48,6 +43,17 @@ def _script_main(script: str, monkeypatch, capsys, *args) -> tuple:
     if isinstance(code, str):
         code, err = 1, err + code + "\n"
     return code, out, err
+
+
+def run_module(script: str) -> None:
+    """``bench/SCRIPT`` run as ``__main__`` the way ``python -m bench.NAME`` runs it (``sys.argv[0]`` its file's
+    path), though this process has imported it already."""
+    import runpy
+    import warnings
+
+    with warnings.catch_warnings():  # runpy's note that bench.NAME is imported already: the tests import it
+        warnings.filterwarnings("ignore", r"'bench\.", RuntimeWarning)
+        runpy.run_module(f"bench.{Path(script).stem}", run_name="__main__", alter_sys=True)
 
 
 def _table_main(monkeypatch, capsys, *args) -> tuple:
@@ -502,20 +508,20 @@ def test_the_manuals_transformer_ablation_table_is_the_one_the_results_give():
     ablation = _load("recipe_ablation")
     _, variants, results_file = ablation.RECIPES["vit_cpu"]
     doc = (ROOT / "docs" / "results.md").read_text()
-    block = doc.split("<!-- vit ablation: python bench/recipe_ablation.py --recipe vit_cpu --table -->\n")[1]
+    block = doc.split("<!-- vit ablation: python -m bench.recipe_ablation --recipe vit_cpu --table -->\n")[1]
     block = block.split("<!-- end of vit ablation -->")[0]
     assert block.strip() == ablation.table(json.loads(results_file.read_text()), variants), (
-        "docs/results.md's transformer ablation is stale: paste `python bench/recipe_ablation.py --recipe vit_cpu --table`")
+        "docs/results.md's transformer ablation is stale: paste `python -m bench.recipe_ablation --recipe vit_cpu --table`")
 
 
 def test_the_manuals_cpu_recipe_ablation_table_is_the_one_the_results_give():
     ablation = _load("recipe_ablation")
     _, variants, results_file = ablation.RECIPES["cpu"]
     doc = (ROOT / "docs" / "results.md").read_text()
-    block = doc.split("<!-- cpu ablation: python bench/recipe_ablation.py --table -->\n")[1]
+    block = doc.split("<!-- cpu ablation: python -m bench.recipe_ablation --table -->\n")[1]
     block = block.split("<!-- end of cpu ablation -->")[0]
     assert block.strip() == ablation.table(json.loads(results_file.read_text()), variants), (
-        "docs/results.md's CPU recipe ablation is stale: paste `python bench/recipe_ablation.py --table`")
+        "docs/results.md's CPU recipe ablation is stale: paste `python -m bench.recipe_ablation --table`")
 
 
 def test_the_ablation_table_names_each_rows_budget_and_kernel_family():
@@ -591,7 +597,7 @@ def test_the_shipped_positions_placement_cell_counts_the_same_runs_as_the_blocks
 
 def test_the_summarys_cost_column_is_one_process_step_ratio_not_the_runs_images_per_s():
     """The training runs' images/s come from different sittings (the machine ran 380-925 images/s for `none`
-    alone), so the cost column is the eager training step's ratio from one ``throughput.py --out`` process."""
+    alone), so the cost column is the eager training step's ratio from one process (``bench/blocks.py --out``)."""
     fam = dict(kernels="avx512_bf16", config="configs/attention/resnet_fast_none.yaml", model={"attention": "none"})
     se = dict(fam, config="configs/attention/resnet_fast_se.yaml", model={"attention": "se"})
     runs = ([dict(_r("resnet_fast_none", s, 0.866, seconds=100), **fam) for s in range(3)]
@@ -639,8 +645,9 @@ def test_the_cost_column_reads_the_blocks_as_they_are_now_eager_and_compiled():
 
 
 def test_throughput_out_writes_every_row_of_one_process(tmp_path, monkeypatch, capsys):
+    """``python -m bench.speed flops --out``: every row of one process, stamped with the command that made it."""
     out = tmp_path / "speed.json"
-    code, stdout, err = _script_main("throughput.py", monkeypatch, capsys, "--config", "configs/smoke.yaml",
+    code, stdout, err = _script_main("speed.py", monkeypatch, capsys, "flops", "--config", "configs/smoke.yaml",
                                      "configs/smoke.yaml", "--set", "model.attention=none", "--no-compile",
                                      "--steps", "1", "--repeats", "1", "--matmul", "64", "--batch-size", "4",
                                      "--out", str(out))
@@ -649,6 +656,7 @@ def test_throughput_out_writes_every_row_of_one_process(tmp_path, monkeypatch, c
     assert [(r["config"], r["path"], r["step"]) for r in data["rows"]] == [("configs/smoke.yaml", "-", "eager")] * 2
     assert all(r["images_per_s"] > 0 and r["batch_size"] == 4 for r in data["rows"])
     assert data["threads"] >= 1 and data["kernels"] and "--out" in data["command"]
+    assert data["command"].startswith("python -m bench.speed flops --config configs/smoke.yaml")
     assert "images/s vs first config" in stdout and f"wrote {out}" in stdout
     first = next(line for line in stdout.splitlines() if line.startswith("| smoke |"))
     assert first.endswith(" | 1.00 |")  # the first config against itself
@@ -671,7 +679,7 @@ def test_the_results_pages_attention_summary_is_the_one_the_results_give():
     doc = (ROOT / "docs" / "results.md").read_text()
     start, end = doc.index(report.README_BEGIN), doc.index(report.README_END) + len(report.README_END)
     assert doc[start:end] == report.summary(json.loads(report.RESULTS.read_text())), \
-        "docs/results.md's attention summary is stale: run `python bench/attention_report.py --summary --write`"
+        "docs/results.md's attention summary is stale: run `python -m bench.attention_report --summary --write`"
 
 
 def test_the_plot_draws_one_budget_on_one_kernel_family(tmp_path):
@@ -688,13 +696,13 @@ def test_the_plot_draws_one_budget_on_one_kernel_family(tmp_path):
 def test_gpu_table_gathers_finished_runs_into_one_file_and_stops_only_its_own(tmp_path, monkeypatch, capsys):
     """``bench/gpu_table.sh`` (here on the CPU, two tiny runs at once on synthetic images): each job's result
     comes back in one ``results.json`` that ``--merge`` takes, the logs in one ``logs.tgz``, and the deadline's
-    clean-up leaves another ``attention_table.py`` process (a sweep on the same machine) running. The runs are a
-    backbone variant (``--backbone``, narrower groups), so ``none`` runs under the tag too and the list value
+    clean-up leaves another ``python -m bench.attention_table`` process (a sweep on the same machine) running. The
+    runs are a backbone variant (``--backbone``, narrower groups), so ``none`` runs under the tag too and the list value
     reaches the model as written."""
     import tarfile
 
     out, runs = tmp_path / "out", tmp_path / "runs"
-    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "bench/attention_table.py"])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "-m", "bench.attention_table"])
     try:
         env = {**os.environ, "OUT": str(out), "RUNS": str(runs), "PY": sys.executable,
                "CONFIGS": "se none", "SEEDS": "0", "EPOCHS": "1", "JOBS": "2", "DEADLINE": "240", "DATA": "unused",
@@ -770,11 +778,11 @@ def test_a_missing_or_bad_config_is_one_line_and_leaves_the_results_file_alone(t
         assert out.read_text() == before and not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("script", ["throughput.py", "train_overhead.py"])
-def test_a_bench_scripts_missing_config_is_one_line_naming_it(script, monkeypatch, capsys):
-    code, _, err = _script_main(script, monkeypatch, capsys, "--config", "configs/nope.yaml")
+@pytest.mark.parametrize("mode", ["flops", "overhead"])
+def test_a_bench_scripts_missing_config_is_one_line_naming_it(mode, monkeypatch, capsys):
+    code, _, err = _script_main("speed.py", monkeypatch, capsys, mode, "--config", "configs/nope.yaml")
     assert code not in (0, None)
-    assert err == f"{script}: config file 'configs/nope.yaml' not found\n"
+    assert err == "speed.py: config file 'configs/nope.yaml' not found\n"
 
 
 def test_the_report_writes_the_summary_between_the_markers_and_leaves_the_rest(tmp_path, monkeypatch, capsys):

@@ -2,7 +2,7 @@
 quick run measures every variant in one process and writes the ratios the attention summary reads."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -13,16 +13,7 @@ from conftest import ROOT
 
 import visattn
 
-
-def _load():
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location("blocks_bench", ROOT / "bench" / "blocks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-blocks = _load()
+blocks = importlib.import_module("bench.blocks")
 
 
 def _in_git() -> bool:
@@ -62,7 +53,7 @@ def test_counts_out_of_range_are_refused_before_anything_runs(argv, said):
 
 
 def test_a_bad_count_is_one_line_and_exit_2_from_the_command_line():
-    got = subprocess.run([sys.executable, str(ROOT / "bench" / "blocks.py"), "--repeats", "0"], capture_output=True,
+    got = subprocess.run([sys.executable, "-m", "bench.blocks", "--repeats", "0"], capture_output=True,
                          text=True, cwd=ROOT)
     lines = [ln for ln in got.stderr.splitlines() if "Warning" not in ln and "warn(" not in ln and ln.strip()]
     assert got.returncode == 2 and lines == ["blocks.py: --repeats must be at least 1, got 0"], got.stderr
@@ -109,7 +100,7 @@ def test_a_quick_run_writes_every_ratio_from_one_process(tmp_path, capsys):
 def test_the_flop_count_includes_the_cpu_flash_attention_kernel():
     """The FLOP ceiling of nonlocal and mhsa2d counts their attention products, which run in a kernel the
     counter has no formula for: 4 N^2 d forward and 10 N^2 d backward per head."""
-    import throughput
+    from bench import speed as throughput
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(visattn.create_attention("nonlocal", 16), torch.nn.AdaptiveAvgPool2d(1),
@@ -122,10 +113,7 @@ def test_the_flop_count_includes_the_cpu_flash_attention_kernel():
 
 
 def _report():
-    spec = importlib.util.spec_from_file_location("attention_report", ROOT / "bench" / "attention_report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.attention_report")
 
 
 def test_the_committed_measurement_is_a_whole_one():
@@ -141,6 +129,6 @@ def test_the_committed_measurement_is_a_whole_one():
 
 def test_the_results_pages_block_speed_is_the_one_the_file_gives():
     doc = (ROOT / "docs" / "results.md").read_text()
-    block = doc.split("<!-- block speed: python bench/blocks.py --table -->\n")[1].split("<!-- end of block speed -->")[0]
+    block = doc.split("<!-- block speed: python -m bench.blocks --table -->\n")[1].split("<!-- end of block speed -->")[0]
     assert block.strip() == blocks.tables(json.loads(blocks.SPEED.read_text())), (
-        "docs/results.md's block speed is stale: paste `python bench/blocks.py --table`")
+        "docs/results.md's block speed is stale: paste `python -m bench.blocks --table`")

@@ -4,7 +4,7 @@ the table is made from, replaces a checkpoint's rows when it is scored again, an
 faithful map."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 
 import pytest
@@ -15,15 +15,7 @@ from visattn.config import build_config, read_yaml
 from visattn.models import create_model
 from visattn.rundir import save_checkpoint
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("faithfulness")
+bench = importlib.import_module("bench.faithfulness")
 
 
 def tiny_run(run_dir, model: dict, seed: int = 3):
@@ -138,4 +130,4 @@ def test_the_results_pages_faithfulness_table_is_the_one_the_results_give():
     doc = (ROOT / "docs" / "results.md").read_text()
     start, end = doc.index(bench.README_BEGIN), doc.index(bench.README_END) + len(bench.README_END)
     assert doc[start:end] == bench.summary(bench.load(bench.RESULTS)), \
-        "docs/results.md's faithfulness table is stale: paste `python bench/faithfulness.py --summary`"
+        "docs/results.md's faithfulness table is stale: paste `python -m bench.faithfulness --summary`"

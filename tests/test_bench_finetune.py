@@ -9,10 +9,8 @@ import sys
 import pytest
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "bench"))
-import finetune  # noqa: E402
-
-from visattn.errors import run_main  # noqa: E402
+from bench import finetune
+from visattn.errors import run_main
 
 
 def _row(block: str, seed: int, acc: float, lr: float = 0.25) -> dict:
@@ -42,12 +40,12 @@ def test_the_docs_table_is_the_one_the_results_give():
 
 def _script(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "finetune.py"), *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "bench.finetune", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
 def _main(*args: str, capsys) -> tuple:
-    """The script's entry point in-process (as ``python bench/finetune.py ARGS`` runs it): (exit status, stderr)."""
+    """The script's entry point in-process (as ``python -m bench.finetune ARGS`` runs it): (exit status, stderr)."""
     try:
         run_main(lambda: finetune.main(list(args)), "finetune.py")
         rc = 0
@@ -79,7 +77,7 @@ def test_bad_results_files_and_arguments_are_one_line(tmp_path, capsys):
     assert rc == 2 and "not a mapping with a list of runs" in err and len(err.strip().splitlines()) == 1
     results.write_text(json.dumps({"runs": [_row("none", 0, 0.87)], "paired": []}))
     rc, err = _main("--report", "--results", str(results), "--doc", str(tmp_path / "nodoc.md"), capsys=capsys)
-    assert rc == 2 and "no <!-- finetune table" in err
+    assert rc == 2 and "nodoc.md: the table's markers are missing (<!-- finetune table" in err  # (bench.common.splice)
     rc, err = _main("--report", "--results", str(tmp_path / "none.json"), "--doc", str(doc), capsys=capsys)
     assert rc == 2 and "none.json holds no fine-tune runs" in err  # never a "no runs yet" table over the page's
     assert doc.read_text() == f"{finetune.BEGIN}\n{finetune.END}\n"

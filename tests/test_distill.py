@@ -144,8 +144,8 @@ def test_resume_with_another_teacher_setting_is_refused(teacher, tmp_path):
 
 
 def test_throughputs_step_runs_the_teacher_of_a_distilling_config(teacher):
-    """``bench/throughput.py`` times what a distilling run pays: the teacher's forward pass in every step."""
-    throughput = _bench("throughput")
+    """``python -m bench.speed flops`` times what a distilling run pays: the teacher's forward pass in every step."""
+    throughput = _bench("speed")
     plain = throughput.build(str(ROOT / "configs" / "smoke.yaml"), batch=4, steps=1, overrides=QUIET)
     setup = throughput.build(str(ROOT / "configs" / "smoke.yaml"), batch=4, steps=1,
                              overrides=[*QUIET, f"train.distill.teacher={teacher}"])
@@ -173,11 +173,6 @@ def test_load_teacher_gives_a_frozen_eval_model_in_the_asked_layout(teacher):
 
 
 def _bench(name: str):
-    import importlib.util
-    import sys
+    import importlib
 
-    spec = importlib.util.spec_from_file_location(f"visattn_bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"bench.{name}")

@@ -244,7 +244,7 @@ def test_placed_objects_on_a_package_model_are_scored_by_the_localization_bench(
                               "data.source=placed", "data.placed.source=synthetic"])  # 80-px canvases
     run(cfg, log=_quiet)
     out = tmp_path / "loc.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "localization.py"), str(rd), "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "bench.localization", str(rd), "--out", str(out),
                            "--images", "20", "--faith-images", "4", "--device", "cpu"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -331,8 +331,7 @@ def test_a_damaged_or_non_finite_weights_file_is_one_line(tmp_path, damage):
 
 
 def _bench():
-    sys.path.insert(0, str(ROOT / "bench"))
-    import foreign_models
+    from bench import foreign_models
 
     return foreign_models
 
@@ -342,7 +341,7 @@ def test_the_docs_table_is_the_one_the_results_give():
     doc = (ROOT / "docs" / "results.md").read_text()
     block = doc[doc.index(bench.BEGIN) + len(bench.BEGIN): doc.index(bench.END)].strip()
     assert block == bench.table(json.loads(bench.RESULTS.read_text())), (
-        "docs/results.md's foreign models table is stale: run `python bench/foreign_models.py --report --write`")
+        "docs/results.md's foreign models table is stale: run `python -m bench.foreign_models --report --write`")
 
 
 def test_the_table_pairs_each_arm_with_none_by_seed_within_one_kernel_family():
@@ -424,7 +423,7 @@ def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_pr
 @pytest.mark.parametrize("argv", [["--epochs", "0"], ["--seeds"], ["--threads", "0"], ["--recipes", "no.yaml"],
                                   ["--arms", "gc"], ["--precision", "fp8"], ["--seeds", "nan"]])
 def test_the_bench_refuses_bad_flags_in_one_line(argv):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "foreign_models.py"), *argv, "--report"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "bench.foreign_models", *argv, "--report"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
@@ -435,7 +434,7 @@ def test_the_report_refuses_a_damaged_or_empty_results_file_in_one_line(tmp_path
     out = tmp_path / "r.json"
     out.write_text(content)
     doc = (ROOT / "docs" / "results.md").read_bytes()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "foreign_models.py"), "--report", "--write", "--results",
+    proc = subprocess.run([sys.executable, "-m", "bench.foreign_models", "--report", "--write", "--results",
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert says in proc.stderr and (ROOT / "docs" / "results.md").read_bytes() == doc and out.read_text() == content
@@ -445,7 +444,7 @@ def test_the_report_refuses_a_damaged_or_empty_results_file_in_one_line(tmp_path
                                   ["--precision", "fp8"], ["--steps", "inf"]])
 def test_the_gate_probe_refuses_bad_flags_in_one_line(argv, tmp_path):
     out = tmp_path / "g.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gate_dynamics.py"), *argv, "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "bench.gate_dynamics", *argv, "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert not out.exists()
@@ -457,7 +456,7 @@ def test_the_gate_summary_refuses_a_damaged_file_and_leaves_the_docs(tmp_path, c
     out = tmp_path / "g.json"
     out.write_text(content)
     doc = (ROOT / "docs" / "blocks.md").read_bytes()
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gate_dynamics.py"), "--summary", "--write", "--out",
+    proc = subprocess.run([sys.executable, "-m", "bench.gate_dynamics", "--summary", "--write", "--out",
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert says in proc.stderr and (ROOT / "docs" / "blocks.md").read_bytes() == doc

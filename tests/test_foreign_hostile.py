@@ -412,8 +412,7 @@ def test_a_subset_smaller_than_the_class_count_and_an_image_size_the_data_cannot
 
 
 def _blocks():
-    sys.path.insert(0, str(ROOT / "bench"))
-    import blocks
+    from bench import blocks
 
     return blocks
 
@@ -435,7 +434,7 @@ def test_the_blocks_table_refuses_a_bool_for_a_ratio_and_exits_2_in_one_line(tmp
     data["ratios"]["se"]["eager"]["after"] = True
     path = tmp_path / "speed.json"
     path.write_text(json.dumps(data))
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "blocks.py"), "--table", str(path)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "bench.blocks", "--table", str(path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert "ratios.se.eager.after is true, not a finite number" in proc.stderr and not proc.stdout

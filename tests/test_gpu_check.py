@@ -114,7 +114,8 @@ def test_the_race_row_reads_a_finished_or_a_cut_race():
 def test_the_blocks_row_calls_blocks_py_with_the_devices_flags(tmp_path, monkeypatch, dry):
     """The dry run: ``--quick`` on the CPU. On the GPU: eager, 5 repeats of 5 steps, and the "before" blocks from
     ``--prepare``'s folder, since the tree reaches the device without its git history; the JSON beside the others."""
-    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench").mkdir()  # python -m bench.blocks there: the stand-in
+    (tmp_path / "bench" / "__init__.py").write_text("")
     (tmp_path / "bench" / "blocks.py").write_text("import sys\nprint('| ' + ' '.join(sys.argv[1:]) + ' |')\n")
     before = tmp_path / "data" / "gpu_check" / "before"
     before.mkdir(parents=True)
@@ -212,9 +213,9 @@ def test_the_shell_entry_refuses_an_unknown_argument(tmp_path):
 
 
 def test_the_results_pages_gpu_check_table_is_the_recorded_one():
-    """docs/results.md#gpu shows ``python bench/gpu_check.py --table bench/results/gpu/gpu_check.json``, or says
+    """docs/results.md#gpu shows ``python -m bench.gpu_check --table bench/results/gpu/gpu_check.json``, or says
     no check is recorded yet."""
-    marker = "<!-- gpu check table: python bench/gpu_check.py --table bench/results/gpu/gpu_check.json -->\n"
+    marker = "<!-- gpu check table: python -m bench.gpu_check --table bench/results/gpu/gpu_check.json -->\n"
     block = (ROOT / "docs" / "results.md").read_text().split(marker)[1].split("<!-- end of gpu check table -->")[0]
     recorded = ROOT / "bench" / "results" / "gpu" / "gpu_check.json"
     if not recorded.is_file():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import subprocess
 import sys
 
@@ -23,8 +24,9 @@ SYNTHETIC = ["data.source=synthetic", "data.synthetic_size=1300", "data.val_size
 
 
 def _race(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_race.py"), *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
+    """``python -m bench.gpu_race ARGS`` from another folder (the repository on PYTHONPATH): it needs no cwd."""
+    return subprocess.run([sys.executable, "-m", "bench.gpu_race", *args], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=600)
 
 
 def test_the_race_runs_end_to_end_on_the_cpu_and_writes_its_json(tmp_path):

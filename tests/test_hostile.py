@@ -508,9 +508,11 @@ def test_transformer_options_are_checked_at_config_time(override, fragment):
 
 
 def _script(script: str, *args: str) -> tuple[int, str, str]:
-    """A bench script's ``__main__`` in-process (its imports are already loaded): (exit status, stdout, stderr)."""
+    """A bench script's ``__main__`` in-process, as ``python -m bench.NAME`` runs it (its imports are already
+    loaded): (exit status, stdout, stderr)."""
     import contextlib
-    import runpy
+
+    from test_bench import run_module
 
     out, err = io.StringIO(), io.StringIO()
     argv = sys.argv
@@ -518,7 +520,7 @@ def _script(script: str, *args: str) -> tuple[int, str, str]:
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
-                runpy.run_path(str(ROOT / "bench" / script), run_name="__main__")
+                run_module(script)
                 rc = 0
             except SystemExit as e:
                 rc = e.code if isinstance(e.code, int) else 1

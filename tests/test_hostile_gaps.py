@@ -264,7 +264,7 @@ def test_init_from_and_a_configs_base_take_the_home_folder(tmp_path, fin, monkey
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess:
-    return _proc([str(ROOT / "bench" / args[0]), *args[1:]])
+    return _proc(["-m", f"bench.{Path(args[0]).stem}", *args[1:]])  # python -m bench.NAME ARGS
 
 
 def test_the_bench_reports_refuse_a_file_with_no_usable_row(tmp_path):

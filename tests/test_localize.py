@@ -1,7 +1,7 @@
 """Placed objects (visattn.data.placed) and the maps scored against their boxes (visattn.maps.faithful), on
 synthetic images: boxes exact under the geometry, the centre prior at chance, determinism, no held-out image in
 training, and the background carrying no label."""
-import importlib.util
+import importlib
 import json
 import subprocess
 import sys
@@ -27,10 +27,7 @@ CFG = PlacedConfig(canvas=48, patch=4, tolerance=3, seed=0)
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("localization_bench", ROOT / "bench" / "localization.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("bench.localization")
 
 
 class BrightCells(nn.Module):
@@ -163,7 +160,7 @@ def test_the_docs_table_is_the_one_the_results_give():
     doc = (ROOT / "docs" / "maps.md").read_text()
     block = doc[doc.index(bench.BEGIN): doc.index(bench.END) + len(bench.END)]
     assert block == bench.report(bench.load(bench.RESULTS)), (
-        "docs/maps.md's localization table is stale: run `python bench/localization.py --report`")
+        "docs/maps.md's localization table is stale: run `python -m bench.localization --report`")
 
 
 def test_the_report_names_the_best_map_and_the_verdict():

@@ -125,6 +125,6 @@ def test_the_manuals_reference_table_is_the_one_the_results_give(monkeypatch, ca
     code, out, _ = _main(monkeypatch, capsys, "--table")
     assert code == 0
     doc = (ROOT / "docs" / "results.md").read_text()
-    block = doc.split("<!-- reference table: python bench/reference_airbench.py --table -->\n")[1]
+    block = doc.split("<!-- reference table: python -m bench.reference_airbench --table -->\n")[1]
     block = block.split("  <!-- end of reference table -->")[0]
     assert [line.strip() for line in block.strip().splitlines()] == out.strip().splitlines()

@@ -113,7 +113,7 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mas
 def sdpa_cpu_mode(mode: str) -> Iterator[None]:
     """Within the context, ``mhsa``/``lsa`` fast paths on a CPU run the flash kernel in fp32 (``"fp32"``, the
     default), in the inputs' precision (``"native"``), or :func:`matmul_attention` (``"matmul"``); a benchmark
-    switch (``bench/throughput.py --sdpa``). A block's own ``sdpa_cpu`` wins; other devices run native SDPA."""
+    switch (``python -m bench.speed flops --sdpa``). A block's own ``sdpa_cpu`` wins; other devices run native SDPA."""
     if mode not in SDPA_CPU_MODES:
         raise ValueError(f"unknown sdpa_cpu mode {mode!r}; valid: {', '.join(SDPA_CPU_MODES)}")
     old = MultiHeadSelfAttention.sdpa_cpu
