@@ -27,8 +27,7 @@ from torch import nn
 from .attention.insert import check_sites
 from .config import build_config
 from .errors import CheckpointError, ConfigError, DataError, VisattnError
-from .models import create_model
-from .models.foreign import without_weights
+from .models import from_config
 from .models.layout import to_channels_last
 from .options import check_device, check_range, describe
 from .rundir import load_checkpoint
@@ -133,7 +132,7 @@ def load_model_from_checkpoint(path: str, device: torch.device) -> tuple[torch.n
         cfg = build_config(state["config"])
         num_classes = len(state.get("classes") or []) or 10
         # the checkpoint holds the weights: a model.pretrained_file is not needed (nor read) to rebuild it
-        model = create_model(cfg.model.name, num_classes=num_classes, **without_weights(cfg.model.options()))
+        model = from_config(cfg, num_classes, weights=False)
     except (ConfigError, ValueError, TypeError, RuntimeError, AttributeError) as e:
         # a stored config this version refuses, or that no longer builds a model
         why = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__

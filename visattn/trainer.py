@@ -43,8 +43,7 @@ from .evaluate import autocast, cpu_has_native_bf16, evaluate, main_logits, reso
 from .maps import find_taps
 from .maps.record import foreign_modules
 from .maps.tensorboard import MapLogger
-from .models import create_model
-from .models.foreign import without_weights
+from .models import from_config
 from .models.layout import guard_message, to_channels_last
 from .options import resolve_device
 from .registry import backbone_modules, is_attention_block
@@ -655,10 +654,9 @@ def _check_model_options(cfg: Config, fresh: bool = True) -> None:
     """Build the model once on the meta device (no memory, no data): bad options fail before any data is read.
     A resumed run (``fresh=False``) holds its weights in the checkpoint: its ``model.pretrained_file`` is not
     read (it may be gone or replaced since), as :func:`_build_model` does not read it."""
-    options = cfg.model.options() if fresh else without_weights(cfg.model.options())
     try:
         with torch.device("meta"):
-            model = create_model(cfg.model.name, num_classes=10, **options)
+            model = from_config(cfg, weights=fresh)
     except NotImplementedError:  # a constructor that reads tensor values cannot run on the meta device
         return
     except (ValueError, TypeError, RuntimeError) as e:
@@ -671,13 +669,11 @@ def _check_model_options(cfg: Config, fresh: bool = True) -> None:
 def _build_model(cfg: Config, splits: Splits, device: torch.device, di: DistInfo, fresh: bool = True) -> nn.Module:
     """The model ``cfg.model`` names; a resumed run (``fresh=False``) takes its weights from the checkpoint, so a
     ``model.pretrained_file`` is not read again."""
-    options = cfg.model.options() if fresh else without_weights(cfg.model.options())
+    images = torch.from_numpy(splits.train.x[:5000]).permute(0, 3, 1, 2)  # for a stem computed from training patches
     try:
-        model = create_model(cfg.model.name, num_classes=len(splits.train.classes), **options)
+        model = from_config(cfg, len(splits.train.classes), weights=fresh, train_images=images)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model: {e}") from None
-    if getattr(model, "needs_data_init", False):  # e.g. a whitening stem computed from training patches
-        model.data_init(torch.from_numpy(splits.train.x[:5000]).permute(0, 3, 1, 2), cfg.data.mean, cfg.data.std)
     if di.enabled and cfg.sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model.to(device)
