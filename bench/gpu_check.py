@@ -694,8 +694,7 @@ def merge(results: List[Dict[str, Any]]) -> Dict[str, Any]:
 def main() -> None:
     from visattn.rundir import read_json, write_atomic
 
-    ap = parser(__doc__)
-    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "gpu_check", help="where the JSON and the log go")
+    ap = parser(__doc__, out=ROOT / "runs" / "gpu_check", help={"out": "where the JSON and the log go"})
     ap.add_argument("--data", default="data/gpu_check/cifar10-train-jpeg.tar.gz", help="the images' archive")
     ap.add_argument("--dry", action="store_true", help="on the CPU at a toy size, no timing claims")
     ap.add_argument("--budget", type=float, default=430.0, help="seconds for every row together")
