@@ -478,28 +478,30 @@ ROWS: Dict[str, Callable[[Check, float], Dict[str, Any]]] = {
 
 
 def child_main(argv: List[str]) -> int:
-    """``train.py ARGV`` (``visattn.cli.main``) with the probes the environment asks for; each writes what it saw to
-    ``GPU_CHECK_REPORT`` (rank 0). ``GPU_CHECK_STEP_LOG``: every step's number, appended as it ends.
-    ``GPU_CHECK_OVERFLOW_AT=K``: the fp16 scaler's K-th scaled loss is made infinite. ``GPU_CHECK_LAYOUT``: the
-    batches' and weights' memory format, and the logits against a contiguous copy after training.
-    ``GPU_CHECK_FORCE_DIST``: the data-parallel path under torchrun even with one rank (the trainer takes it from
-    two ranks on), so DDP and the process group's all-reduce run."""
-    from unittest import mock
-
+    """``train.py ARGV`` (``visattn.cli.main``) with the probes the environment asks for, each a hook of the loop
+    (:func:`visattn.trainer.register_hook`); each writes what it saw to ``GPU_CHECK_REPORT`` (rank 0).
+    ``GPU_CHECK_STEP_LOG``: every step's number, appended as it ends. ``GPU_CHECK_OVERFLOW_AT=K``: the fp16
+    scaler's K-th scaled loss is made infinite. ``GPU_CHECK_LAYOUT``: the batches' and weights' memory format, and
+    the logits against a contiguous copy after training. ``GPU_CHECK_FORCE_DIST``: the data-parallel path under
+    torchrun even with one rank (``VISATTN_DATA_PARALLEL=1``; the trainer takes it from two ranks on), so DDP and
+    the process group's all-reduce run."""
     from visattn import cli, trainer
 
     report: Dict[str, Any] = {}
     env = os.environ
+    hooks: List[Tuple[str, Callable]] = []
+    if env.get("GPU_CHECK_STEP_LOG"):
+        hooks.append(("step_end", _step_log(env["GPU_CHECK_STEP_LOG"])))
+    if env.get("GPU_CHECK_OVERFLOW_AT"):
+        hooks.append(("fit_start", _overflow_probe(int(env["GPU_CHECK_OVERFLOW_AT"]), report)))
+    if env.get("GPU_CHECK_LAYOUT"):
+        hooks += _layout_probe(report)
+    if env.get("GPU_CHECK_FORCE_DIST"):
+        env["VISATTN_DATA_PARALLEL"] = "1"
+        hooks.append(("fit_start", _dist_probe(report)))
     with contextlib.ExitStack() as stack:
-        if env.get("GPU_CHECK_STEP_LOG"):
-            stack.callback(trainer.register_hook("step_end", _step_log(env["GPU_CHECK_STEP_LOG"])))
-        if env.get("GPU_CHECK_OVERFLOW_AT"):
-            scaler = _forced_overflow(int(env["GPU_CHECK_OVERFLOW_AT"]), report)
-            stack.enter_context(mock.patch.object(trainer, "make_scaler", scaler))
-        if env.get("GPU_CHECK_LAYOUT"):
-            _layout_probe(stack, trainer, report)
-        if env.get("GPU_CHECK_FORCE_DIST"):
-            _dist_probe(stack, trainer, report)
+        for event, hook in hooks:
+            stack.callback(trainer.register_hook(event, hook))
         try:
             return cli.main(argv)
         finally:
@@ -517,8 +519,9 @@ def _step_log(path: str) -> Callable:
 
 
 def _forced_overflow(at: int, report: Dict[str, Any]) -> Callable:
-    """``make_scaler``'s stand-in: fp16 gets a GradScaler whose ``at``-th scaled loss is infinite (so are the
-    gradients), and which records whether that step left the weights as they were and the scale backed off."""
+    """A ``make_scaler`` of the same signature: fp16 gets a GradScaler whose ``at``-th scaled loss is infinite (so
+    are the gradients), and which records whether that step left the weights as they were and the scale backed
+    off; other precisions get none."""
     import torch
 
     class ForcedOverflow(torch.amp.GradScaler):
@@ -547,24 +550,39 @@ def _forced_overflow(at: int, report: Dict[str, Any]) -> Callable:
     return lambda device, precision: ForcedOverflow(device.type) if precision == "fp16" else None
 
 
-def _layout_probe(stack: contextlib.ExitStack, trainer: Any, report: Dict[str, Any]) -> None:
+def _overflow_probe(at: int, report: Dict[str, Any]) -> Callable:
+    """A ``fit_start`` hook: an fp16 run's scaler becomes :func:`_forced_overflow`'s (its state carried over)."""
+    make = _forced_overflow(at, report)
+
+    def start(run: Any) -> None:
+        if run.opt.scaler is not None:
+            forced = make(run.device, run.policy.precision)
+            forced.load_state_dict(run.opt.scaler.state_dict())
+            run.opt.scaler = forced
+    return start
+
+
+def _layout_probe(report: Dict[str, Any]) -> List[Tuple[str, Callable]]:
+    """``fit_start``: the weights' layout, and a forward pre-hook that records the first training batch's;
+    ``fit_end``: the trained model's logits on a held-out batch against a contiguous copy's."""
     import copy
-    from unittest import mock
 
     import torch
 
     from visattn.evaluate import autocast
 
-    real_loss, real_fit, cl = trainer.training_loss, trainer.fit, torch.channels_last
+    cl = torch.channels_last
 
-    def loss(logits, xb, yb, policy):
-        report.setdefault("input_channels_last", bool(xb.is_contiguous(memory_format=cl)))
-        return real_loss(logits, xb, yb, policy)
+    def first_batch(module: Any, args: tuple) -> None:
+        if module.training:
+            report.setdefault("input_channels_last", bool(args[0].is_contiguous(memory_format=cl)))
 
-    def fit(run):
+    def start(run: Any) -> None:
         convs = [p for p in run.model.parameters() if p.dim() == 4]
         report["weights_channels_last"] = bool(convs) and all(p.is_contiguous(memory_format=cl) for p in convs)
-        out = real_fit(run)
+        run.model.register_forward_pre_hook(first_batch)
+
+    def end(run: Any) -> None:
         x, _ = next(iter(run.eval_loader))
         model = run.eval_model.eval()
         plain = copy.deepcopy(model).to(memory_format=torch.contiguous_format)
@@ -572,31 +590,19 @@ def _layout_probe(stack: contextlib.ExitStack, trainer: Any, report: Dict[str, A
             a, b = model(x.contiguous(memory_format=cl)).float(), plain(x.contiguous()).float()
         report.update(argmax_agreement=(a.argmax(1) == b.argmax(1)).float().mean().item(),
                       max_logit_diff=(a - b).abs().max().item())
-        return out
 
-    stack.enter_context(mock.patch.object(trainer, "training_loss", loss))
-    stack.enter_context(mock.patch.object(trainer, "fit", fit))
+    return [("fit_start", start), ("fit_end", end)]
 
 
-def _dist_probe(stack: contextlib.ExitStack, trainer: Any, report: Dict[str, Any]) -> None:
-    from unittest import mock
-
+def _dist_probe(report: Dict[str, Any]) -> Callable:
+    """A ``fit_start`` hook that records the process group and whether the run took the data-parallel path."""
     import torch.distributed as dist
 
-    real_init, real_fit = trainer.DistInfo.__init__, trainer.fit
-
-    def init(self) -> None:
-        real_init(self)
-        self.enabled = "WORLD_SIZE" in os.environ  # under torchrun: data parallel, however many ranks
-
-    def fit(run):
+    def start(run: Any) -> None:
         up = dist.is_initialized()
         report.update(backend=dist.get_backend() if up else None, world_size=dist.get_world_size() if up else None,
                       data_parallel=run.dist.enabled)
-        return real_fit(run)
-
-    stack.enter_context(mock.patch.object(trainer.DistInfo, "__init__", init))
-    stack.enter_context(mock.patch.object(trainer, "fit", fit))
+    return start
 
 
 def _close_group() -> None:

@@ -58,11 +58,13 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import ROOT, interleaved, mode, parser, provenance
-from visattn import create_model, evaluate, trainer
+from visattn import evaluate, trainer
 from visattn.attention.token import SDPA_CPU_MODES, MultiHeadSelfAttention, sdpa_cpu_mode
 from visattn.config import load_config
 from visattn.data import ImageSet, Placement, TensorLoader
 from visattn.errors import run_main
+from visattn.models import from_config
+from visattn.models.layout import to_channels_last
 from visattn.rundir import write_atomic
 
 FLOPS = "A config's achieved training FLOP/s against this machine's matmul ceiling, eager and compiled."
@@ -183,10 +185,9 @@ def build(config: str, batch: int = 0, steps: int = 8, precision: str = "", over
     cfg = load_config(config, overrides)
     precision = evaluate.resolve_precision(precision or cfg.precision, torch.device("cpu"))
     torch.manual_seed(0)
-    model = create_model(cfg.model.name, num_classes=10, **cfg.model.options())
-    if getattr(model, "needs_data_init", False):
-        model.data_init(torch.randint(0, 255, (512, 3, 32, 32), dtype=torch.uint8), cfg.data.mean, cfg.data.std)
-    model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
+    model = from_config(cfg, train_images=torch.randint(0, 255, (512, 3, 32, 32), dtype=torch.uint8))
+    if cfg.channels_last:
+        to_channels_last(model, torch.device("cpu"))  # in place (oneDNN's defective shapes kept contiguous)
     bs = batch or cfg.train.batch_size
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
     batches = [(torch.randn(bs, 3, 32, 32).contiguous(memory_format=fmt), torch.randint(0, 10, (bs,)))
@@ -351,7 +352,8 @@ def overhead(args: argparse.Namespace) -> None:
     mean, std = dcfg.mean, dcfg.std
     results = {}
     for precision in ("bf16", "fp32"):
-        model = create_model(cfg.model.name, num_classes=10, **cfg.model.options()).to(memory_format=torch.channels_last)
+        model = from_config(cfg, train_images=torch.from_numpy(images.x[:512]).permute(0, 3, 1, 2))
+        to_channels_last(model, torch.device("cpu"))
         opt = trainer.build_optimizer(model, "sgd", 0.05, 5e-4)
         sched = trainer.StepScheduler(opt, "constant", 0.05, 10**6, 0)
         plain = TensorLoader(images, args.batch, mean, std, train=True, augment=None, seed=0, placement=Placement(channels_last=True))

@@ -55,6 +55,35 @@ def cifar10_path() -> Path:
     return p
 
 
+# the shared finished run: one epoch of the smoke config on tiny synthetic data, EMA and TensorBoard on (so its
+# checkpoints hold an ``ema`` entry and its folder a ``tb``), made once per session
+FINISHED = ["data.synthetic_size=400", "data.val_size=100", "model.widths=[8,16,16]", "model.stem_width=8",
+            "model.attention=none", "log.progress=false", "log.maps_every=0", "device=cpu", "eval.tta=none",
+            "precision=fp32", "train.batch_size=50", "train.epochs=1", "train.ema_decay=0.9"]
+
+
+def folder_digest(folder: Path) -> Dict[str, str]:
+    """Every file under ``folder`` (relative path) and the SHA-256 of its bytes."""
+    import hashlib
+
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory) -> Iterator[Path]:
+    """A finished run (``FINISHED``) the bad-input, fuzz and hostile tests read; none may change its files: the
+    session fails at its end if one did. Copy it to change it."""
+    from visattn.config import load_config
+    from visattn.trainer import run
+
+    rd = tmp_path_factory.mktemp("finished") / "run"
+    run(load_config(SMOKE, [f"run_dir={rd}", *FINISHED]), log=lambda *a, **k: None)
+    before = folder_digest(rd)
+    yield rd
+    assert folder_digest(rd) == before, f"a test changed the shared finished run {rd}"
+
+
 @pytest.fixture
 def tiny_overrides(tmp_path):
     """Overrides that make any config a seconds-long synthetic run in a temporary run dir."""

@@ -800,3 +800,26 @@ def test_the_report_writes_the_summary_between_the_markers_and_leaves_the_rest(t
     assert code == 2 and "--write writes the summary: give --summary too" in err and "Traceback" not in err
     code, out, _ = _report_main(monkeypatch, capsys)  # no flags: every run's table, per budget and kernel family
     assert code == 0 and "| config | params | epochs |" in out and "epochs, bf16 on" in out
+
+
+def _provenance_rows(data) -> list:
+    """The records of a results file that must say what made them: the file itself where it records its command,
+    else each of its rows (a list, or the list under ``rows`` / ``runs`` / ``arms``)."""
+    if isinstance(data, dict) and "command" in data:
+        return [data]
+    rows = data if isinstance(data, list) else next((data[k] for k in ("rows", "runs", "arms") if k in data), None)
+    assert isinstance(rows, list) and rows, "neither a command of its own nor rows that could hold one"
+    return rows
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "bench" / "results").rglob("*.json")),
+                         ids=lambda p: str(p.relative_to(ROOT / "bench" / "results")))
+def test_every_results_file_records_its_command_and_git_and_has_one_producer(path):
+    """Each results file says what made it (command and git revision, in the file or in every row), and
+    bench/README.md's table names exactly one script that writes it."""
+    for record in _provenance_rows(json.loads(path.read_text())):
+        assert record.get("command") and record.get("git"), f"{path.name}: a record without its command or git revision"
+    name = f"`results/{path.relative_to(ROOT / 'bench' / 'results')}`"
+    table = [ln for ln in (ROOT / "bench" / "README.md").read_text().splitlines() if ln.startswith("| `")]
+    writers = [ln.split("|")[1].strip() for ln in table if name in ln.split("|")[3]]
+    assert len(writers) == 1, f"{name}: written by {writers or 'no script'} in bench/README.md, not exactly one"

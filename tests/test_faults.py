@@ -24,7 +24,7 @@ from typing import Callable, Dict, List
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SMOKE, metrics_rows, run_cli
+from conftest import FINISHED, ROOT, SMOKE, metrics_rows, run_cli
 from PIL import Image
 
 from visattn import evaluate as evaluate_cli
@@ -227,14 +227,6 @@ class _Payload:
         return (exec, (f"open({str(self.marker)!r}, 'w').write('pwned')",))
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    """A finished one-epoch run (tensorboard on), shared by the bad-input tests; none may change its files."""
-    rd = tmp_path_factory.mktemp("finished") / "run"
-    run(load_config(SMOKE, [f"run_dir={rd}", *TINY, "train.batch_size=50", "train.epochs=1"]), log=lambda *a, **k: None)
-    return rd
-
-
 def test_unsafe_checkpoint_is_refused_everywhere(tmp_path, finished_run):
     marker = tmp_path / "PWNED"
     evil = tmp_path / "evil.pt"
@@ -252,7 +244,7 @@ def test_unsafe_checkpoint_is_refused_everywhere(tmp_path, finished_run):
     assert "evil.pt" in str(e.value) and "\n" not in str(e.value)
 
     before = _snapshot(finished_run)
-    rc, err = _cli(["--config", str(SMOKE), f"run_dir={finished_run}", *TINY, "train.batch_size=50", "train.epochs=2",
+    rc, err = _cli(["--config", str(SMOKE), f"run_dir={finished_run}", *FINISHED, "train.epochs=2",
                     f"resume={evil}"])
     assert rc == 2 and "refused" in err and "evil.pt" in err
     assert _snapshot(finished_run) == before
@@ -319,7 +311,7 @@ def bad(tmp_path_factory, finished_run) -> Dict[str, Path]:
 
 
 def _resume(finished: Path, *extra: str) -> List[str]:
-    return ["--config", str(SMOKE), f"run_dir={finished}", *TINY, "train.batch_size=50", "train.epochs=2", *extra]
+    return ["--config", str(SMOKE), f"run_dir={finished}", *FINISHED, "train.epochs=2", *extra]
 
 
 def _data(d: Path, name: str) -> List[str]:

@@ -26,8 +26,6 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from visattn.cli import main
-from visattn.config import load_config
-from visattn.trainer import run
 
 BASE = ["data.source=synthetic", "data.synthetic_size=200", "data.val_size=50", "model.widths=[8,16,16]",
         "model.stem_width=8", "model.attention=none", "log.progress=false", "log.maps_every=0", "device=cpu",
@@ -104,13 +102,6 @@ EDGES = {
 edges = st.sampled_from(sorted(EDGES)).flatmap(lambda k: st.tuples(st.just(k), st.sampled_from(EDGES[k])))
 overrides = st.one_of(st.lists(st.tuples(st.sampled_from(KEYS), values), min_size=1, max_size=3),
                       st.lists(edges, min_size=1, max_size=4))
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    rd = tmp_path_factory.mktemp("fuzz_finished") / "run"
-    run(load_config(SMOKE, [f"run_dir={rd}", *BASE]), log=lambda *a, **k: None)
-    return rd
 
 
 @pytest.mark.timeout(300)

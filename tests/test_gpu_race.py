@@ -152,7 +152,7 @@ def test_the_gpu_recipes_steps_read_the_host_only_at_the_checks(tmp_path, monkey
                             f"run_dir={tmp_path / 'r'}"])  # (a warmup within the one epoch, as a run needs)
     run = trainer.build(cfg, log=lambda *a, **k: None)
     assert run.train_loader.gen.device == run.device and run.opt.lookahead is not None
-    monkeypatch.setattr(trainer, "host_check_every", lambda policy: policy.check_every)
+    run.policy.host_every = check  # the host reads as on a GPU: every check_every steps
     listed = []
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t, _real=torch.Tensor.tolist: listed.append(1) or _real(t))
     reads, marks = _HostReads(), []

@@ -35,7 +35,6 @@ from visattn.config import load_config
 from visattn.data.sources import read_image_folder
 from visattn.errors import CheckpointError, ConfigError, DataError
 from visattn.rundir import DIGEST_KEY, load_checkpoint, save_checkpoint
-from visattn.trainer import run
 
 WAIT = 300.0  # seconds: the bound on a subprocess (a hang fails the test instead of the suite)
 RUN = TINY + ["train.batch_size=50", "log.tensorboard=false"]
@@ -57,16 +56,8 @@ def _proc(args: List[str], timeout: float = WAIT, prefix: Sequence[str] = (), **
                           text=True, timeout=timeout, **kw)
 
 
-@pytest.fixture(scope="module")
-def fin(tmp_path_factory) -> Path:
-    """A finished one-epoch tiny run (EMA on, so checkpoints hold an ``ema`` entry); no test may change it."""
-    rd = tmp_path_factory.mktemp("fin") / "run"
-    run(load_config(SMOKE, [f"run_dir={rd}", *RUN, "train.epochs=1", "train.ema_decay=0.9"]), log=lambda *a, **k: None)
-    return rd
-
-
-def _copy_run(fin: Path, dest: Path) -> Path:
-    shutil.copytree(fin, dest)
+def _copy_run(finished_run: Path, dest: Path) -> Path:
+    shutil.copytree(finished_run, dest)
     return dest
 
 
@@ -89,18 +80,18 @@ def _flip_largest_tensor(src: Path, dst: Path) -> None:
 # ---------------------------------------------------------------------------------- 1. checkpoint integrity
 
 
-def test_a_flipped_byte_is_refused_by_evaluate(tmp_path, fin):
+def test_a_flipped_byte_is_refused_by_evaluate(tmp_path, finished_run):
     bad = tmp_path / "flipped.pt"
-    _flip_largest_tensor(fin / "best.pt", bad)
+    _flip_largest_tensor(finished_run / "best.pt", bad)
     r = _proc(["-m", "visattn.evaluate", "--checkpoint", str(bad), "--data", "synthetic", "--device", "cpu"])
     _one_line(r.returncode, r.stderr, "is damaged")
     assert "flipped.pt" in r.stderr and "top-1" not in r.stdout
 
 
-def test_a_damaged_or_nonfinite_checkpoint_is_refused_by_every_loader(tmp_path, fin):
+def test_a_damaged_or_nonfinite_checkpoint_is_refused_by_every_loader(tmp_path, finished_run):
     flipped = tmp_path / "flipped.pt"
-    _flip_largest_tensor(fin / "last.pt", flipped)
-    state = load_checkpoint(fin / "last.pt")
+    _flip_largest_tensor(finished_run / "last.pt", flipped)
+    state = load_checkpoint(finished_run / "last.pt")
     nan = tmp_path / "nan.pt"
     save_checkpoint({**state, "model": {k: v.float() * float("nan") if v.is_floating_point() else v
                                         for k, v in state["model"].items()}}, nan)
@@ -126,9 +117,9 @@ def test_a_damaged_or_nonfinite_checkpoint_is_refused_by_every_loader(tmp_path, 
         assert not (tmp_path / f"student-{path.stem}").exists()
 
 
-def test_init_from_checks_the_digest_too(tmp_path, fin):
+def test_init_from_checks_the_digest_too(tmp_path, finished_run):
     flipped = tmp_path / "flipped.pt"
-    _flip_largest_tensor(fin / "last.pt", flipped)
+    _flip_largest_tensor(finished_run / "last.pt", flipped)
     try:
         load_config(SMOKE, [*RUN, f"model.init_from={flipped}"])
     except ConfigError as e:  # model.init_from is another change of this round
@@ -136,11 +127,11 @@ def test_init_from_checks_the_digest_too(tmp_path, fin):
     _one_line(*_cli(_argv(tmp_path / "run", "train.epochs=1", f"model.init_from={flipped}")), "is damaged")
 
 
-def test_a_checkpoint_without_a_digest_is_accepted_after_the_finite_check(tmp_path, fin):
+def test_a_checkpoint_without_a_digest_is_accepted_after_the_finite_check(tmp_path, finished_run):
     """Checkpoints written before digests existed (no entry that came with digests: no format_version, no
     teacher_digest, no model.init_from or data.placed in their config) still load, and are still refused when
     not finite. A file of today's writer without its digest is refused (tests/test_hostile_gaps.py)."""
-    state = load_checkpoint(fin / "last.pt")
+    state = load_checkpoint(finished_run / "last.pt")
     assert DIGEST_KEY not in state  # the loader hands back the state without it
     for key in ("format_version", "teacher_digest"):
         state.pop(key)
@@ -285,15 +276,15 @@ def _png_header(path: Path, w: int, h: int) -> Path:
     return path
 
 
-def test_visualize_refuses_a_decompression_bomb(tmp_path, fin):
+def test_visualize_refuses_a_decompression_bomb(tmp_path, finished_run):
     bomb = _png_header(tmp_path / "bomb.png", 20000, 20000)
-    rc, err = _cli(["--checkpoint", str(fin / "best.pt"), "--images", str(bomb), "--device", "cpu",
+    rc, err = _cli(["--checkpoint", str(finished_run / "best.pt"), "--images", str(bomb), "--device", "cpu",
                     "--out", str(tmp_path / "out")], visualize_cli.main)
     _one_line(rc, err, "a decompression bomb?")
 
 
-def test_an_ema_entry_that_is_not_a_state_dict_is_one_line(tmp_path, fin):
-    state = load_checkpoint(fin / "best.pt")
+def test_an_ema_entry_that_is_not_a_state_dict_is_one_line(tmp_path, finished_run):
+    state = load_checkpoint(finished_run / "best.pt")
     state["ema"] = [1, 2, 3]
     save_checkpoint(state, tmp_path / "ema_list.pt")
     args = ["--checkpoint", str(tmp_path / "ema_list.pt"), "--device", "cpu"]
@@ -310,8 +301,8 @@ def test_an_ema_entry_that_is_not_a_state_dict_is_one_line(tmp_path, fin):
     (lambda b: b + b"\xff\xfe not utf-8\n", "line 2 is damaged (not UTF-8 text)"),
     (lambda b: b + b"{not json\n", "line 2 is damaged (not valid JSON)"),
 ], ids=["epoch-not-int", "not-utf8", "not-json"])
-def test_a_damaged_metrics_row_is_named_and_refused(tmp_path, fin, damage, fragment):
-    rd = _copy_run(fin, tmp_path / "run")
+def test_a_damaged_metrics_row_is_named_and_refused(tmp_path, finished_run, damage, fragment):
+    rd = _copy_run(finished_run, tmp_path / "run")
     m = rd / "metrics.jsonl"
     m.write_bytes(damage(m.read_bytes()))
     before = _snapshot(rd)
@@ -320,8 +311,8 @@ def test_a_damaged_metrics_row_is_named_and_refused(tmp_path, fin, damage, fragm
     assert _snapshot(rd) == before
 
 
-def test_a_torn_last_metrics_line_is_still_dropped(tmp_path, fin):
-    rd = _copy_run(fin, tmp_path / "run")
+def test_a_torn_last_metrics_line_is_still_dropped(tmp_path, finished_run):
+    rd = _copy_run(finished_run, tmp_path / "run")
     with open(rd / "metrics.jsonl", "ab") as f:
         f.write(b'{"epoch": 2, "tr')  # a run killed while writing its row
     rc, err = _cli(_argv(rd, "resume=auto", "train.epochs=2", "train.ema_decay=0.9"))
@@ -353,9 +344,9 @@ def open_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def test_an_unreadable_checkpoint_is_not_called_corrupt(tmp_path, fin):
+def test_an_unreadable_checkpoint_is_not_called_corrupt(tmp_path, finished_run):
     ck = tmp_path / "locked.pt"
-    shutil.copy(fin / "best.pt", ck)
+    shutil.copy(finished_run / "best.pt", ck)
     ck.chmod(0)
     root = os.geteuid() == 0
     if root:  # root reads any file: be an unprivileged user for the load (the saved uid stays root)
@@ -369,8 +360,8 @@ def test_an_unreadable_checkpoint_is_not_called_corrupt(tmp_path, fin):
     assert "corrupt" not in err
 
 
-def test_an_unwritable_tb_folder_is_one_line(open_dir, fin):
-    rd = _copy_run(fin, open_dir / "run")
+def test_an_unwritable_tb_folder_is_one_line(open_dir, finished_run):
+    rd = _copy_run(finished_run, open_dir / "run")
     (rd / "tb").mkdir(exist_ok=True)
     for p in [rd, *rd.rglob("*")]:
         p.chmod(0o777 if p.is_dir() else 0o666)
@@ -418,8 +409,8 @@ def test_tiff_and_gif_images_are_read(tmp_path):
 
 
 @pytest.mark.parametrize("mask,mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
-def test_checkpoints_follow_the_umask(tmp_path, fin, mask, mode):
-    state = load_checkpoint(fin / "last.pt")
+def test_checkpoints_follow_the_umask(tmp_path, finished_run, mask, mode):
+    state = load_checkpoint(finished_run / "last.pt")
     old = os.umask(mask)
     try:
         save_checkpoint(state, tmp_path / "c.pt")
@@ -436,8 +427,8 @@ def test_checkpoints_follow_the_umask(tmp_path, fin, mask, mode):
     ("optim.weight_decay=0.01", "optim.weight_decay"), ("sched.warmup_epochs=0.1", "sched.warmup_epochs"),
     ("train.ema_decay=0.5", "train.ema_decay"), ("train.lookahead_every=5", "train.lookahead_every"),
 ])
-def test_resume_refuses_a_change_the_saved_state_depends_on(tmp_path, fin, override, key):
-    rd = _copy_run(fin, tmp_path / "run")
+def test_resume_refuses_a_change_the_saved_state_depends_on(tmp_path, finished_run, override, key):
+    rd = _copy_run(finished_run, tmp_path / "run")
     before = _snapshot(rd)
     for allow in ([], ["resume_allow_changes=true"]):
         rc, err = _cli(_argv(rd, "resume=auto", "train.epochs=2", "train.ema_decay=0.9", override, *allow))
@@ -446,16 +437,16 @@ def test_resume_refuses_a_change_the_saved_state_depends_on(tmp_path, fin, overr
     assert _snapshot(rd) == before
 
 
-def test_resume_takes_a_new_grad_clip_and_precision(tmp_path, fin):
-    rd = _copy_run(fin, tmp_path / "run")
+def test_resume_takes_a_new_grad_clip_and_precision(tmp_path, finished_run):
+    rd = _copy_run(finished_run, tmp_path / "run")
     rc, err = _cli(_argv(rd, "resume=auto", "train.epochs=2", "train.ema_decay=0.9", "optim.grad_clip=1.0",
                          "precision=bf16"))
     assert rc == 0, err
 
 
-def test_resume_refuses_a_teacher_file_that_changed(tmp_path, fin):
+def test_resume_refuses_a_teacher_file_that_changed(tmp_path, finished_run):
     teacher = tmp_path / "teacher.pt"
-    shutil.copy(fin / "last.pt", teacher)
+    shutil.copy(finished_run / "last.pt", teacher)
     rd = tmp_path / "student"
     rc, err = _cli(_argv(rd, "train.epochs=1", f"train.distill.teacher={teacher}"))
     assert rc == 0, err
@@ -546,8 +537,8 @@ def test_bench_readers_refuse_a_bad_results_file(tmp_path, content):
         assert not out.strip(), (script, out)
 
 
-def test_time_to_accuracy_refuses_a_bad_run_info(tmp_path, fin):
-    rd = _copy_run(fin, tmp_path / "run")
+def test_time_to_accuracy_refuses_a_bad_run_info(tmp_path, finished_run):
+    rd = _copy_run(finished_run, tmp_path / "run")
     (rd / "run_info.json").write_text("{torn")
     rc, _, err = _script("time_to_accuracy.py", str(rd))
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "run_info.json" in err, err

@@ -26,7 +26,6 @@ from visattn import visualize as visualize_cli
 from visattn.config import check_for_training, load_config
 from visattn.errors import CheckpointError, ConfigError
 from visattn.rundir import CHECKPOINT_FORMAT, DIGEST_KEY, load_checkpoint, save_checkpoint, state_digest
-from visattn.trainer import run
 
 RUN = TINY + ["train.batch_size=50", "log.tensorboard=false"]
 
@@ -47,21 +46,13 @@ def _proc(args: List[str], **kw) -> subprocess.CompletedProcess:
                           timeout=300, **kw)
 
 
-@pytest.fixture(scope="module")
-def fin(tmp_path_factory) -> Path:
-    """A finished one-epoch tiny run (EMA on); no test may change it."""
-    rd = tmp_path_factory.mktemp("fin") / "run"
-    run(load_config(SMOKE, [f"run_dir={rd}", *RUN, "train.epochs=1", "train.ema_decay=0.9"]), log=lambda *a, **k: None)
-    return rd
-
-
 # ---------------------------------------------------------------------------------- a digest removed or null
 
 
-def _edited(fin: Path, folder: Path) -> dict:
+def _edited(finished_run: Path, folder: Path) -> dict:
     """Today's checkpoint with its classifier zeroed (it scores 10% instead of the run's accuracy), its digest
     removed, null, a number, or left as it was (then it no longer matches), each written with plain torch.save."""
-    state = torch.load(fin / "last.pt", weights_only=True)
+    state = torch.load(finished_run / "last.pt", weights_only=True)
     assert state["format_version"] == CHECKPOINT_FORMAT and state[DIGEST_KEY].startswith("sha256:")
     state["model"]["fc.weight"].zero_()
     state["ema"] = {k: v.zero_() if k == "module.fc.weight" else v for k, v in state["ema"].items()}
@@ -80,8 +71,8 @@ WHY = {"removed": "its digest entry was removed", "null": "its digest entry is N
        "number": "its digest entry is 5, not a sha256 digest", "stale": "do not match the digest"}
 
 
-def test_evaluate_refuses_a_checkpoint_whose_digest_was_removed_or_nulled(tmp_path, fin):
-    files = _edited(fin, tmp_path / "edited")
+def test_evaluate_refuses_a_checkpoint_whose_digest_was_removed_or_nulled(tmp_path, finished_run):
+    files = _edited(finished_run, tmp_path / "edited")
     for name in ("removed", "null"):
         r = _proc(["-m", "visattn.evaluate", "--checkpoint", str(files[name]), "--data", "synthetic", "--tta", "none",
                    "--device", "cpu"])
@@ -89,8 +80,8 @@ def test_evaluate_refuses_a_checkpoint_whose_digest_was_removed_or_nulled(tmp_pa
         assert f"{name}.pt" in r.stderr and "is damaged" in r.stderr and "top-1" not in r.stdout
 
 
-def test_every_loader_refuses_an_edited_checkpoint(tmp_path, fin):
-    files = _edited(fin, tmp_path / "edited")
+def test_every_loader_refuses_an_edited_checkpoint(tmp_path, finished_run):
+    files = _edited(finished_run, tmp_path / "edited")
     bench_run = tmp_path / "bench_run"  # a run folder as the bench scripts find it: last.pt beside metrics.jsonl
     for name, path in files.items():
         why = WHY[name]
@@ -119,8 +110,8 @@ def test_every_loader_refuses_an_edited_checkpoint(tmp_path, fin):
             assert results.read_text() == '{"rows": []}\n'
 
 
-def test_a_newer_or_odd_format_and_weights_that_are_not_a_state_dict_are_refused(tmp_path, fin):
-    state = load_checkpoint(fin / "last.pt")
+def test_a_newer_or_odd_format_and_weights_that_are_not_a_state_dict_are_refused(tmp_path, finished_run):
+    state = load_checkpoint(finished_run / "last.pt")
     for version, says in ((CHECKPOINT_FORMAT + 1, "is newer than this visattn reads"), ("2", "is not one visattn writes"),
                           (True, "is not one visattn writes")):
         s = dict(state, format_version=version)
@@ -141,9 +132,9 @@ def test_a_newer_or_odd_format_and_weights_that_are_not_a_state_dict_are_refused
             load_checkpoint(tmp_path / "old.pt")
 
 
-def test_a_checkpoint_path_may_start_with_the_home_folder(tmp_path, fin, monkeypatch):
+def test_a_checkpoint_path_may_start_with_the_home_folder(tmp_path, finished_run, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
-    shutil.copy(fin / "best.pt", tmp_path / "b.pt")
+    shutil.copy(finished_run / "best.pt", tmp_path / "b.pt")
     assert load_checkpoint("~/b.pt")["epoch"] == 1
     done = run_cli(["--checkpoint=~/b.pt", "--data", "synthetic", "--device", "cpu", "--tta", "none"], evaluate_cli.main)
     assert done.returncode == 0 and "top-1" in done.stdout, done.stderr
@@ -185,10 +176,10 @@ def test_a_warmup_within_the_run_and_a_constant_schedule_are_accepted():
         check_for_training(load_config(SMOKE, overrides))
 
 
-def test_a_checkpoint_whose_stored_config_a_run_would_refuse_still_evaluates(tmp_path, fin):
+def test_a_checkpoint_whose_stored_config_a_run_would_refuse_still_evaluates(tmp_path, finished_run):
     """The training-time refusals are not the schema's: a checkpoint trained before them (a 2.3-epoch warmup in a
     one-epoch dry run, a temperature of 0.05) still loads for evaluate and visualize."""
-    state = load_checkpoint(fin / "best.pt")
+    state = load_checkpoint(finished_run / "best.pt")
     stored = state["config"]
     state["config"] = {**stored, "sched": {**stored["sched"], "warmup_epochs": 5.0},
                        "train": {**stored["train"], "distill": {**stored["train"]["distill"], "temperature": 0.05}}}
@@ -242,11 +233,11 @@ def test_values_of_their_own_type_still_load():
 # ------------------------------------------------------------------------------------------------ ~ in paths
 
 
-def test_init_from_and_a_configs_base_take_the_home_folder(tmp_path, fin, monkeypatch):
+def test_init_from_and_a_configs_base_take_the_home_folder(tmp_path, finished_run, monkeypatch):
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    shutil.copy(fin / "last.pt", home / "b.pt")
+    shutil.copy(finished_run / "last.pt", home / "b.pt")
     (home / "base.yaml").write_text(SMOKE.read_text())
     child = tmp_path / "child.yaml"
     child.write_text("base: ~/base.yaml\ntrain:\n  epochs: 1\n")
@@ -348,11 +339,11 @@ def test_attention_report_merge_and_plot_refuse_in_one_line(tmp_path):
     (["finetune.py", "--lr", "0.1", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["faithfulness.py", "NOWHERE"], "no last.pt in"),
 ])
-def test_bench_flags_out_of_range_are_one_line_and_write_nothing(tmp_path, fin, argv, fragment):
+def test_bench_flags_out_of_range_are_one_line_and_write_nothing(tmp_path, finished_run, argv, fragment):
     results = tmp_path / "results.json"
     text = '{"runs": [], "paired": []}\n' if argv[0] == "finetune.py" else '{"rows": []}\n'
     results.write_text(text)
-    argv = [a.replace("RUNS", str(fin)).replace("NOWHERE", str(tmp_path / "nowhere")) for a in argv]
+    argv = [a.replace("RUNS", str(finished_run)).replace("NOWHERE", str(tmp_path / "nowhere")) for a in argv]
     out_flag = ["--results", str(results)] if argv[0] == "finetune.py" else ["--out", str(results)]
     rc, out, err = _script(*argv, *out_flag)
     _one_line(rc, err, fragment)

@@ -24,7 +24,7 @@ from typing import Dict, List
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SMOKE, metrics_rows, run_cli
+from conftest import FINISHED, ROOT, SMOKE, metrics_rows, run_cli
 from PIL import Image
 
 from visattn import evaluate as evaluate_cli
@@ -34,11 +34,9 @@ from visattn.config import load_config
 from visattn.data import load_splits
 from visattn.errors import ConfigError, DataError
 from visattn.rundir import LOCK_NAME, RunLock, holds, load_checkpoint, metrics_line, remove_stale_temps, save_checkpoint
-from visattn.trainer import build, fit, run
+from visattn.trainer import build, fit
 
-TINY = ["data.synthetic_size=400", "data.val_size=100", "model.widths=[8,16,16]", "model.stem_width=8",
-        "model.attention=none", "log.progress=false", "log.maps_every=0", "device=cpu", "eval.tta=none",
-        "precision=fp32", "train.batch_size=50", "train.epochs=1"]
+TINY = FINISHED  # the shared finished run's settings (conftest), so a test can resume a copy of it
 WAIT = 120.0
 QUIET = dict(log=lambda *a, **k: None)
 
@@ -67,13 +65,6 @@ def _one_error_line(err: str) -> str:
 
 def _train(run_dir: Path, *extra: str) -> List[str]:
     return ["--config", str(SMOKE), f"run_dir={run_dir}", *TINY, *extra]
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    rd = tmp_path_factory.mktemp("finished") / "run"
-    run(load_config(SMOKE, [f"run_dir={rd}", *TINY]), **QUIET)
-    return rd
 
 
 def _images(folder: Path, classes=("ant", "bee", "cow"), per_class=4, splits=("train",), fmt="png") -> Path:
@@ -578,8 +569,8 @@ def test_nonfinite_eval_loss_is_written_as_null_and_fails_the_run_at_its_end(tmp
     run goes on; the last one is the run's result: one error line, exit 3, and that epoch is not committed."""
     import visattn.trainer as trainer
 
-    def nan_in_eval(run) -> None:  # the model's logits are NaN in evaluation, finite in training
-        run.model.register_forward_hook(lambda m, args, out: None if m.training else out * float("nan"))
+    def nan_in_eval(run) -> None:  # the evaluated model's (the EMA copy's) logits are NaN, training stays finite
+        run.eval_model.register_forward_hook(lambda m, args, out: None if m.training else out * float("nan"))
 
     rd = tmp_path / "run"
     remove = trainer.register_hook("fit_start", nan_in_eval)
@@ -707,7 +698,7 @@ def test_nonfinite_attention_maps_are_skipped_with_a_warning(tmp_path):
                               "log.probe_size=4", "train.epochs=2"])
     said: List[str] = []
     r = build(cfg, log=said.append)
-    for m in r.model.modules():  # NaN weights only while a recorder listens: training itself stays finite
+    for m in r.eval_model.modules():  # NaN weights only while a recorder listens: training itself stays finite
         if isinstance(m, AttentionTap):
             m.register_forward_pre_hook(lambda mod, args: (torch.full_like(args[0], float("nan")), *args[1:])
                                         if mod.active else None)
