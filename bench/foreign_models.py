@@ -44,6 +44,10 @@ REFERENCE = "configs/cifar10_cpu.yaml"  # visattn's resnet_fast, no block
 ARMS = ("none", "se", "cbam", "coord", "eca")  # every arm the table has a column for
 DEFAULT_ARMS = ("none", "se", "cbam", "coord")
 LABEL = {"se": "SE", "cbam": "CBAM", "coord": "coord", "eca": "ECA"}
+# --in-se-place: each block in the place of the model's own SE modules (insert_attention(replace_se=True)), as
+# the CBAM and coordinate-attention papers compare blocks; rows say so in their placement
+REPLACED = "se-replaced"
+REPLACE_OVERRIDE = "model.attn_kwargs={replace_se: true}"
 # the recipes whose block sites moved with the SE-slot rule (inverted residuals): their block runs without a
 # ``placement`` were trained at the earlier sites and are history (docs/changelog.md), not rows of the table
 MOVED = {"configs/timm/mobilenetv3_small.yaml", "configs/timm/tinynet_e.yaml", "configs/timm/tv_mobilenet_v3_small.yaml"}
@@ -67,24 +71,27 @@ ROW_FIELDS = {"model": "str", "recipe": "str", "attention": "str", "seed": "int"
               "resumed": "bool?"}
 
 
-def blocks_of(recipe: str, attention: str) -> int:
-    """How many blocks the default rule puts into the recipe's model (0 for ``none``)."""
+def blocks_of(recipe: str, attention: str, replace: bool = False) -> int:
+    """How many blocks the default rule (``replace``: the SE modules' places) puts into the recipe's model (0 for
+    ``none``)."""
     if attention == "none":
         return 0
     import visattn
     from visattn.config import load_config
     from visattn.models import from_config
 
-    return visattn.insert_attention(from_config(load_config(ROOT / recipe), weights=False), attention)
+    model = from_config(load_config(ROOT / recipe), weights=False)
+    return visattn.insert_attention(model, attention, replace_se=replace)
 
 
-def row(recipe: str, attention: str, seed: int, run: dict) -> dict:
+def row(recipe: str, attention: str, seed: int, run: dict, replace: bool = False) -> dict:
     """A results row from :func:`attention_table.run_one`'s record."""
     from visattn.attention.insert import PLACEMENT
     from visattn.config import load_config
 
     cfg = load_config(ROOT / recipe)
-    placement = {"placement": PLACEMENT, "blocks": blocks_of(recipe, attention)} if attention != "none" else {}
+    placement = {"placement": REPLACED if replace else PLACEMENT,
+                 "blocks": blocks_of(recipe, attention, replace)} if attention != "none" else {}
     return {"model": cfg.model.name, "recipe": recipe, "attention": attention, "seed": seed, "epochs": run["epochs"],
             "val_acc": run["val_acc"], "images_per_s": round(run["images_per_s"], 1), "precision": run["precision"],
             "cpu": run["cpu"], "kernels": run["kernels"], "threads": run["threads"], "batch_size": cfg.train.batch_size,
@@ -93,24 +100,33 @@ def row(recipe: str, attention: str, seed: int, run: dict) -> dict:
             "eval_split": run["eval_split"], "git": run["git"], **({"resumed": True} if run.get("resumed") else {}),
             **placement,
             "command": f"python train.py --config {recipe} seed={seed} precision={run['precision']}"
-                       + (f" model.attention={attention}" if attention != "none" else "")}
+                       + (f" model.attention={attention}" if attention != "none" else "")
+                       + (f" '{REPLACE_OVERRIDE}'" if replace and attention != "none" else "")}
 
 
 def current(r: dict) -> bool:
     """A run the table counts: no block, or a block at this version's sites (not the earlier rule's)."""
     from visattn.attention.insert import PLACEMENT
 
-    return r["attention"] == "none" or r["recipe"] not in MOVED or r.get("placement") == PLACEMENT
+    return r["attention"] == "none" or r["recipe"] not in MOVED or r.get("placement") in (PLACEMENT, REPLACED)
+
+
+def replaced(r: dict) -> bool:
+    """A block run in the place of the model's own SE modules (``--in-se-place``)."""
+    return r.get("placement") == REPLACED
 
 
 def family(r: dict) -> str:
     return f"{r['precision']} on {r['kernels']}"
 
 
-def done(results: List[dict], recipe: str, attention: str, seed: int, epochs: int, numerics: Optional[str] = None) -> bool:
-    """A current run of these settings (on this machine's precision and kernels, ``numerics``) is there."""
+def done(results: List[dict], recipe: str, attention: str, seed: int, epochs: int, numerics: Optional[str] = None,
+         replace: bool = False) -> bool:
+    """A current run of these settings (on this machine's precision and kernels, ``numerics``; ``replace``: in the
+    SE's place) is there."""
     return any(r["recipe"] == recipe and r["attention"] == attention and r["seed"] == seed and r["epochs"] == epochs
-               and current(r) and (numerics is None or family(r) == numerics) for r in results)
+               and current(r) and (numerics is None or family(r) == numerics)
+               and (attention == "none" or replaced(r) == replace) for r in results)
 
 
 def plan(recipes: Sequence[str], seeds: Sequence[int], reference: bool, arms: Sequence[str] = DEFAULT_ARMS) -> List[tuple]:
@@ -138,14 +154,17 @@ def cpu_lock(path: Optional[str]) -> Iterator[None]:
 def train(args: argparse.Namespace) -> None:
     results = read_json(Path(args.results), list, missing=[])
     for recipe, attention, seed in plan(args.recipes, args.seeds, not args.no_reference, args.arms):
-        if done(results, recipe, attention, seed, args.epochs, planned_numerics(recipe, args.precision)):
+        replace = args.in_se_place and attention != "none"
+        if done(results, recipe, attention, seed, args.epochs, planned_numerics(recipe, args.precision), replace):
             continue
-        extra = [f"model.attention={attention}"] if attention != "none" else []
+        extra = [f"model.attention={attention}", *([REPLACE_OVERRIDE] if replace else [])] if attention != "none" else []
+        tag = f"{attention}-in-se" if replace else (attention if extra else "")
         with cpu_lock(args.lock):
-            run = run_one(recipe, seed, args.epochs, Path(args.runs), args.data_root, attention if extra else "", extra,
+            run = run_one(recipe, seed, args.epochs, Path(args.runs), args.data_root, tag, extra,
                           precision_override=args.precision)
-        results.append(row(recipe, attention, seed, run))
-        write_atomic(Path(args.results), json.dumps(results, indent=1))  # a kill mid-write keeps the old file
+        # read again before adding: another sweep may have added its rows meanwhile (a kill mid-write keeps the old file)
+        results = [*read_json(Path(args.results), list, missing=[]), row(recipe, attention, seed, run, replace)]
+        write_atomic(Path(args.results), json.dumps(results, indent=1))
         print(f"{recipe} {attention} seed {seed}: val {100 * run['val_acc']:.2f}% at {run['images_per_s']:.0f} img/s",
               flush=True)
 
@@ -194,7 +213,7 @@ def _delta(arm: Dict[int, dict], none: Dict[int, dict]) -> str:
 
 def worst(results: List[dict]) -> Optional[tuple]:
     """(paired mean difference, recipe, arm, family) of the arm furthest below ``none``, over the current runs."""
-    rows = [r for r in results if r["recipe"] != REFERENCE and current(r)]
+    rows = [r for r in results if r["recipe"] != REFERENCE and current(r) and not replaced(r)]  # the default rule's
     out = []
     for key in dict.fromkeys((r["recipe"], family(r)) for r in rows):
         runs = [r for r in rows if (r["recipe"], family(r)) == key]
@@ -219,16 +238,22 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
     arms = [a for a in ARMS[1:] if any(r["attention"] == a for r in rows)]
     lines = ["| model (recipe) | numerics | params | blocks | none | " + " | ".join(f"{LABEL[a]} - none" for a in arms)
              + " | images/s none | seeds |", "|---|---|---|---|---|" + "---|" * len(arms) + "---|---|"]
-    for key in dict.fromkeys((r["recipe"], family(r) if "precision" in r else "") for r in rows):
-        runs = [r for r in rows if (r["recipe"], family(r) if "precision" in r else "") == key]
+    def fam(r: dict) -> str:
+        return family(r) if "precision" in r else ""
+
+    keys = dict.fromkeys((r["recipe"], fam(r), in_se) for r in rows for in_se in (False, True)
+                         if in_se == replaced(r) or (in_se and r["attention"] == "none"))
+    for key in keys:
+        runs = [r for r in rows if (r["recipe"], fam(r)) == key[:2] and (r["attention"] == "none" or replaced(r) == key[2])]
         arm: Dict[str, Dict[int, dict]] = {a: {r["seed"]: r for r in runs if r["attention"] == a} for a in ARMS}
-        if not arm["none"]:
+        if not arm["none"] or not any(arm[a] for a in ARMS[1:]) and key[2]:
             continue
         speeds = [r["images_per_s"] for r in arm["none"].values() if not r.get("resumed")]  # a resumed run's time is split
         first = runs[0]
         recipe = key[0]
-        where = f"`{Path(recipe).name}`" + (f", runs of {first['source']}" if first.get("source") else "")
-        blocks = sorted({r.get("blocks") or blocks_of(recipe, r["attention"]) for r in runs
+        where = f"`{Path(recipe).name}`" + (f", runs of {first['source']}" if first.get("source") else "") \
+            + (", **in the SE's place**" if key[2] else "")
+        blocks = sorted({r.get("blocks") or blocks_of(recipe, r["attention"], key[2]) for r in runs
                          if r["attention"] != "none" and not r.get("source")})  # rows before "blocks" was kept
         seeds = sorted({r["seed"] for r in runs})
         speed = f"{statistics.median(speeds):.0f}" if speeds else "—"
@@ -241,7 +266,8 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
     lines.append(f"{first['epochs']} epochs, 2 threads, SGD at batch 512 (`configs/timm/base.yaml`); scored on the "
                  f"{first['eval_split']}; accuracies in %, differences in points paired by seed (**mean** over the seeds, "
                  "then each seed), within one row's numerics only; blocks: how many the default rule puts in "
-                 "(`insert_attention`, `init: identity`). Images/s: median of the runs timed in one sitting, under "
+                 "(`insert_attention`, `init: identity`; **in the SE's place**: `replace_se=True`, each of the "
+                 "model's own SE modules replaced by the block, beside the same `none` runs). Images/s: median of the runs timed in one sitting, under "
                  "the day's load." + (f" Furthest below `none`: {LABEL[low[2]]} in `{Path(low[1]).name}` ({low[3]}), "
                                       f"{low[0]:+.2f}." if low else "")
                  + (f" {len(history)} block runs at the earlier sites (after every inverted residual's projection) are "
@@ -264,6 +290,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--recipes", nargs="*", default=RECIPES)
     ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1])
     ap.add_argument("--arms", nargs="*", default=list(DEFAULT_ARMS), choices=ARMS, help="none and the blocks to insert")
+    ap.add_argument("--in-se-place", action="store_true",
+                    help="each block in the place of the model's own SE modules (replace_se=True), not after them")
     ap.add_argument("--epochs", type=int, default=4, help="the budget of every run (the CPU recipe's 4)")
     ap.add_argument("--no-reference", action="store_true", help=f"leave out {REFERENCE} (resnet_fast)")
     ap.add_argument("--data-root", default=None)

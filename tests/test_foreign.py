@@ -387,6 +387,29 @@ def test_block_runs_at_the_earlier_sites_leave_the_table_for_the_changelog():
         ("b", "none", 0), ("b", "se", 0), ("b", "none", 1), ("b", "se", 1)]
 
 
+def test_blocks_in_the_se_place_are_a_row_of_their_own_beside_the_same_none():
+    """--in-se-place rows (each of MobileNetV3-Small's 9 SE modules replaced) pair with the recipe's own none runs
+    on a line of their own; a resumed sweep tells them from the default rule's runs; the worst-arm sentence is
+    the default rule's."""
+    bench = _bench()
+    base = {"epochs": 4, "precision": "bf16", "cpu": "CPU", "kernels": "amx", "threads": 2, "parameters": 1.5e6,
+            "train_seconds": 1.0, "load_mean": 1.0, "eval_split": "validation split", "git": "x", "images_per_s": 1.0}
+    recipe = "configs/timm/mobilenetv3_small.yaml"
+    none = [bench.row(recipe, "none", s, dict(base, val_acc=0.65)) for s in (0, 1)]
+    kept = [bench.row(recipe, "cbam", s, dict(base, val_acc=0.62)) for s in (0, 1)]
+    moved = [bench.row(recipe, "cbam", s, dict(base, val_acc=0.645 + 0.01 * s), replace=True) for s in (0, 1)]
+    assert {r["placement"] for r in moved} == {"se-replaced"} and {r["blocks"] for r in moved} == {9}
+    assert {r["blocks"] for r in kept} == {6} and "replace_se: true" in moved[0]["command"]
+    assert bench.done(kept, recipe, "cbam", 0, 4) and not bench.done(kept, recipe, "cbam", 0, 4, replace=True)
+    assert bench.done(moved, recipe, "cbam", 1, 4, replace=True) and not bench.done(moved, recipe, "cbam", 1, 4)
+    text = bench.table([*none, *kept, *moved])
+    lines = [ln for ln in text.splitlines() if ln.startswith("| timm/mobilenetv3_small_100")]
+    assert len(lines) == 2 and "in the SE's place" not in lines[0] and "in the SE's place" in lines[1]
+    assert "**-3.00** (-3.00 / -3.00)" in lines[0] and "**+0.00** (-0.50 / +0.50)" in lines[1]
+    assert "| 6 |" in lines[0] and "| 9 |" in lines[1] and "65.00" in lines[1]  # the same none beside both
+    assert "Furthest below `none`: CBAM in `mobilenetv3_small.yaml` (bf16 on amx), -3.00." in text
+
+
 def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_precision_and_kernels(tmp_path):
     bench = _bench()
     base = {"epochs": 4, "precision": "fp32", "cpu": "CPU", "kernels": "avx2", "threads": 2, "parameters": 2e6,
