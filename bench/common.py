@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -33,6 +32,7 @@ from typing import Any, Callable, Dict, Hashable, List, Mapping, NamedTuple, Opt
 
 from visattn.errors import ConfigError
 from visattn.options import ArgumentParser, check_at_least, describe
+from visattn.rundir import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -114,16 +114,6 @@ def add_flags(ap: argparse.ArgumentParser, *, threads: bool = False, precision: 
                       "also write the results here" if out is True else "the results file written (default: %(default)s)"))
     for name, spellings, kwargs, text in specs:
         ap.add_argument(*spellings, *(aliases or {}).get(name, ()), dest=name, help=(help or {}).get(name, text), **kwargs)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def kernels(device: str = "auto") -> str:

@@ -306,6 +306,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for recipe in args.recipes:
         if not (ROOT / recipe).is_file():
             raise ConfigError(f"--recipes: {recipe} not found")
+        if args.in_se_place and not args.report:  # before any run: a recipe whose model has no SE of its own
+            try:
+                blocks_of(recipe, "se", replace=True)
+            except ValueError as e:
+                raise ConfigError(f"--in-se-place: {recipe}: {e}") from None
     if args.report:
         path = Path(args.results)
         text = table(check_rows(path, read_json(path, list), ROW_FIELDS))  # a damaged row: one line naming it

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import shlex
 import sys
 import time
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from visattn.errors import DataError
+from visattn.rundir import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "finetune_torchvision.json"
@@ -43,16 +43,6 @@ BATCH = 256
 BASE_LR = 4e-3
 BEGIN = "<!-- torchvision finetune table: python examples/finetune_torchvision.py --report -->"
 END = "<!-- end of torchvision finetune table -->"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def stamp(argv: List[str]) -> Dict[str, str]:

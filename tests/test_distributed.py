@@ -202,8 +202,8 @@ def test_torchrun_two_ranks_agree_count_all_images_and_resume_exactly(tmp_path):
     ({}, False),
     ({"WORLD_SIZE": "1"}, False),  # torchrun with one rank trains as one process ...
     ({"WORLD_SIZE": "1", "VISATTN_DATA_PARALLEL": "1"}, True),  # ... unless asked to take the data-parallel path
-    ({"VISATTN_DATA_PARALLEL": "1"}, False),  # not under torchrun: nothing to be parallel with
     ({"WORLD_SIZE": "2"}, True),
+    ({"WORLD_SIZE": "2", "VISATTN_DATA_PARALLEL": "0"}, True),
 ])
 def test_the_data_parallel_path_is_taken_from_two_ranks_or_when_asked(monkeypatch, env, data_parallel):
     from visattn.trainer import DistInfo
@@ -213,3 +213,21 @@ def test_the_data_parallel_path_is_taken_from_two_ranks_or_when_asked(monkeypatc
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     assert DistInfo().enabled is data_parallel
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"VISATTN_DATA_PARALLEL": "1"}, "not started by torchrun"),  # nothing to be parallel with
+    ({"WORLD_SIZE": "1", "VISATTN_DATA_PARALLEL": "yes"}, "must be 0 or 1, got 'yes'"),
+    ({"WORLD_SIZE": "1", "VISATTN_DATA_PARALLEL": ""}, "must be 0 or 1, got ''"),
+])
+def test_a_bad_data_parallel_switch_is_one_line_before_anything_is_written(monkeypatch, tmp_path, env, says):
+    from conftest import run_cli
+
+    for name in ("WORLD_SIZE", "VISATTN_DATA_PARALLEL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    done = run_cli(["--config", str(SMOKE), f"run_dir={tmp_path / 'run'}", *OVERRIDES])
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and says in done.stderr
+    assert not (tmp_path / "run").exists()

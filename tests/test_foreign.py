@@ -451,6 +451,16 @@ def test_the_bench_refuses_bad_flags_in_one_line(argv):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
+def test_blocks_in_the_se_place_of_a_model_without_se_are_refused_before_any_run(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.foreign_models", "--in-se-place", "--recipes",
+                           "configs/timm/regnetx_002.yaml", "--results", str(out), "--runs", str(tmp_path / "runs")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert "--in-se-place: configs/timm/regnetx_002.yaml:" in proc.stderr and "squeeze-and-excitation" in proc.stderr
+    assert not out.exists() and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("content,says", [("[]", "no runs to report"), ("[{}]", "row 1 has no 'model'"), ("{", "not a readable JSON file"),
                                           ('[{"model": true}]', "'model', which must be a string")])
 def test_the_report_refuses_a_damaged_or_empty_results_file_in_one_line(tmp_path, content, says):

@@ -210,3 +210,11 @@ def test_ema_decay_follows_the_step_count():
     d = ema.get_decay(2)
     assert step == 2 and 0 < d < 0.999
     assert torch.allclose(ema.module.weight, d * before + (1 - d) * model.weight, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "4"])
+def test_a_step_policys_host_reads_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="host_every must be a positive int or None"):
+        trainer.StepPolicy(torch.device("cpu"), host_every=bad)
+    assert trainer.host_check_every(trainer.StepPolicy(torch.device("cpu"), host_every=3)) == 3
+    assert trainer.host_check_every(trainer.StepPolicy(torch.device("cpu"))) == 1

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import pickle
+import platform
 import random
 import re
 import shutil
@@ -693,6 +694,17 @@ def config_diff(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "") -> List[
         elif va != vb:
             out.append(key)
     return out
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says: what results files record."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def git_revision() -> str:

@@ -109,8 +109,13 @@ class DistInfo:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        forced = "WORLD_SIZE" in os.environ and os.environ.get("VISATTN_DATA_PARALLEL") == "1"
-        self.enabled = self.world_size > 1 or forced
+        forced = os.environ.get("VISATTN_DATA_PARALLEL", "0")
+        if forced not in ("0", "1"):
+            raise ConfigError(f"VISATTN_DATA_PARALLEL must be 0 or 1, got {forced!r}")
+        if forced == "1" and "WORLD_SIZE" not in os.environ:
+            raise ConfigError("VISATTN_DATA_PARALLEL=1 takes the data-parallel path under torchrun; this process was "
+                              "not started by torchrun (no WORLD_SIZE)")
+        self.enabled = self.world_size > 1 or forced == "1"
         self.is_main = self.rank == 0
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -153,6 +158,10 @@ class StepPolicy:
     reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # all-reduce under data parallelism
     distill: Optional[Distill] = None  # a teacher's logits in the loss
     host_every: Optional[int] = None  # steps between host reads; None: every step on a CPU, check_every on a GPU
+
+    def __post_init__(self) -> None:
+        if self.host_every is not None and not (type(self.host_every) is int and self.host_every >= 1):
+            raise ValueError(f"StepPolicy.host_every must be a positive int or None, got {self.host_every!r}")
 
 
 class Stat(enum.IntEnum):
