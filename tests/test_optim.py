@@ -117,3 +117,59 @@ def test_muon_leaves_the_classifier_to_adamw_whatever_the_norm_bias_lr_scale(sca
     assert any(routes[n] for n, p in model.named_parameters() if p.ndim == 4)  # the convolutions are Muon's
     scaled = [g for g in opt.param_groups if g.get("lr_scale", 1.0) != 1.0]
     assert bool(scaled) == (scale != 1.0)  # the backbone's norm biases keep their own rate
+
+
+def _small_attn_model():
+    torch.manual_seed(0)
+    return create_model("resnet_fast", widths=[8, 16, 16], stem_width=8, attention="cbam")
+
+
+@pytest.mark.parametrize("sched", ["onecycle", "cosine", "constant"])
+@pytest.mark.parametrize("attn,norm_bias", [(0.1, 1.0), (0.1, 64.0), (4.0, 1.0)])
+def test_attn_lr_scale_moves_every_block_parameter_and_nothing_else(sched, attn, norm_bias):
+    """optim.attn_lr_scale: each parameter of an attention block (its own norms too) trains at lr times the
+    scale under every schedule, the backbone's norm biases at norm_bias_lr_scale, everything else at lr; weight
+    decay is what it is at scale 1."""
+    from visattn.registry import backbone_modules, is_attention_block
+
+    model = _small_attn_model()
+    in_blocks = {id(p) for m in model.modules() if is_attention_block(m) for p in m.parameters()}
+    norm_biases = {id(m.bias) for m in backbone_modules(model) if isinstance(m, torch.nn.BatchNorm2d)}
+    assert in_blocks and norm_biases and not in_blocks & norm_biases
+    want = {id(p): attn if id(p) in in_blocks else norm_bias if id(p) in norm_biases else 1.0
+            for p in model.parameters() if p.requires_grad}
+    opt = trainer.build_optimizer(model, "sgd", 0.1, 5e-4, norm_bias_lr_scale=norm_bias, attn_lr_scale=attn)
+    plain = trainer.build_optimizer(model, "sgd", 0.1, 5e-4)
+    assert _decay_by_name(model, opt) == _decay_by_name(model, plain)
+    sched_ = trainer.StepScheduler(opt, sched, 0.1, total_steps=40, warmup_steps=8)
+    for step in range(30):
+        rest = [g["lr"] for g in opt.param_groups if all(want[id(p)] == 1.0 for p in g["params"])]
+        assert rest and len(set(rest)) == 1 and rest[0] > 0
+        for g in opt.param_groups:
+            for p in g["params"]:
+                assert g["lr"] == pytest.approx(rest[0] * want[id(p)], rel=1e-9), (sched, step)
+        opt.step()
+        sched_.step()
+
+
+@pytest.mark.parametrize("norm_bias", [1.0, 64.0])
+def test_attn_lr_scale_one_keeps_the_groups_a_checkpoint_was_saved_with(norm_bias):
+    """At attn_lr_scale=1 the parameter groups, and so a saved optimizer state, are those built before the option
+    existed: timm's groups, split only by the backbone's norm biases where norm_bias_lr_scale is not 1."""
+    from timm.optim import create_optimizer_v2, param_groups_weight_decay
+
+    from visattn.registry import backbone_modules
+
+    model = _small_attn_model()
+    opt = trainer.build_optimizer(model, "sgd", 0.1, 5e-4, norm_bias_lr_scale=norm_bias, attn_lr_scale=1.0)
+    got = [[id(p) for p in g["params"]] for g in opt.param_groups]
+    if norm_bias == 1.0:
+        ref = create_optimizer_v2(model, opt="sgd", lr=0.1, weight_decay=5e-4, momentum=0.9)
+        assert got == [[id(p) for p in g["params"]] for g in ref.param_groups]
+    else:
+        nb = {id(m.bias) for m in backbone_modules(model) if isinstance(m, torch.nn.BatchNorm2d)}
+        want = []
+        for g in param_groups_weight_decay(model, 5e-4):
+            ids = [id(p) for p in g["params"]]
+            want += [part for part in ([i for i in ids if i not in nb], [i for i in ids if i in nb]) if part]
+        assert got == want

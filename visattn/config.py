@@ -281,6 +281,7 @@ class OptimConfig(_Section):
     weight_decay: float = Field(5e-4, ge=0, le=1)
     no_decay_norm_bias: bool = True  # no weight decay on norm weights and biases (1-d parameters)
     norm_bias_lr_scale: float = Field(1.0, gt=0, le=1000)  # norm-layer biases train at lr times this (airbench: 64)
+    attn_lr_scale: float = Field(1.0, gt=0, le=1000)  # every attention block's parameters train at lr times this
     grad_clip: Optional[float] = Field(None, gt=0)
 
     @field_validator("betas")

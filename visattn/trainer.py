@@ -86,7 +86,8 @@ RESUME_MUST_MATCH = ("model", "data")  # config sections a resume may not silent
 # lr, momentum, betas and weight decay; the schedule its shape): never changed on resume, even with
 # resume_allow_changes. optim.grad_clip and precision (a fresh fp16 loss scale) are taken as given.
 RESUME_FIXED = tuple(f"optim.{k}" for k in ("name", "lr", "momentum", "nesterov", "betas", "weight_decay",
-                                              "no_decay_norm_bias", "norm_bias_lr_scale")) + \
+                                              "no_decay_norm_bias", "norm_bias_lr_scale",
+                                              "attn_lr_scale")) + \
     tuple(f"sched.{k}" for k in ("name", "warmup_epochs", "min_lr_ratio", "anneal", "start_lr_ratio")) + \
     tuple(f"train.{k}" for k in ("ema_decay", "ema_warmup", "lookahead_every", "lookahead_decay", "lookahead_power"))
 MAX_PARAMETERS = 2_000_000_000  # a model larger than this is a typo in model.widths, not a CIFAR model
@@ -877,7 +878,7 @@ def _build_optimization(cfg: Config, model: nn.Module, steps_per_epoch: int, dev
                         precision: str) -> Optimization:
     o = cfg.optim
     optimizer = build_optimizer(model, o.name, o.lr, o.weight_decay, o.momentum, o.nesterov, o.betas,
-                                       o.no_decay_norm_bias, o.norm_bias_lr_scale)
+                                o.no_decay_norm_bias, o.norm_bias_lr_scale, attn_lr_scale=o.attn_lr_scale)
     total = steps_per_epoch * cfg.train.epochs
     scheduler = _schedule(cfg, optimizer, steps_per_epoch)
     t = cfg.train
@@ -914,7 +915,7 @@ def make_scaler(device: torch.device, precision: str) -> Optional[torch.amp.Grad
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, momentum: float = 0.9,
                     nesterov: bool = True, betas: Sequence[float] = (0.9, 0.999),
                     no_decay_norm_bias: bool = True, norm_bias_lr_scale: float = 1.0,
-                    native_bf16: Optional[bool] = None) -> torch.optim.Optimizer:
+                    native_bf16: Optional[bool] = None, attn_lr_scale: float = 1.0) -> torch.optim.Optimizer:
     """SGD (Nesterov by default), AdamW or Muon through timm's ``create_optimizer_v2``.
 
     Muon (timm's ``Muon``, Jordan et al. 2024) orthogonalises the momentum of every weight matrix and
@@ -929,7 +930,10 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     model lists in ``no_weight_decay()`` (a ViT's ``pos_embed`` and ``cls_token``) get no weight decay.
     ``norm_bias_lr_scale`` puts the biases of the norm layers in a group of their own whose learning rate is
     that many times ``lr`` (airbench trains BatchNorm biases 64x faster); the schedulers honour it. That rule
-    is the backbone's: the norms inside attention blocks train at ``lr``.
+    is the backbone's: the norms inside attention blocks train at ``lr``. ``attn_lr_scale`` does the same for
+    every parameter of the attention blocks (:func:`~visattn.registry.is_attention_block`, their own norms
+    included): a block inserted into a network trains at that many times the network's rate. At 1 (the default)
+    the groups are timm's own, so a checkpoint saved without these options resumes unchanged.
     """
     from timm.optim import create_optimizer_v2
 
@@ -947,9 +951,9 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     else:
         raise ConfigError(f"optim.name: unknown optimizer {name!r}; valid: sgd, adamw, muon")
     params: Any = model
-    if norm_bias_lr_scale != 1.0:  # groups made here: they carry Muon's fallback marks themselves
-        params = _groups_with_norm_bias_scale(model, weight_decay, no_decay_norm_bias, norm_bias_lr_scale,
-                                              MUON_FALLBACK if name == "muon" else ())
+    if norm_bias_lr_scale != 1.0 or attn_lr_scale != 1.0:  # groups made here: they carry Muon's fallback marks
+        params = _scaled_groups(model, weight_decay, no_decay_norm_bias, norm_bias_lr_scale, attn_lr_scale,
+                                MUON_FALLBACK if name == "muon" else ())
     optimizer = create_optimizer_v2(params, opt=opt, lr=lr, weight_decay=weight_decay,
                                     filter_bias_and_bn=no_decay_norm_bias, **kwargs)
     if name == "muon" and not (_native_bf16_for(model) if native_bf16 is None else native_bf16):
@@ -980,26 +984,32 @@ def _newton_schulz_in_fp32(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = types.MethodType(step_fp32, optimizer)  # type: ignore[method-assign]
 
 
-def _groups_with_norm_bias_scale(model: nn.Module, weight_decay: float, no_decay_1d: bool,
-                                 scale: float, fallback: Sequence[str] = ()) -> List[Dict[str, Any]]:
-    """timm's weight-decay groups (as ``create_optimizer_v2`` makes them from a model), with the backbone's norm
-    biases split off at ``lr_scale=scale``. ``fallback``: Muon's AdamW patterns (:data:`MUON_FALLBACK`); their
-    groups are marked ``use_fallback``, as timm marks them, since Muon cannot read names from param groups."""
+def _scaled_groups(model: nn.Module, weight_decay: float, no_decay_1d: bool, norm_bias_scale: float = 1.0,
+                   attn_scale: float = 1.0, fallback: Sequence[str] = ()) -> List[Dict[str, Any]]:
+    """timm's weight-decay groups (as ``create_optimizer_v2`` makes them from a model), each split, in this order,
+    into the rest, the backbone's norm biases (``lr_scale=norm_bias_scale``) and the attention blocks' parameters
+    (``lr_scale=attn_scale``). A part splits off only where its scale is not 1 and empty parts are left out, so
+    the groups are those a checkpoint saved before ``attn_scale`` existed was built with. A
+    block's own norms are the block's (``attn_scale``), not the backbone's. ``fallback``: Muon's AdamW patterns
+    (:data:`MUON_FALLBACK`); their groups are marked ``use_fallback``, as timm marks them, since Muon cannot read
+    names from param groups."""
     from timm.optim import param_groups_weight_decay
 
     norm_types = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm)
-    # the backbone's norms only: a block's own norms (a gate's BN, a residual block's output BN) keep lr
-    norm_biases = {id(m.bias) for m in backbone_modules(model) if isinstance(m, norm_types) and m.bias is not None}
+    norm_biases = {id(m.bias) for m in backbone_modules(model) if isinstance(m, norm_types) and m.bias is not None
+                   } if norm_bias_scale != 1.0 else set()
+    in_blocks = {id(p) for m in model.modules() if is_attention_block(m) for p in m.parameters()
+                 } if attn_scale != 1.0 else set()
     skip = set(getattr(model, "no_weight_decay", lambda: set())())
     groups = param_groups_weight_decay(model, weight_decay, weight_decay_exclude_1d=no_decay_1d,
                                        no_weight_decay_list=skip, fallback_list=fallback,
                                        fallback_no_weight_decay=bool(fallback))
     out = []
     for g in groups:
-        rest = [p for p in g["params"] if id(p) not in norm_biases]
-        fast = [p for p in g["params"] if id(p) in norm_biases]
-        out += [dict(g, params=rest)] if rest else []
-        out += [dict(g, params=fast, lr_scale=scale)] if fast else []
+        parts = ([p for p in g["params"] if id(p) not in norm_biases and id(p) not in in_blocks], None), \
+                ([p for p in g["params"] if id(p) in norm_biases], norm_bias_scale), \
+                ([p for p in g["params"] if id(p) in in_blocks], attn_scale)
+        out += [dict(g, params=ps, **({} if scale is None else {"lr_scale": scale})) for ps, scale in parts if ps]
     return out
 
 
@@ -1030,7 +1040,10 @@ class StepScheduler:
                 optimizer, t_initial=max(total_steps - warmup_steps, 1), lr_min=lr * min_lr_ratio,
                 warmup_t=warmup_steps, warmup_lr_init=lr * 0.01, warmup_prefix=True, t_in_epochs=False,
             )
-        elif name != "constant":
+        elif name == "constant":
+            for g in optimizer.param_groups:  # as the other two: each group at lr times its "lr_scale"
+                g["lr"] = lr * g.get("lr_scale", 1.0)
+        else:
             raise ConfigError(f"sched.name: unknown schedule {name!r}; valid: onecycle, cosine, constant")
 
     def step(self) -> None:
