@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import json
 import statistics
 import sys
@@ -68,7 +69,7 @@ END = "<!-- end of foreign models table -->"
 ROW_FIELDS = {"model": "str", "recipe": "str", "attention": "str", "seed": "int", "epochs": "int", "val_acc": "number",
               "images_per_s": "number", "precision": "str", "cpu": "str", "kernels": "str", "threads": "int",
               "batch_size": "int", "lr": "number", "optimizer": "str", "parameters": "int", "eval_split": "str",
-              "resumed": "bool?"}
+              "resumed": "bool?", "attn_lr_scale": "number?"}
 
 
 def blocks_of(recipe: str, attention: str, replace: bool = False) -> int:
@@ -90,8 +91,8 @@ def row(recipe: str, attention: str, seed: int, run: dict, replace: bool = False
     from visattn.config import load_config
 
     cfg = load_config(ROOT / recipe)
-    placement = {"placement": REPLACED if replace else PLACEMENT,
-                 "blocks": blocks_of(recipe, attention, replace)} if attention != "none" else {}
+    placement = {"placement": REPLACED if replace else PLACEMENT, "blocks": blocks_of(recipe, attention, replace),
+                 "attn_lr_scale": cfg.optim.attn_lr_scale} if attention != "none" else {}
     return {"model": cfg.model.name, "recipe": recipe, "attention": attention, "seed": seed, "epochs": run["epochs"],
             "val_acc": run["val_acc"], "images_per_s": round(run["images_per_s"], 1), "precision": run["precision"],
             "cpu": run["cpu"], "kernels": run["kernels"], "threads": run["threads"], "batch_size": cfg.train.batch_size,
@@ -120,12 +121,32 @@ def family(r: dict) -> str:
     return f"{r['precision']} on {r['kernels']}"
 
 
+def lr_scale(r: dict) -> float:
+    """The rate a block run's blocks trained at, times the network's (``optim.attn_lr_scale``; rows from before the
+    option: 1)."""
+    return float(r.get("attn_lr_scale", 1.0))
+
+
+@functools.lru_cache(maxsize=None)
+def recipe_lr_scale(recipe: str) -> float:
+    """The recipe's own ``optim.attn_lr_scale`` (1 for a recipe that is not a file here: the reference's rows)."""
+    from visattn.config import load_config
+
+    path = ROOT / recipe
+    return load_config(path).optim.attn_lr_scale if path.is_file() else 1.0
+
+
+def as_recipe(r: dict) -> bool:
+    """A run of the recipe as it stands: no block, or its blocks at the recipe's ``optim.attn_lr_scale``."""
+    return r["attention"] == "none" or lr_scale(r) == recipe_lr_scale(r["recipe"])
+
+
 def done(results: List[dict], recipe: str, attention: str, seed: int, epochs: int, numerics: Optional[str] = None,
          replace: bool = False) -> bool:
     """A current run of these settings (on this machine's precision and kernels, ``numerics``; ``replace``: in the
-    SE's place) is there."""
+    SE's place; its blocks at the recipe's ``optim.attn_lr_scale``) is there."""
     return any(r["recipe"] == recipe and r["attention"] == attention and r["seed"] == seed and r["epochs"] == epochs
-               and current(r) and (numerics is None or family(r) == numerics)
+               and current(r) and as_recipe(r) and (numerics is None or family(r) == numerics)
                and (attention == "none" or replaced(r) == replace) for r in results)
 
 
@@ -213,7 +234,8 @@ def _delta(arm: Dict[int, dict], none: Dict[int, dict]) -> str:
 
 def worst(results: List[dict]) -> Optional[tuple]:
     """(paired mean difference, recipe, arm, family) of the arm furthest below ``none``, over the current runs."""
-    rows = [r for r in results if r["recipe"] != REFERENCE and current(r) and not replaced(r)]  # the default rule's
+    # the default rule's, as the recipe stands
+    rows = [r for r in results if r["recipe"] != REFERENCE and current(r) and not replaced(r) and as_recipe(r)]
     out = []
     for key in dict.fromkeys((r["recipe"], family(r)) for r in rows):
         runs = [r for r in rows if (r["recipe"], family(r)) == key]
@@ -241,18 +263,27 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
     def fam(r: dict) -> str:
         return family(r) if "precision" in r else ""
 
-    keys = dict.fromkeys((r["recipe"], fam(r), in_se) for r in rows for in_se in (False, True)
-                         if in_se == replaced(r) or (in_se and r["attention"] == "none"))
+    # a row per recipe, family and variant: (in the SE's place, the blocks' lr scale); none's runs join each variant
+    variants = {(r["recipe"], fam(r)): {(False, recipe_lr_scale(r["recipe"]))} for r in rows}
+    for r in rows:
+        if r["attention"] != "none":
+            variants[(r["recipe"], fam(r))].add((replaced(r), lr_scale(r)))
+    ordered = lambda v, recipe: (v[0], v[1] != recipe_lr_scale(recipe), v[1])  # the recipe's own first  # noqa: E731
+    keys = [(*rf, *v) for rf, vs in variants.items() for v in sorted(vs, key=lambda v: ordered(v, rf[0]))]
     for key in keys:
-        runs = [r for r in rows if (r["recipe"], fam(r)) == key[:2] and (r["attention"] == "none" or replaced(r) == key[2])]
+        runs = [r for r in rows if (r["recipe"], fam(r)) == key[:2]
+                and (r["attention"] == "none" or (replaced(r), lr_scale(r)) == key[2:])]
         arm: Dict[str, Dict[int, dict]] = {a: {r["seed"]: r for r in runs if r["attention"] == a} for a in ARMS}
-        if not arm["none"] or not any(arm[a] for a in ARMS[1:]) and key[2]:
+        blocked = any(arm[a] for a in ARMS[1:])
+        # none alone: a row only where the recipe has no block runs on this family at all
+        if not arm["none"] or not blocked and (key[2:] != (False, recipe_lr_scale(key[0])) or len(variants[key[:2]]) > 1):
             continue
         speeds = [r["images_per_s"] for r in arm["none"].values() if not r.get("resumed")]  # a resumed run's time is split
         first = runs[0]
         recipe = key[0]
         where = f"`{Path(recipe).name}`" + (f", runs of {first['source']}" if first.get("source") else "") \
-            + (", **in the SE's place**" if key[2] else "")
+            + (", **in the SE's place**" if key[2] else "") \
+            + (f", blocks at **{key[3]:g}x** lr" if blocked and (key[3] != 1.0 or recipe_lr_scale(recipe) != 1.0) else "")
         blocks = sorted({r.get("blocks") or blocks_of(recipe, r["attention"], key[2]) for r in runs
                          if r["attention"] != "none" and not r.get("source")})  # rows before "blocks" was kept
         seeds = sorted({r["seed"] for r in runs})
@@ -267,8 +298,10 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
                  f"{first['eval_split']}; accuracies in %, differences in points paired by seed (**mean** over the seeds, "
                  "then each seed), within one row's numerics only; blocks: how many the default rule puts in "
                  "(`insert_attention`, `init: identity`; **in the SE's place**: `replace_se=True`, each of the "
-                 "model's own SE modules replaced by the block, beside the same `none` runs). Images/s: median of the runs timed in one sitting, under "
-                 "the day's load." + (f" Furthest below `none`: {LABEL[low[2]]} in `{Path(low[1]).name}` ({low[3]}), "
+                 "model's own SE modules replaced by the block, beside the same `none` runs); **Nx** lr: the blocks' "
+                 "parameters train at N times the network's lr (`optim.attn_lr_scale`; the inverted-residual recipes "
+                 "set 0.1, the others keep 1), a row of its own for each. Images/s: median of the runs timed in one "
+                 "sitting, under the day's load." + (f" Furthest below `none`: {LABEL[low[2]]} in `{Path(low[1]).name}` ({low[3]}), "
                                       f"{low[0]:+.2f}." if low else "")
                  + (f" {len(history)} block runs at the earlier sites (after every inverted residual's projection) are "
                     "history: [changelog](changelog.md#blocks-at-the-earlier-sites-in-inverted-residuals)." if history else ""))

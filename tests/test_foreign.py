@@ -410,6 +410,32 @@ def test_blocks_in_the_se_place_are_a_row_of_their_own_beside_the_same_none():
     assert "Furthest below `none`: CBAM in `mobilenetv3_small.yaml` (bf16 on amx), -3.00." in text
 
 
+def test_blocks_at_another_lr_scale_than_the_recipes_are_a_row_of_their_own_and_do_not_count_as_done():
+    """The inverted-residual recipes train their blocks at optim.attn_lr_scale=0.1. Block runs at another scale
+    (the rows from before, at 1) pair with the same none runs on a line of their own, are not the recipe's runs
+    to a resumed sweep, and are left out of the worst-arm sentence; none's runs count at any scale."""
+    bench = _bench()
+    recipe = "configs/timm/mobilenetv3_small.yaml"
+    assert bench.recipe_lr_scale(recipe) == 0.1 and bench.recipe_lr_scale("configs/timm/regnetx_002.yaml") == 1.0
+    base = {"epochs": 4, "precision": "fp32", "cpu": "CPU", "kernels": "avx2", "threads": 2, "parameters": 1.5e6,
+            "train_seconds": 1.0, "load_mean": 1.0, "eval_split": "validation split", "git": "x", "images_per_s": 1.0}
+    none = [bench.row(recipe, "none", s, dict(base, val_acc=0.60)) for s in (0, 1)]
+    slow = [bench.row(recipe, "coord", s, dict(base, val_acc=0.62)) for s in (0, 1)]
+    fast = [dict(r, attn_lr_scale=1.0, val_acc=0.55) for r in slow]
+    assert {r["attn_lr_scale"] for r in slow} == {0.1} and "attn_lr_scale" not in none[0]
+    assert bench.done(slow, recipe, "coord", 0, 4) and not bench.done(fast, recipe, "coord", 0, 4)
+    assert not bench.done([{k: v for k, v in r.items() if k != "attn_lr_scale"} for r in slow], recipe, "coord", 0, 4)
+    assert bench.done(none, recipe, "none", 1, 4)
+    text = bench.table([*none, *fast, *slow])
+    lines = [ln for ln in text.splitlines() if ln.startswith("| timm/mobilenetv3_small_100")]
+    assert len(lines) == 2 and "blocks at **0.1x** lr" in lines[0] and "blocks at **1x** lr" in lines[1]
+    assert "**+2.00** (+2.00 / +2.00)" in lines[0] and "**-5.00** (-5.00 / -5.00)" in lines[1]
+    assert "60.00" in lines[0] and "60.00" in lines[1]  # the same none beside both
+    assert "Furthest below `none`: coord in `mobilenetv3_small.yaml` (fp32 on avx2), +2.00." in text
+    only_fast = [ln for ln in bench.table([*none, *fast]).splitlines() if ln.startswith("| timm/mobilenetv3_small_100")]
+    assert len(only_fast) == 1 and "**1x**" in only_fast[0]  # no empty line for the recipe's own scale
+
+
 def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_precision_and_kernels(tmp_path):
     bench = _bench()
     base = {"epochs": 4, "precision": "fp32", "cpu": "CPU", "kernels": "avx2", "threads": 2, "parameters": 2e6,
