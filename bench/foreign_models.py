@@ -256,6 +256,11 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
         raise ConfigError(f"{RESULTS.name}: no runs to report (train some first: python -m bench.foreign_models)")
     rows = [r for r in results if r["recipe"] != REFERENCE and current(r)]
     history = [r for r in results if not current(r)]
+    # block runs at another lr scale than the recipe's stay as the control of the recipe's runs on the same family;
+    # where that family has none of the recipe's they are the earlier recipe's, and history
+    ours = {(r["recipe"], family(r)) for r in rows if r["attention"] != "none" and as_recipe(r)}
+    earlier = [r for r in rows if not as_recipe(r) and (r["recipe"], family(r)) not in ours]
+    rows = [r for r in rows if not any(r is e for e in earlier)]
     rows += reference_rows(results) if reference is None else reference
     arms = [a for a in ARMS[1:] if any(r["attention"] == a for r in rows)]
     lines = ["| model (recipe) | numerics | params | blocks | none | " + " | ".join(f"{LABEL[a]} - none" for a in arms)
@@ -304,7 +309,10 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
                  "sitting, under the day's load." + (f" Furthest below `none`: {LABEL[low[2]]} in `{Path(low[1]).name}` ({low[3]}), "
                                       f"{low[0]:+.2f}." if low else "")
                  + (f" {len(history)} block runs at the earlier sites (after every inverted residual's projection) are "
-                    "history: [changelog](changelog.md#blocks-at-the-earlier-sites-in-inverted-residuals)." if history else ""))
+                    "history: [changelog](changelog.md#blocks-at-the-earlier-sites-in-inverted-residuals)." if history else "")
+                 + (f" {len(earlier)} block runs at another lr scale than their recipe's, on kernels with no run at the "
+                    "recipe's own, are history: [changelog](changelog.md#blocks-at-the-networks-lr-in-inverted-residuals)."
+                    if earlier else ""))
     lines.append("")
     lines.append(f"Published, for scale: {PUBLISHED}.")
     return "\n".join(lines)

@@ -432,8 +432,11 @@ def test_blocks_at_another_lr_scale_than_the_recipes_are_a_row_of_their_own_and_
     assert "**+2.00** (+2.00 / +2.00)" in lines[0] and "**-5.00** (-5.00 / -5.00)" in lines[1]
     assert "60.00" in lines[0] and "60.00" in lines[1]  # the same none beside both
     assert "Furthest below `none`: coord in `mobilenetv3_small.yaml` (fp32 on avx2), +2.00." in text
-    only_fast = [ln for ln in bench.table([*none, *fast]).splitlines() if ln.startswith("| timm/mobilenetv3_small_100")]
-    assert len(only_fast) == 1 and "**1x**" in only_fast[0]  # no empty line for the recipe's own scale
+    # at 1x alone on a family (no run at the recipe's 0.1x there): the earlier recipe's, history, none's line kept
+    only_fast = bench.table([*none, *fast])
+    lines = [ln for ln in only_fast.splitlines() if ln.startswith("| timm/mobilenetv3_small_100")]
+    assert len(lines) == 1 and "**1x**" not in lines[0] and "-5.00" not in only_fast and "60.00" in lines[0]
+    assert "2 block runs at another lr scale than their recipe's" in only_fast
 
 
 def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_precision_and_kernels(tmp_path):
