@@ -9,7 +9,11 @@ Trains ``configs/timm/mobilenetv3_small.yaml`` (the real images, the recipe's da
 * ``earlier``: the earlier rule's 11 sites, after every inverted residual's projection norm (``model.attn_at``);
 * ``earlier-skip``: the same sites in the 6 blocks with a skip only;
 * ``se-slot``: today's rule (the 6 blocks with a skip, after the depthwise conv, at the SE slot);
+* ``se-slot-lr0.1``: the same, the blocks at a tenth of the network's lr (the recipe's ``optim.attn_lr_scale``);
 * ``none``: no block, the loss to compare with.
+
+The block arms but the last train the blocks at the network's lr (``optim.attn_lr_scale=1``), as they were first
+measured.
 
 Every ``--every`` steps it records, per block, from the training batch itself (train mode): the spatial gate's
 mean, spread (std over positions and images) and its minimum, the channel gate's mean, the block's parameter
@@ -33,7 +37,7 @@ RESULTS = ROOT / "bench" / "results" / "gate_dynamics.json"
 DOC = ROOT / "docs" / "blocks.md"
 BEGIN = "<!-- gate dynamics: python -m bench.gate_dynamics --summary --write -->"
 END = "<!-- end of gate dynamics -->"
-ARMS = ("earlier", "earlier-skip", "se-slot", "none")
+ARMS = ("earlier", "earlier-skip", "se-slot", "se-slot-lr0.1", "none")
 
 
 def _sites(arm: str) -> List[str]:
@@ -51,7 +55,7 @@ def _overrides(arm: str, steps: int, run_dir: Path, data_root: Optional[str], pr
     out = [f"run_dir={run_dir}", "seed=0", f"train.max_steps={steps}", "log.progress=false", "log.maps_every=0",
            "log.tensorboard=false"]
     if arm != "none":
-        out.append("model.attention=cbam")
+        out += ["model.attention=cbam", f"optim.attn_lr_scale={0.1 if arm == 'se-slot-lr0.1' else 1}"]
     if arm.startswith("earlier"):
         out.append("model.attn_at=[" + ",".join(_sites(arm)) + "]")
     if data_root:

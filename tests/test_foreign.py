@@ -522,3 +522,16 @@ def test_the_gate_summary_refuses_a_damaged_file_and_leaves_the_docs(tmp_path, c
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert says in proc.stderr and (ROOT / "docs" / "blocks.md").read_bytes() == doc
+
+
+def test_the_gate_probe_pins_each_arms_block_lr_whatever_the_recipe_says(tmp_path):
+    """The recipe trains its blocks at optim.attn_lr_scale=0.1; the probe's first arms were measured at 1x and
+    must rerun at 1x, and se-slot-lr0.1 is the recipe's rate."""
+    from bench import gate_dynamics as g
+    from visattn.config import load_config
+
+    def scale(arm):
+        return load_config(ROOT / g.RECIPE, g._overrides(arm, 5, tmp_path / arm, None, None)).optim.attn_lr_scale
+
+    assert load_config(ROOT / g.RECIPE).optim.attn_lr_scale == 0.1
+    assert [scale(a) for a in ("earlier-skip", "se-slot", "se-slot-lr0.1", "none")] == [1.0, 1.0, 0.1, 0.1]
