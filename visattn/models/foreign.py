@@ -105,6 +105,10 @@ def check_options(package: str, arch: str, options: Dict[str, Any]) -> None:
             raise ValueError(f"option {key!r} of model {package}/{arch} must be {want}, not {value!r}")
     if "cifar_stem" in options and not isinstance(options["cifar_stem"], bool):
         raise ValueError(f"option 'cifar_stem' of model {package}/{arch} must be true or false, not {options['cifar_stem']!r}")
+    m = options.get("bn_momentum")
+    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1):
+        raise ValueError(f"option 'bn_momentum' of model {package}/{arch} must be a number in (0, 1] (torch's "
+                         f"BatchNorm momentum; unset: the package's own), not {m!r}")
     at = options.get("attn_at")
     if isinstance(at, (list, tuple)) and not (at and all(isinstance(p, str) and p for p in at)):
         raise ValueError(f"option 'attn_at' of model {package}/{arch} must be module names or patterns, not {at!r}")
@@ -492,15 +496,21 @@ def _build(package: str, arch: str, num_classes: int, kwargs: Dict[str, Any]) ->
 def build_foreign(package: str, arch: str, num_classes: int = 10, *, attention: str = "none",
                   attn_kwargs: Optional[Dict[str, Any]] = None, attn_at: Union[str, List[str], None] = None,
                   cifar_stem: bool = False, kwargs: Optional[Dict[str, Any]] = None,
-                  pretrained_file: Optional[str] = None) -> nn.Module:
+                  pretrained_file: Optional[str] = None, bn_momentum: Optional[float] = None) -> nn.Module:
     """``package``'s model ``arch`` (see the module docstring); ``model.pretrained_origin`` records a
-    ``pretrained_file`` load (the file, the tensors loaded, the classifier keys replaced)."""
+    ``pretrained_file`` load (the file, the tensors loaded, the classifier keys replaced). ``bn_momentum``: the
+    running-statistics momentum of every BatchNorm of the model (not of the blocks inserted after), instead of
+    the package's (torchvision's MobileNetV3 and timm's ``tf_`` ports use 0.01, made for hundreds of epochs)."""
     options = {"attention": attention, "attn_kwargs": attn_kwargs, "attn_at": attn_at, "cifar_stem": cifar_stem,
-               "kwargs": kwargs, "pretrained_file": pretrained_file}
+               "kwargs": kwargs, "pretrained_file": pretrained_file, "bn_momentum": bn_momentum}
     check_options(package, resolve(package, arch), {k: v for k, v in options.items() if v is not None})
     model = _build(package, arch, num_classes, dict(kwargs or {}))
     if cifar_stem:
         apply_cifar_stem(model, f"{package}/{arch}")
+    if bn_momentum is not None:
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.momentum = float(bn_momentum)
     model.pretrained_origin = load_pretrained(model, pretrained_file, num_classes) if pretrained_file else None
     if attention != "none":
         try:
