@@ -78,6 +78,11 @@ def test_a_model_name_switch_keeps_only_the_options_the_new_model_takes():
     assert cfg.model.options() == {"attention": "cbam"}
     cfg = load_config(ROOT / "configs" / "timm" / "vit_tiny.yaml")  # its base's model options are a ResNet's
     assert cfg.model.options() == {"attention": "none", "kwargs": {"img_size": 32, "patch_size": 4}}
+    # resnet_fast's airbench BN momentum (0.4) is its own design: not carried to a package model's BatchNorms
+    cpu = ROOT / "configs" / "cifar10_cpu.yaml"
+    assert load_config(cpu).model.options()["bn_momentum"] == 0.4
+    assert "bn_momentum" not in load_config(cpu, ["model.name=timm/resnet18"]).model.options()
+    assert load_config(cpu, ["model.name=timm/resnet18", "model.bn_momentum=0.2"]).model.options()["bn_momentum"] == 0.2
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "configs" / "timm").glob("*.yaml")), ids=lambda p: p.stem)
