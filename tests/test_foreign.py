@@ -83,6 +83,9 @@ def test_a_model_name_switch_keeps_only_the_options_the_new_model_takes():
     assert load_config(cpu).model.options()["bn_momentum"] == 0.4
     assert "bn_momentum" not in load_config(cpu, ["model.name=timm/resnet18"]).model.options()
     assert load_config(cpu, ["model.name=timm/resnet18", "model.bn_momentum=0.2"]).model.options()["bn_momentum"] == 0.2
+    # between two package models every option the new one takes stays
+    tv = load_config(ROOT / "configs" / "timm" / "tv_mobilenet_v3_small.yaml", ["model.name=torchvision/mobilenet_v3_large"])
+    assert tv.model.options()["bn_momentum"] == 0.1 and tv.model.options()["cifar_stem"] is True
 
 
 @pytest.mark.parametrize("recipe", sorted((ROOT / "configs" / "timm").glob("*.yaml")), ids=lambda p: p.stem)

@@ -173,3 +173,19 @@ def test_attn_lr_scale_one_keeps_the_groups_a_checkpoint_was_saved_with(norm_bia
             ids = [id(p) for p in g["params"]]
             want += [part for part in ([i for i in ids if i not in nb], [i for i in ids if i in nb]) if part]
         assert got == want
+
+
+@pytest.mark.parametrize("value,says", [(".nan", "finite number"), (".inf", "finite number"), ("true", "not true or false"),
+                                        ("[1]", "valid number"), ("0", "greater than 0"), ("1001", "less than or equal")])
+def test_a_bad_attn_lr_scale_is_one_line_before_anything_is_written(tmp_path, value, says):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train.py", "--config", "configs/smoke.yaml", f"optim.attn_lr_scale={value}",
+                           f"run_dir={run_dir}"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "optim.attn_lr_scale" in proc.stderr and says in proc.stderr
+    assert not run_dir.exists()

@@ -670,20 +670,27 @@ def build_config(tree: Dict[str, Any]) -> Config:
         raise ConfigError(_format_error(e)) from None
 
 
+# what a model.name switch between visattn's own models and a timm / torchvision one keeps of the file's model section
+SWITCH_KEEPS = {"name", "init_from", "attention", "attn_kwargs", "attn_at"}
+
+
 def _switch_model(tree: Dict[str, Any], name: Any) -> None:
     """An override ``model.name=OTHER`` switches the file's model: the file's builder options that ``OTHER``
     does not take are left out (``widths`` of a visattn ResNet for ``timm/resnet18``); the ones it takes stay
-    (``attention``, ``attn_kwargs``), as do ``init_from`` and the overrides that come after."""
+    (``attention``, ``attn_kwargs``), as do ``init_from`` and the overrides that come after. Between visattn's
+    models and a package's only the block options (:data:`SWITCH_KEEPS`) stay."""
     section = tree.get("model")
     if not isinstance(section, dict) or not isinstance(name, str) or section.get("name", "resnet_fast") == name:
         return
     try:
         takes = set(MODELS.options(MODELS.check(name))) | {"name", "init_from"}
+        old = section.get("name", "resnet_fast")
+        across = isinstance(old, str) and (MODELS.namespace(old) is None) != (MODELS.namespace(name) is None)
     except ValueError:  # an unknown name: the schema's check says so
         return
-    # a norm setting is the old model's design (resnet_fast's airbench BN at 0.4), not the new one's: left out, so
-    # the new model keeps its own unless a later override or file names it
-    tree["model"] = {k: v for k, v in section.items() if k in takes - {"bn_momentum"}}
+    if across:  # between visattn's models and a package's a shared name is each one's own design (resnet_fast's
+        takes &= SWITCH_KEEPS  # airbench bn_momentum 0.4 is not timm's BN): only the block options carry over
+    tree["model"] = {k: v for k, v in section.items() if k in takes}
 
 
 def load_config(path: Optional[Union[str, os.PathLike]] = None, overrides: Sequence[str] = ()) -> Config:
