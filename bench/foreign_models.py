@@ -105,11 +105,32 @@ def row(recipe: str, attention: str, seed: int, run: dict, replace: bool = False
                        + (f" '{REPLACE_OVERRIDE}'" if replace and attention != "none" else "")}
 
 
-def current(r: dict) -> bool:
-    """A run the table counts: no block, or a block at this version's sites (not the earlier rule's)."""
+def sited(r: dict) -> bool:
+    """No block, or a block at this version's sites (not the earlier rule's)."""
     from visattn.attention.insert import PLACEMENT
 
     return r["attention"] == "none" or r["recipe"] not in MOVED or r.get("placement") in (PLACEMENT, REPLACED)
+
+
+@functools.lru_cache(maxsize=None)
+def recipe_lr(recipe: str) -> Optional[float]:
+    """The recipe's own ``optim.lr`` (None for a recipe that is not a file here: the reference's rows)."""
+    from visattn.config import load_config
+
+    path = ROOT / recipe
+    return load_config(path).optim.lr if path.is_file() else None
+
+
+def at_recipe_lr(r: dict) -> bool:
+    """A run at the recipe's lr as it stands: a recipe whose lr changed (TinyNet-E's, 0.4 to 0.1) left its earlier
+    runs, ``none``'s too, to history."""
+    lr = recipe_lr(r["recipe"])
+    return lr is None or r["lr"] == lr
+
+
+def current(r: dict) -> bool:
+    """A run the table counts: at this version's sites and at the recipe's lr."""
+    return sited(r) and at_recipe_lr(r)
 
 
 def replaced(r: dict) -> bool:
@@ -255,7 +276,8 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
     if not results:
         raise ConfigError(f"{RESULTS.name}: no runs to report (train some first: python -m bench.foreign_models)")
     rows = [r for r in results if r["recipe"] != REFERENCE and current(r)]
-    history = [r for r in results if not current(r)]
+    history = [r for r in results if not sited(r)]
+    stale = [r for r in results if sited(r) and not at_recipe_lr(r)]
     # block runs at another lr scale than the recipe's stay as the control of the recipe's runs on the same family;
     # where that family has none of the recipe's they are the earlier recipe's, and history
     ours = {(r["recipe"], family(r)) for r in rows if r["attention"] != "none" and as_recipe(r)}
@@ -312,7 +334,9 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
                     "history: [changelog](changelog.md#blocks-at-the-earlier-sites-in-inverted-residuals)." if history else "")
                  + (f" {len(earlier)} block runs at another lr scale than their recipe's, on kernels with no run at the "
                     "recipe's own, are history: [changelog](changelog.md#blocks-at-the-networks-lr-in-inverted-residuals)."
-                    if earlier else ""))
+                    if earlier else "")
+                 + (f" {len(stale)} runs at an earlier lr of their recipe are history: "
+                    "[changelog](changelog.md#runs-at-a-recipes-earlier-lr)." if stale else ""))
     lines.append("")
     lines.append(f"Published, for scale: {PUBLISHED}.")
     return "\n".join(lines)

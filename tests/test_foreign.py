@@ -447,6 +447,26 @@ def test_blocks_at_another_lr_scale_than_the_recipes_are_a_row_of_their_own_and_
     assert "2 block runs at another lr scale than their recipe's" in only_fast
 
 
+def test_runs_at_an_earlier_lr_of_their_recipe_leave_the_table_and_are_not_done():
+    """A recipe whose optim.lr changed (TinyNet-E's, 0.4 to 0.1) is another recipe: its earlier runs, none's too,
+    are neither paired with the new ones nor counted as done by a resumed sweep, and the table says where they went."""
+    bench = _bench()
+    recipe = "configs/timm/tinynet_e.yaml"
+    assert bench.recipe_lr(recipe) == load_config(ROOT / recipe).optim.lr
+    base = {"epochs": 4, "precision": "fp32", "cpu": "CPU", "kernels": "avx2", "threads": 2, "parameters": 0.8e6,
+            "train_seconds": 1.0, "load_mean": 1.0, "eval_split": "validation split", "git": "x", "images_per_s": 1.0}
+    now = [bench.row(recipe, arm, s, dict(base, val_acc=0.5 + 0.01 * (arm == "se"))) for s in (0, 1) for arm in ("none", "se")]
+    then = [dict(r, lr=2 * r["lr"], val_acc=0.3 if r["attention"] == "se" else 0.4) for r in now]
+    assert all(bench.current(r) for r in now) and not any(bench.current(r) for r in then)
+    assert bench.done(now, recipe, "none", 0, 4) and not bench.done(then, recipe, "none", 0, 4)
+    assert not bench.done(then, recipe, "se", 1, 4)
+    text = bench.table([*then, *now])
+    lines = [ln for ln in text.splitlines() if ln.startswith("| timm/tinynet_e")]
+    assert len(lines) == 1 and "50.00" in lines[0] and "**+1.00** (+1.00 / +1.00)" in lines[0]
+    assert "-10.00" not in text and "4 runs at an earlier lr of their recipe are history" in text
+    assert bench.worst([*then, *now])[0] == pytest.approx(1.0)
+
+
 def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_precision_and_kernels(tmp_path):
     bench = _bench()
     base = {"epochs": 4, "precision": "fp32", "cpu": "CPU", "kernels": "avx2", "threads": 2, "parameters": 2e6,
