@@ -99,7 +99,7 @@ def row(recipe: str, attention: str, seed: int, run: dict, replace: bool = False
             "lr": cfg.optim.lr, "optimizer": cfg.optim.name, "parameters": run["parameters"],
             "train_seconds": round(run["train_seconds"], 1), "load_mean": run["load_mean"],
             "eval_split": run["eval_split"], "git": run["git"], **({"resumed": True} if run.get("resumed") else {}),
-            **placement,
+            **placement, **({"head_init": cfg.model.options()["head_init"]} if cfg.model.options().get("head_init") else {}),
             "command": f"python train.py --config {recipe} seed={seed} precision={run['precision']}"
                        + (f" model.attention={attention}" if attention != "none" else "")
                        + (f" '{REPLACE_OVERRIDE}'" if replace and attention != "none" else "")}
@@ -113,24 +113,29 @@ def sited(r: dict) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def recipe_lr(recipe: str) -> Optional[float]:
-    """The recipe's own ``optim.lr`` (None for a recipe that is not a file here: the reference's rows)."""
+def recipe_settings(recipe: str) -> Dict[str, object]:
+    """The recipe's own ``lr``, ``attn_lr_scale`` (``optim.*``) and ``head_init`` (``model.head_init``, None: the
+    package's own), read once; for a recipe that is not a file here (the reference's rows): None, 1 and None."""
     from visattn.config import load_config
 
     path = ROOT / recipe
-    return load_config(path).optim.lr if path.is_file() else None
+    if not path.is_file():
+        return {"lr": None, "attn_lr_scale": 1.0, "head_init": None}
+    cfg = load_config(path)
+    return {"lr": cfg.optim.lr, "attn_lr_scale": cfg.optim.attn_lr_scale, "head_init": cfg.model.options().get("head_init")}
 
 
-def at_recipe_lr(r: dict) -> bool:
-    """A run at the recipe's lr as it stands: a recipe whose lr changed (TinyNet-E's, 0.4 to 0.1) left its earlier
-    runs, ``none``'s too, to history."""
-    lr = recipe_lr(r["recipe"])
-    return lr is None or r["lr"] == lr
+def at_recipe(r: dict) -> bool:
+    """A run of the recipe as it stands, at its lr and head init: a recipe whose lr or ``model.head_init`` changed
+    (TinyNet-E's lr 0.4 to 0.1, then back to 0.4 with a zero classifier) left its earlier runs, ``none``'s too, to
+    history. Rows from before ``head_init`` was recorded trained at the package's own init."""
+    own = recipe_settings(r["recipe"])
+    return own["lr"] is None or (r["lr"] == own["lr"] and r.get("head_init") == own["head_init"])
 
 
 def current(r: dict) -> bool:
-    """A run the table counts: at this version's sites and at the recipe's lr."""
-    return sited(r) and at_recipe_lr(r)
+    """A run the table counts: at this version's sites and at the recipe's lr and head init."""
+    return sited(r) and at_recipe(r)
 
 
 def replaced(r: dict) -> bool:
@@ -148,13 +153,9 @@ def lr_scale(r: dict) -> float:
     return float(r.get("attn_lr_scale", 1.0))
 
 
-@functools.lru_cache(maxsize=None)
 def recipe_lr_scale(recipe: str) -> float:
     """The recipe's own ``optim.attn_lr_scale`` (1 for a recipe that is not a file here: the reference's rows)."""
-    from visattn.config import load_config
-
-    path = ROOT / recipe
-    return load_config(path).optim.attn_lr_scale if path.is_file() else 1.0
+    return float(recipe_settings(recipe)["attn_lr_scale"])
 
 
 def as_recipe(r: dict) -> bool:
@@ -277,7 +278,7 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
         raise ConfigError(f"{RESULTS.name}: no runs to report (train some first: python -m bench.foreign_models)")
     rows = [r for r in results if r["recipe"] != REFERENCE and current(r)]
     history = [r for r in results if not sited(r)]
-    stale = [r for r in results if sited(r) and not at_recipe_lr(r)]
+    stale = [r for r in results if sited(r) and not at_recipe(r)]
     # block runs at another lr scale than the recipe's stay as the control of the recipe's runs on the same family;
     # where that family has none of the recipe's they are the earlier recipe's, and history
     ours = {(r["recipe"], family(r)) for r in rows if r["attention"] != "none" and as_recipe(r)}
@@ -335,8 +336,8 @@ def table(results: List[dict], reference: Optional[List[dict]] = None) -> str:
                  + (f" {len(earlier)} block runs at another lr scale than their recipe's, on kernels with no run at the "
                     "recipe's own, are history: [changelog](changelog.md#blocks-at-the-networks-lr-in-inverted-residuals)."
                     if earlier else "")
-                 + (f" {len(stale)} runs at an earlier lr of their recipe are history: "
-                    "[changelog](changelog.md#runs-at-a-recipes-earlier-lr)." if stale else ""))
+                 + (f" {len(stale)} runs at an earlier lr or head init of their recipe are history: "
+                    "[changelog](changelog.md#runs-at-a-recipes-earlier-settings)." if stale else ""))
     lines.append("")
     lines.append(f"Published, for scale: {PUBLISHED}.")
     return "\n".join(lines)

@@ -452,7 +452,7 @@ def test_runs_at_an_earlier_lr_of_their_recipe_leave_the_table_and_are_not_done(
     are neither paired with the new ones nor counted as done by a resumed sweep, and the table says where they went."""
     bench = _bench()
     recipe = "configs/timm/tinynet_e.yaml"
-    assert bench.recipe_lr(recipe) == load_config(ROOT / recipe).optim.lr
+    assert bench.recipe_settings(recipe)["lr"] == load_config(ROOT / recipe).optim.lr
     base = {"epochs": 4, "precision": "fp32", "cpu": "CPU", "kernels": "avx2", "threads": 2, "parameters": 0.8e6,
             "train_seconds": 1.0, "load_mean": 1.0, "eval_split": "validation split", "git": "x", "images_per_s": 1.0}
     now = [bench.row(recipe, arm, s, dict(base, val_acc=0.5 + 0.01 * (arm == "se"))) for s in (0, 1) for arm in ("none", "se")]
@@ -463,7 +463,7 @@ def test_runs_at_an_earlier_lr_of_their_recipe_leave_the_table_and_are_not_done(
     text = bench.table([*then, *now])
     lines = [ln for ln in text.splitlines() if ln.startswith("| timm/tinynet_e")]
     assert len(lines) == 1 and "50.00" in lines[0] and "**+1.00** (+1.00 / +1.00)" in lines[0]
-    assert "-10.00" not in text and "4 runs at an earlier lr of their recipe are history" in text
+    assert "-10.00" not in text and "4 runs at an earlier lr or head init of their recipe are history" in text
     assert bench.worst([*then, *now])[0] == pytest.approx(1.0)
 
 

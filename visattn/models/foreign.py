@@ -50,6 +50,11 @@ RESERVED = {
 }
 DOWNLOAD_HINT = ("download the weights once (e.g. timm.create_model(NAME, pretrained=True), then "
                  "torch.save(model.state_dict(), FILE)) and pass the file as model.pretrained_file=FILE")
+# model.head_init: "zero" starts the classifier's weight and bias at zero, every logit 0 and the loss ln(classes) at
+# step 0 (as ViT's "jax" init and big_vision do). Unset, the package's own init: timm's EfficientNet and MobileNetV3
+# families draw it from U(+-1/sqrt(num_classes)), made for 1000 classes; at 10 it is 10x wider (std 0.18), and
+# TinyNet-E starts at a loss of 4.5 against chance's 2.3 (docs/models.md)
+HEAD_INITS = ("zero",)
 MAX_WEIGHTS_BYTES = 4 * 2**30  # a larger "weights file" is not a CIFAR-sized classifier's
 
 
@@ -118,6 +123,9 @@ def check_options(package: str, arch: str, options: Dict[str, Any]) -> None:
             raise ValueError(f"model.kwargs.{key}: {RESERVED[key]}{'; ' + hint if hint else ''}")
     if options.get("pretrained_file") == "":
         raise ValueError("model.pretrained_file: an empty path")
+    if options.get("head_init") is not None and options["head_init"] not in HEAD_INITS:
+        raise ValueError(f"option 'head_init' of model {package}/{arch} must be one of {', '.join(HEAD_INITS)} (unset: "
+                         f"the package's own init), not {_shown(options['head_init'])}")
     if isinstance(options.get("kwargs"), dict):
         check_kwargs(package, arch, options["kwargs"])
 
@@ -397,6 +405,21 @@ def _classifier_names(model: nn.Module, num_classes: int) -> List[str]:
     return last[-1:]
 
 
+def zero_classifier(model: nn.Module, num_classes: int, name: str) -> List[str]:
+    """Zero the weight and bias of ``model``'s classifier (:func:`_classifier_names`); returns the names zeroed. A
+    model whose classifier cannot be found is a ValueError."""
+    names = _classifier_names(model, num_classes)
+    modules = dict(model.named_modules())
+    params = [p for n in names for p in modules[n].parameters()]
+    if not params:
+        raise ValueError(f"model.head_init: found no classifier in {name} (no get_classifier(), no linear layer of "
+                         f"{num_classes} outputs)")
+    with torch.no_grad():
+        for p in params:
+            p.zero_()
+    return names
+
+
 def _keys(ks: Sequence[str]) -> str:
     return ", ".join(ks[:3]) + (f" and {len(ks) - 3} more" if len(ks) > 3 else "")
 
@@ -496,13 +519,16 @@ def _build(package: str, arch: str, num_classes: int, kwargs: Dict[str, Any]) ->
 def build_foreign(package: str, arch: str, num_classes: int = 10, *, attention: str = "none",
                   attn_kwargs: Optional[Dict[str, Any]] = None, attn_at: Union[str, List[str], None] = None,
                   cifar_stem: bool = False, kwargs: Optional[Dict[str, Any]] = None,
-                  pretrained_file: Optional[str] = None, bn_momentum: Optional[float] = None) -> nn.Module:
+                  pretrained_file: Optional[str] = None, bn_momentum: Optional[float] = None,
+                  head_init: Optional[str] = None) -> nn.Module:
     """``package``'s model ``arch`` (see the module docstring); ``model.pretrained_origin`` records a
     ``pretrained_file`` load (the file, the tensors loaded, the classifier keys replaced). ``bn_momentum``: the
     running-statistics momentum of every BatchNorm of the model (not of the blocks inserted after), instead of
-    the package's (torchvision's MobileNetV3 and timm's ``tf_`` ports use 0.01, made for hundreds of epochs)."""
+    the package's (torchvision's MobileNetV3 and timm's ``tf_`` ports use 0.01, made for hundreds of epochs).
+    ``head_init="zero"``: the classifier starts at zero (:data:`HEAD_INITS`), before a ``pretrained_file`` loads,
+    so a file's classifier of this class count is kept and a replaced one starts at zero."""
     options = {"attention": attention, "attn_kwargs": attn_kwargs, "attn_at": attn_at, "cifar_stem": cifar_stem,
-               "kwargs": kwargs, "pretrained_file": pretrained_file, "bn_momentum": bn_momentum}
+               "kwargs": kwargs, "pretrained_file": pretrained_file, "bn_momentum": bn_momentum, "head_init": head_init}
     check_options(package, resolve(package, arch), {k: v for k, v in options.items() if v is not None})
     model = _build(package, arch, num_classes, dict(kwargs or {}))
     if cifar_stem:
@@ -511,6 +537,8 @@ def build_foreign(package: str, arch: str, num_classes: int = 10, *, attention: 
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.momentum = float(bn_momentum)
+    if head_init == "zero":
+        zero_classifier(model, num_classes, f"{package}/{arch}")
     model.pretrained_origin = load_pretrained(model, pretrained_file, num_classes) if pretrained_file else None
     if attention != "none":
         try:
