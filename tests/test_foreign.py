@@ -447,9 +447,10 @@ def test_blocks_at_another_lr_scale_than_the_recipes_are_a_row_of_their_own_and_
     assert "2 block runs at another lr scale than their recipe's" in only_fast
 
 
-def test_runs_at_an_earlier_lr_of_their_recipe_leave_the_table_and_are_not_done():
-    """A recipe whose optim.lr changed (TinyNet-E's, 0.4 to 0.1) is another recipe: its earlier runs, none's too,
-    are neither paired with the new ones nor counted as done by a resumed sweep, and the table says where they went."""
+def test_runs_at_an_earlier_lr_or_head_init_of_their_recipe_leave_the_table_and_are_not_done():
+    """A recipe whose optim.lr or model.head_init changed (TinyNet-E's lr 0.4 to 0.1, then 0.4 with a zero classifier)
+    is another recipe: its earlier runs, none's too, are neither paired with the new ones nor counted as done by a
+    resumed sweep, and the table says where they went."""
     bench = _bench()
     recipe = "configs/timm/tinynet_e.yaml"
     assert bench.recipe_settings(recipe)["lr"] == load_config(ROOT / recipe).optim.lr
@@ -460,6 +461,10 @@ def test_runs_at_an_earlier_lr_of_their_recipe_leave_the_table_and_are_not_done(
     assert all(bench.current(r) for r in now) and not any(bench.current(r) for r in then)
     assert bench.done(now, recipe, "none", 0, 4) and not bench.done(then, recipe, "none", 0, 4)
     assert not bench.done(then, recipe, "se", 1, 4)
+    # the same lr at the package's own classifier init (rows from before head_init was recorded): history too
+    assert bench.recipe_settings(recipe)["head_init"] == "zero" and all(r["head_init"] == "zero" for r in now)
+    own_head = [{k: v for k, v in r.items() if k != "head_init"} for r in now]
+    assert not any(bench.current(r) for r in own_head) and not bench.done(own_head, recipe, "none", 0, 4)
     text = bench.table([*then, *now])
     lines = [ln for ln in text.splitlines() if ln.startswith("| timm/tinynet_e")]
     assert len(lines) == 1 and "50.00" in lines[0] and "**+1.00** (+1.00 / +1.00)" in lines[0]
@@ -588,6 +593,76 @@ def test_bn_momentum_sets_the_models_batchnorms_and_leaves_the_inserted_blocks_o
     blocks = [b for b in m.modules() if visattn.registry.is_attention_block(b)]
     assert blocks and momenta(m, backbone_modules(m)) == {0.3}
     assert momenta(m, [x for b in blocks for x in b.modules()]) == {0.1}
+
+
+@pytest.mark.parametrize("name", ["timm/tinynet_e", "timm/mobilenetv3_small_100", "torchvision/mobilenet_v3_small",
+                                  "torchvision/resnet18"])
+def test_head_init_zero_starts_every_logit_at_zero_and_the_loss_at_chance(name):
+    """timm's EfficientNet and MobileNetV3 draw their classifier from U(+-1/sqrt(num_classes)), made for 1000
+    classes: at 10 the first loss of TinyNet-E is far above chance. model.head_init=zero zeroes the classifier's
+    weight and bias (timm's get_classifier(), torchvision's last 10-way linear), and nothing else."""
+    from visattn.models import from_config
+
+    x = torch.randn(8, 3, 32, 32)
+    y = torch.arange(8) % 10
+    torch.manual_seed(0)
+    own = from_config(load_config(SMOKE, [f"model.name={name}", "model.cifar_stem=true"]), weights=False).train()
+    torch.manual_seed(0)
+    zero = from_config(load_config(SMOKE, [f"model.name={name}", "model.cifar_stem=true", "model.head_init=zero"]),
+                       weights=False).train()
+    changed = [k for k, v in zero.state_dict().items() if not torch.equal(v, own.state_dict()[k])]
+    assert changed and all(torch.count_nonzero(zero.state_dict()[k]) == 0 for k in changed)
+    assert all(k.rsplit(".", 1)[0] in visattn.models.foreign._classifier_names(zero, 10) for k in changed)
+    out = zero(x)
+    assert torch.count_nonzero(out) == 0
+    assert torch.nn.functional.cross_entropy(out, y).item() == pytest.approx(math.log(10), abs=1e-6)
+    if name == "timm/tinynet_e":  # what the option is for: the package's own head starts far above chance
+        assert torch.nn.functional.cross_entropy(own(x), y).item() > math.log(10) + 0.5
+
+
+def test_head_init_zero_keeps_a_weights_files_classifier_and_zeroes_a_replaced_one(tmp_path):
+    """The classifier is zeroed before model.pretrained_file loads: a file's classifier of this class count is the
+    one the run starts from; one of another count is replaced and starts at zero."""
+    from visattn.models import from_config
+
+    torch.manual_seed(1)
+    ten, thousand = _small_resnet(), _small_resnet(num_classes=1000)
+    torch.save(ten.state_dict(), tmp_path / "ten.pth")
+    torch.save(thousand.state_dict(), tmp_path / "in1k.pth")
+    opts = [*RESNET, "model.head_init=zero"]
+    kept = from_config(load_config(SMOKE, [*opts, f"model.pretrained_file={tmp_path / 'ten.pth'}"]))
+    assert torch.equal(kept.fc.weight, ten.fc.weight) and torch.count_nonzero(kept.fc.weight) > 0
+    fresh = from_config(load_config(SMOKE, [*opts, f"model.pretrained_file={tmp_path / 'in1k.pth'}"]))
+    assert torch.count_nonzero(fresh.fc.weight) == 0 and torch.count_nonzero(fresh.fc.bias) == 0
+    assert torch.equal(fresh.layer1[0].conv1.weight, thousand.layer1[0].conv1.weight)
+
+
+def test_a_run_whose_classifier_starts_wide_says_so_once_and_head_init_zero_quiets_it(tmp_path):
+    """TinyNet-E's own classifier init is 11x wider than PyTorch's default for its 1280 inputs: the run says so in
+    one note line at the start; at model.head_init=zero, and for a timm ResNet (1x), it says nothing."""
+    def notes(*extra):
+        lines: List[str] = []
+        run(load_config(SMOKE, [*TINY, "train.max_steps=1", "log.maps_every=0", f"run_dir={tmp_path / str(len(extra))}",
+                                *extra]), log=lambda *a, **k: lines.append(" ".join(map(str, a))))
+        return [ln for ln in lines if "starts" in ln and ln.startswith("note: the classifier")]
+
+    tiny = ["model.name=timm/tinynet_e", "model.cifar_stem=true", "model.attention=none"]
+    said = notes(*tiny)
+    assert len(said) == 1 and "(classifier) starts 11x wider" in said[0] and "1280 inputs" in said[0]
+    assert "model.head_init=zero" in said[0] and "2.30" in said[0]
+    assert notes(*tiny, "model.head_init=zero") == []
+    assert notes(*RESNET, "model.attention=none", "model.kwargs.drop_rate=0") == []
+
+
+@pytest.mark.parametrize("value", ["ones", "true", "0", "[zero]", "Zero"])
+def test_a_bad_head_init_is_one_line_before_anything_is_written(tmp_path, value):
+    line = _refused(tmp_path, *RESNET, f"model.head_init={value}")
+    assert "option 'head_init' of model timm/resnet18 must be one of zero" in line
+
+
+def test_head_init_is_a_package_models_option_only(tmp_path):
+    assert "head_init" in _refused(tmp_path, "model.head_init=zero")  # resnet_fast (smoke.yaml) has no such option
+    assert load_config(SMOKE, [*RESNET, "model.head_init=null"]).model.options().get("head_init") is None
 
 
 @pytest.mark.parametrize("value", ["0", "2", "true", ".nan", "fast"])

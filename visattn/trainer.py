@@ -44,6 +44,7 @@ from .maps import find_taps
 from .maps.record import foreign_modules
 from .maps.tensorboard import MapLogger
 from .models import from_config
+from .models.foreign import wide_head_note
 from .models.layout import guard_message, to_channels_last
 from .options import resolve_device
 from .registry import backbone_modules, is_attention_block
@@ -354,6 +355,11 @@ def build(cfg: Config, log: Callable[..., None] = print) -> Run:
     # a resumed run holds its weights already: model.init_from and model.pretrained_file act only when it starts
     init = None if resume_from is not None else \
         _init_from(cfg, model, splits, say) if cfg.model.init_from else _pretrained(model, say)
+    if resume_from is None and not cfg.model.init_from and hasattr(model, "pretrained_origin") \
+            and (init is None or init["replaced"]):  # a package model's classifier at the package's own init
+        wide = wide_head_note(model, len(splits.train.classes))
+        if wide:
+            say(wide)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"model: {cfg.model.name} ({n_params / 1e6:.2f}M parameters) on {device}, precision {precision}"
         + (f", {di.world_size} ranks" if di.enabled else ""))

@@ -420,6 +420,25 @@ def zero_classifier(model: nn.Module, num_classes: int, name: str) -> List[str]:
     return names
 
 
+def wide_head_note(model: nn.Module, num_classes: int, ratio: float = 3.0) -> Optional[str]:
+    """A note when ``model``'s classifier weights are spread more than ``ratio`` times wider than PyTorch's default
+    linear init for their input width (U(+-1/sqrt(fan_in)): 1x; torchvision's MobileNetV3 0.6x, timm's ResNets 1x),
+    as timm's EfficientNet and MobileNetV3 families' are at few classes (U(+-1/sqrt(num_classes)): 11x for
+    TinyNet-E at 10), so the first loss lies far above chance; None otherwise, or where no classifier is found."""
+    modules = dict(model.named_modules())
+    names = [n for n in _classifier_names(model, num_classes) if isinstance(getattr(modules[n], "weight", None), torch.Tensor)]
+    if not names or modules[names[0]].weight.dim() < 2 or modules[names[0]].weight.is_meta:
+        return None
+    weight = modules[names[0]].weight.detach().float()
+    fan_in = weight[0].numel()
+    wide = weight.std().item() * math.sqrt(3 * fan_in)
+    if not wide > ratio:
+        return None
+    return (f"note: the classifier ({names[0]}) starts {wide:.0f}x wider than PyTorch's default init for its {fan_in} "
+            f"inputs (the package's own init, made for more classes), so the first loss lies far above chance's "
+            f"{math.log(num_classes):.2f}; model.head_init=zero starts it at zero (docs/models.md)")
+
+
 def _keys(ks: Sequence[str]) -> str:
     return ", ".join(ks[:3]) + (f" and {len(ks) - 3} more" if len(ks) > 3 else "")
 
