@@ -406,11 +406,13 @@ def _classifier_names(model: nn.Module, num_classes: int) -> List[str]:
 
 
 def zero_classifier(model: nn.Module, num_classes: int, name: str) -> List[str]:
-    """Zero the weight and bias of ``model``'s classifier (:func:`_classifier_names`); returns the names zeroed. A
-    model whose classifier cannot be found is a ValueError."""
+    """Zero the weight and bias of ``model``'s classifier (:func:`_classifier_names`: its linear and conv layers,
+    not a norm a head module may hold); returns the names zeroed. A model whose classifier cannot be found is a
+    ValueError."""
     names = _classifier_names(model, num_classes)
     modules = dict(model.named_modules())
-    params = [p for n in names for p in modules[n].parameters()]
+    params = [p for n in names for m in modules[n].modules() if isinstance(m, (nn.Linear, nn.Conv2d))
+              for p in m.parameters(recurse=False)]
     if not params:
         raise ValueError(f"model.head_init: found no classifier in {name} (no get_classifier(), no linear layer of "
                          f"{num_classes} outputs)")
