@@ -7,12 +7,15 @@ through it; a record is named by the tap's module path less a trailing ``.tap``.
 * ``"spatial"``: ``(B, 1, H, W)`` maps, sigmoid gates (CBAM, coordinate attention) or a softmax over positions (GC);
 * ``"token"``: ``(B, heads, N, N)`` row-stochastic attention; ``grid=(H, W)`` says which grid the last ``H*W``
   tokens lie on and ``num_prefix_tokens`` how many (a class token) come before them;
-* ``"pool"``: ``(B, N)`` attention-pooling weights (CCT's sequence pooling), ``grid`` as for ``"token"``.
+* ``"pool"``: ``(B, N)`` attention-pooling weights (CCT's sequence pooling), ``grid`` as for ``"token"``;
+* ``"covariance"``: ``(B, heads, d, d)`` channel x channel attention, each row a softmax over the head's ``d``
+  channels (cross-covariance attention, XCA: El-Nouby et al., 2021, "XCiT: Cross-Covariance Image Transformers",
+  arXiv:2106.09681); it has no image position, so ``grid`` is that of the tokens it mixes, if any.
 
 **Value scale** (``AttentionRecord.scale``): ``"gate"`` (absolute, [0, 1]), ``"gain"`` (a multiplier in
 [0, 2], 1 = unchanged: gates of ``init="identity"`` blocks) or ``"relative"`` (weights summing to one over
 their keys, read as weight x number of keys). The default follows the kind (channel, spatial: ``"gate"``;
-token, pool: ``"relative"``); a spatial softmax declares ``AttentionTap("spatial", scale="relative")``.
+token, pool, covariance: ``"relative"``); a spatial softmax declares ``AttentionTap("spatial", scale="relative")``.
 
 The tap is an identity. When a recorder sets a sink, it appends a detached fp32 copy of the weights (on the
 sink's ``device`` if it has one); blocks on fused attention check ``tap.active`` and compute the weights
@@ -27,15 +30,15 @@ from typing import Any, Optional, Tuple
 import torch
 from torch import nn
 
-KINDS = ("channel", "spatial", "token", "pool")
+KINDS = ("channel", "spatial", "token", "pool", "covariance")
 SCALES = ("gate", "gain", "relative")
-DEFAULT_SCALE = {"channel": "gate", "spatial": "gate", "token": "relative", "pool": "relative"}
+DEFAULT_SCALE = {"channel": "gate", "spatial": "gate", "token": "relative", "pool": "relative", "covariance": "relative"}
 
 
 @dataclass
 class AttentionRecord:
     name: str  # module path of the block, e.g. "layer2.1.attn"
-    kind: str  # "channel" | "spatial" | "token" | "pool"
+    kind: str  # "channel" | "spatial" | "token" | "pool" | "covariance"
     weights: torch.Tensor  # fp32, detached; shapes as in the module docstring
     grid: Optional[Tuple[int, int]] = None  # (H, W) of the spatial grid the weights refer to
     num_prefix_tokens: int = 0  # tokens before the grid tokens (token kind only)
