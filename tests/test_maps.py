@@ -19,6 +19,7 @@ from visattn.maps import (
     record_attention,
     spatial_heatmap,
 )
+from visattn.maps.kinds import kind_of
 
 
 def argmax2d(m: torch.Tensor):
@@ -482,8 +483,12 @@ def test_real_blocks_record_and_draw_on_their_grid(name):
     assert len(rec) >= 1 and set(rec.taps) == {r.name for r in rec}
     assert info["kind"] in {r.kind for r in rec}
     for r in rec:
-        if r.kind == "channel":
+        kind = kind_of(r.kind)
+        if kind.draws_histogram:
             assert r.weights.shape == (2, 16)
+        elif not kind.placed:  # a matrix kind (covariance): read back as a (B, d, d) matrix, never placed
+            d = r.weights.shape[-1]
+            assert spatial_heatmap(r).shape == (2, d, d) and d == r.weights.shape[-2]
         else:
             assert spatial_heatmap(r).shape == (2, *grid)
             assert torch.isfinite(overlay(torch.zeros(2, 3, 12, 18), spatial_heatmap(r)).float()).all()

@@ -311,8 +311,9 @@ def test_map_logger_keeps_faithfulness_only_within_its_budget(monkeypatch, setti
 
     scored, lines = [], []
 
-    def fake_log(writer, model, images, labels, step, settings, boxes=None):
+    def fake_log(writer, model, images, labels, step, settings, boxes=None, cards=tensorboard.CARDS):
         assert settings.scale == 2 and settings.class_names == CLASSES and boxes is None
+        assert list(cards) == list(tensorboard.CARDS)  # the logger iterates its list of cards
         if settings.faithfulness:
             scored.append(step)
             return {"skipped": ["rollout"], "faithfulness_seconds": [cost]}

@@ -33,6 +33,7 @@ from torch import nn
 from torchvision.transforms.functional import gaussian_blur
 
 from .geometry import GridGeometry, place, trace_geometry
+from .kinds import kind_of
 from .readout import GRADIENT_KINDS, LayerMap, read_maps
 from .record import probe_mode, probe_pass, unwrap_model
 
@@ -126,7 +127,7 @@ class FaithfulnessReport:
         lines.append("deletion score = random area - map area, insertion score = map area - random area: above zero "
                      "(interval too) = better than random; sanity rho: rank correlation with the map of the model "
                      "with re-initialised weights (near 1 = the map ignores what was learned)")
-        others = [r.name for r in self.rows if r.kind != "prior"]
+        others = [r.name for r in self.rows if r.name != PRIOR]
         if PRIOR in self.per_image and others:
             lines += [f"paired against the centre prior (the same images and random orders; {pct} bootstrap "
                       "intervals): each map's score minus the prior's",
@@ -541,7 +542,7 @@ def localization(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, b
         found += [g for g in (baseline_map(model, xb, yb, b) for b in baselines) if g is not None]
         found.append(random_map(len(xb), image_hw, seed + lo, xb.device))
         for lm in found:
-            if lm.kind == "head":
+            if not kind_of(lm.kind).scored:
                 continue
             kinds[lm.name] = lm.kind
             scores.setdefault(lm.name, []).append(box_scores(lm, bb, tolerance, image_hw, gen))

@@ -21,20 +21,21 @@ pools: the class token's row, the mean over tokens, or its own pooling weights.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
-from ..attention.tap import KINDS, AttentionRecord
+from ..attention.tap import AttentionRecord
 from .geometry import GeometryTrace, GridGeometry, place, trace_geometry
+from .kinds import MATRIX, infer_grid, kind_of, kinds_where, record_kind
 from .record import unwrap_model
 from .render import Stats, describe, map_stats, to_unit
 
 HEAD_MAPS = ("all", "last", "none")
-GRADIENT_KINDS = ("attention_gradient", "gradient_rollout", "layers_gradient")  # LayerMap kinds made from gradients
+GRADIENT_KINDS = kinds_where("from_gradients")  # LayerMap kinds made from gradients
+GRADIENT_LAYER_KINDS = ("attention_gradient",)  # one layer's gradient map: what fuse_layers joins
 _POOL_CLS = {"cls", "token"}
 _POOL_MEAN = {"mean", "avg", "gap"}
 _POOL_SEQ = {"seq", "sequence", "attn", "attention"}
@@ -58,6 +59,11 @@ class LayerMap:
         return f"maps/{self.name}"
 
     @property
+    def placed(self) -> bool:
+        """Its cells lie on the image (False for a matrix kind such as ``"covariance"``)."""
+        return kind_of(self.kind).placed
+
+    @property
     def description(self) -> str:
         """One line: what the map is, its scale and where its cells lie (:func:`~visattn.maps.render.describe`)."""
         return describe(self)
@@ -76,42 +82,11 @@ class LayerMap:
 # ----------------------------------------------------------------------------- a record as a 2-D map
 
 
-def infer_grid(num_tokens: int, image_hw: Optional[Sequence[int]] = None) -> Tuple[int, int]:
-    """A grid ``(h, w)`` with ``h * w == num_tokens``: square, or with ``image_hw``'s aspect ratio if given."""
-    if image_hw is None:
-        side = math.isqrt(num_tokens)
-        if side * side != num_tokens:
-            raise ValueError(
-                f"cannot infer a grid for {num_tokens} tokens: not a square; pass grid=(H, W) or image_hw"
-            )
-        return side, side
-    target = float(image_hw[0]) / float(image_hw[1])
-    best = None
-    for h in range(1, num_tokens + 1):
-        if num_tokens % h == 0:
-            err = abs(math.log((h / (num_tokens // h)) / target))
-            if best is None or err < best[0]:
-                best = (err, h)
-    h = best[1]
-    return h, num_tokens // h
-
-
-def _token_grid(rec: AttentionRecord, num_grid_tokens: int, image_hw) -> Tuple[int, int]:
-    if rec.grid is None:
-        return infer_grid(num_grid_tokens, image_hw)
-    h, w = rec.grid
-    if h * w != num_grid_tokens:
-        raise ValueError(
-            f"record {rec.name!r}: grid {h}x{w} does not hold the {num_grid_tokens} tokens after "
-            f"{rec.num_prefix_tokens} prefix token(s)"
-        )
-    return h, w
-
-
 def spatial_heatmap(
     record: AttentionRecord, image_hw: Optional[Sequence[int]] = None, query: str = "auto"
 ) -> torch.Tensor:
-    """A per-image 2-D map ``(B, h, w)`` on the record's grid (fp32, the weights' device).
+    """A per-image 2-D map ``(B, h, w)`` on the record's grid (fp32, the weights' device), read back as its
+    kind's table entry says (:mod:`.kinds`):
 
     * ``spatial``: the gate itself.
     * ``token``: ``query="cls"``: the class token's row (mean over heads) over the grid tokens;
@@ -119,6 +94,7 @@ def spatial_heatmap(
       queries (prefix rows and columns dropped); ``"auto"`` picks ``"cls"`` when the record has a prefix
       token, else ``"mean"``.
     * ``pool``: the pooling weights of the grid tokens (prefix tokens dropped).
+    * ``covariance``: the ``(B, d, d)`` channel x channel matrix, mean of the heads (not an image map).
     * ``channel``: raises ValueError (channel weights have no spatial layout).
 
     ``image_hw`` only matters for a token/pool record that carries no grid: the grid is then the
@@ -126,41 +102,7 @@ def spatial_heatmap(
     """
     if query not in ("auto", "cls", "mean"):
         raise ValueError(f"unknown query {query!r}; valid: auto, cls, mean")
-    w = record.weights.float()
-    p = int(record.num_prefix_tokens)
-    if record.kind == "channel":
-        raise ValueError(f"record {record.name!r} holds channel weights: there is no spatial map")
-    if record.kind == "spatial":
-        if w.dim() == 4 and w.shape[1] == 1:
-            return w[:, 0]
-        if w.dim() == 3:
-            return w
-        raise ValueError(f"record {record.name!r}: spatial weights must be (B, 1, H, W), got {tuple(w.shape)}")
-    if record.kind == "pool":
-        if w.dim() != 2:
-            raise ValueError(f"record {record.name!r}: pool weights must be (B, N), got {tuple(w.shape)}")
-        h, gw = _token_grid(record, w.shape[1] - p, image_hw)
-        return w[:, p:].reshape(w.shape[0], h, gw)
-    if record.kind == "token":
-        return _token_heatmap(record, w, p, image_hw, query)
-    raise ValueError(f"record {record.name!r} has unknown kind {record.kind!r}; valid: {', '.join(KINDS)}")
-
-
-def _token_heatmap(record: AttentionRecord, w: torch.Tensor, p: int, image_hw, query: str) -> torch.Tensor:
-    if w.dim() != 4:
-        raise ValueError(f"record {record.name!r}: token weights must be (B, heads, N, N), got {tuple(w.shape)}")
-    b, _, nq, nk = w.shape
-    h, gw = _token_grid(record, nk - p, image_hw)
-    mode = ("cls" if p > 0 else "mean") if query == "auto" else query
-    if mode == "cls":
-        if p == 0:
-            raise ValueError(f"record {record.name!r} has no class token; use query='mean'")
-        row = w[:, :, 0, p:].mean(1)  # (B, h*w): what the class token reads from each grid token
-    else:
-        # Queries: the grid rows when queries and keys are the same tokens, else every query row.
-        rows = w[:, :, p:, p:] if nq == nk else w[:, :, :, p:]
-        row = rows.mean(dim=(1, 2))  # (B, h*w): attention received, averaged over heads and queries
-    return row.reshape(b, h, gw)
+    return record_kind(record).read(record, record.weights.float(), image_hw, query)
 
 
 def gradient_heatmap(record: AttentionRecord, image_hw: Optional[Sequence[int]] = None,
@@ -182,7 +124,7 @@ def gradient_heatmap(record: AttentionRecord, image_hw: Optional[Sequence[int]] 
     if rel is None:
         raise ValueError(f"record {record.name!r} carries no relevance (record with gradients=True)")
     rel = rel.float()
-    if record.kind == "spatial" and rel.dim() == 4:
+    if kind_of(record.kind).sums_channels and rel.dim() == 4:
         rel = rel.sum(1, keepdim=True)
     heat = spatial_heatmap(replace(record, weights=rel.clamp_min(0)), image_hw, query)
     total = heat.flatten(1).sum(1).clamp_min(torch.finfo(torch.float32).tiny)
@@ -194,7 +136,7 @@ def gradient_heatmap(record: AttentionRecord, image_hw: Optional[Sequence[int]] 
 
 def _as_weights(layer: Union[torch.Tensor, AttentionRecord], i: int, attr: str = "weights") -> torch.Tensor:
     if isinstance(layer, AttentionRecord):
-        if layer.kind != "token":
+        if not kind_of(layer.kind).rolls_out:
             raise ValueError(f"layer {i} ({layer.name!r}) is a {layer.kind!r} record; rollout needs token records")
         if getattr(layer, attr, None) is None:
             raise ValueError(f"layer {i} ({layer.name!r}) carries no {attr} (record with gradients=True)")
@@ -249,7 +191,7 @@ def _read_out(result: torch.Tensor, readout, p: int) -> torch.Tensor:
     """``(B, N)`` flow into what the classifier reads, from the rolled-out ``(B, N, N)`` matrix."""
     b, n, _ = result.shape
     if isinstance(readout, AttentionRecord):
-        if readout.kind != "pool":
+        if not kind_of(readout.kind).pools:
             raise ValueError(f"readout record {readout.name!r} is {readout.kind!r}; expected a pool record")
         readout = readout.weights
     if isinstance(readout, torch.Tensor):
@@ -389,8 +331,10 @@ def _owner(model: Optional[nn.Module], name: str) -> str:
 class _Reader:
     """Turns records into :class:`LayerMap`s; holds the model, input size and geometry trace."""
 
-    def __init__(self, model: Optional[nn.Module], image_hw, trace: Optional[GeometryTrace], gradients: bool = True):
+    def __init__(self, model: Optional[nn.Module], image_hw, trace: Optional[GeometryTrace], gradients: bool = True,
+                 matrices: bool = False):
         self.model = model
+        self.matrices = matrices
         self.image_hw = tuple(image_hw)
         self.trace = trace
         self.gradients = gradients
@@ -404,21 +348,22 @@ class _Reader:
     def record_maps(self, r: AttentionRecord, heads: bool) -> List[LayerMap]:
         k = self.calls.get(r.name, 0)
         self.calls[r.name] = k + 1
-        if r.kind == "channel":
-            return []
-        heat = spatial_heatmap(r, image_hw=self.image_hw)  # (B, h, w)
+        kind = record_kind(r)
+        if not (kind.placed or (self.matrices and kind.draw == MATRIX)):
+            return []  # channel gates (histograms); matrices unless asked for
+        heat = spatial_heatmap(r, image_hw=self.image_hw)  # (B, h, w); (B, d, d) for a matrix kind
         name = record_tag(r.name, k)
-        geo = self.geometry(heat.shape[-2:], r.name, k)
+        geo = self.geometry(heat.shape[-2:], r.name, k) if kind.placed else GridGeometry(heat.shape[-2:], exact=False)
         info = {"owner": _owner(self.model, r.name)}
         scale = r.value_scale
-        keys = int(r.weights.shape[-1]) if r.kind in ("token", "pool") else int(heat.shape[-1] * heat.shape[-2])
+        keys = kind.keys(r, heat)
         out = [LayerMap(name, r.kind, heat, scale, keys if scale == "relative" else 0, geo, record=r, info=info)]
-        if heads and r.kind == "token" and r.num_prefix_tokens > 0:
+        if heads and kind.head_maps and r.num_prefix_tokens > 0:
             p = r.num_prefix_tokens
             for h in range(r.weights.shape[1]):
                 hm = r.weights[:, h, 0, p:].reshape(heat.shape)
                 out.append(LayerMap(f"{name}/cls_head{h}", "head", hm, "relative", keys, geo, record=r, info=info))
-        if self.gradients and getattr(r, "relevance", None) is not None:
+        if self.gradients and kind.placed and getattr(r, "relevance", None) is not None:
             try:
                 grad = gradient_heatmap(r, image_hw=self.image_hw)
             except ValueError:
@@ -431,7 +376,7 @@ class _Reader:
     def readout(self, records: Sequence[AttentionRecord], layers: Sequence[AttentionRecord]) -> Tuple[Any, str]:
         """How the rollout through ``layers`` is read out, as the model pools: ``(readout, mode)``."""
         p, n = layers[0].num_prefix_tokens, layers[0].weights.shape[-1]
-        pools = [r for r in records if r.kind == "pool" and r.weights.shape[-1] == n]
+        pools = [r for r in records if kind_of(r.kind).pools and r.weights.shape[-1] == n]
         mode = pool_mode(unwrap_model(self.model) if self.model is not None else None)
         if mode is None:
             mode = "cls" if p > 0 else ("seq" if pools else "mean")
@@ -442,7 +387,7 @@ class _Reader:
         return mode, mode
 
     def rollout(self, records: Sequence[AttentionRecord], gradient: bool = False) -> Optional[LayerMap]:
-        layers = rollout_layers([r for r in records if r.kind == "token"])
+        layers = rollout_layers([r for r in records if kind_of(r.kind).rolls_out])
         if not layers or (gradient and any(getattr(r, "relevance", None) is None for r in layers)):
             return None
         p = layers[0].num_prefix_tokens
@@ -474,7 +419,7 @@ def fuse_layers(maps: Sequence[LayerMap], image_hw: Sequence[int]) -> Optional[L
     The multi-layer fusion of class activation maps in the spirit of LayerCAM (Jiang et al. 2021), applied
     to the blocks' own gates and attention rather than to the convolutions' activations.
     """
-    grads = [m for m in maps if m.kind == "attention_gradient"]
+    grads = [m for m in maps if m.kind in GRADIENT_LAYER_KINDS]
     if len({tuple(m.heat.shape[-2:]) for m in grads}) < 2:
         return None
     hw = (int(image_hw[0]), int(image_hw[1]))
@@ -492,7 +437,8 @@ def fuse_layers(maps: Sequence[LayerMap], image_hw: Sequence[int]) -> Optional[L
 
 def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = None,
               input_shape: Optional[Sequence[int]] = None, head_maps: str = "none", rollout: bool = True,
-              geometry: Optional[GeometryTrace] = None, gradients: bool = True) -> List[LayerMap]:
+              geometry: Optional[GeometryTrace] = None, gradients: bool = True,
+              matrices: bool = False) -> List[LayerMap]:
     """Every drawable map of one recorded pass, in call order (each record's map, its heads, its ``/grad``
     map), then the rollout, the gradient rollout and the layers' joined gradient map (:func:`fuse_layers`).
 
@@ -502,8 +448,10 @@ def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = N
     each grid is stretched over the image). ``input_shape``: the model input's ``(B, C, H, W)`` or
     ``(C, H, W)`` (needed when ``geometry`` is not given). ``head_maps``: token layers with a class token
     that also get one map per head: ``"all"``, ``"last"`` or ``"none"``. ``gradients``: also the gradient
-    maps of records that carry a relevance (a gradient recording). Channel records have no map
-    (TensorBoard draws them as histograms); records whose map cannot be formed are left out.
+    maps of records that carry a relevance (a gradient recording). ``matrices``: also the maps of the kinds
+    drawn as a matrix and never placed on the image (``"covariance"``: a ``(B, d, d)`` map, mean of the heads;
+    ``LayerMap.placed`` is False). Channel records have no map (TensorBoard draws them as histograms); records
+    whose map cannot be formed are left out.
     """
     if head_maps not in HEAD_MAPS:
         raise ValueError(f"unknown head_maps {head_maps!r}; valid: {', '.join(HEAD_MAPS)}")
@@ -512,8 +460,8 @@ def read_maps(records: Sequence[AttentionRecord], model: Optional[nn.Module] = N
     if geometry is None and model is not None:
         geometry = trace_geometry(model, input_shape)
     image_hw = geometry.image_hw if geometry is not None else tuple(input_shape[-2:])
-    reader = _Reader(model, image_hw, geometry, gradients)
-    cls_layers = [r for r in records if r.kind == "token" and r.num_prefix_tokens > 0]
+    reader = _Reader(model, image_hw, geometry, gradients, matrices)
+    cls_layers = [r for r in records if kind_of(r.kind).head_maps and r.num_prefix_tokens > 0]
     with_heads = {"all": cls_layers, "last": cls_layers[-1:], "none": []}[head_maps]
     out: List[LayerMap] = []
     for r in records:
@@ -537,13 +485,16 @@ def record_tag(name: str, call: int) -> str:
     return (name or "model") + (f"@{call}" if call else "")
 
 
-def named_records(records: Sequence[AttentionRecord], kind: str, dims: Optional[int] = None) -> List[tuple]:
-    """``(tag, record)`` for the records of ``kind`` (and ``dims`` dimensions), tagged like the maps."""
+def named_records(records: Sequence[AttentionRecord], kinds: Union[str, Sequence[str]],
+                  dims: Optional[int] = None) -> List[tuple]:
+    """``(tag, record)`` for the records of ``kinds`` (a kind or several; and ``dims`` dimensions), tagged like
+    the maps."""
+    wanted = (kinds,) if isinstance(kinds, str) else tuple(kinds)
     seen: Dict[str, int] = {}
     out = []
     for r in records:
         k = seen.get(r.name, 0)
         seen[r.name] = k + 1
-        if r.kind == kind and (dims is None or r.weights.dim() == dims):
+        if r.kind in wanted and (dims is None or r.weights.dim() == dims):
             out.append((record_tag(r.name, k), r))
     return out

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.tap import KINDS, AttentionRecord, AttentionTap
+from .kinds import kind_of
 
 DEFAULT_MAX_PASSES = 64
 
@@ -198,7 +199,7 @@ class AttentionRecorder:
     def by_kind(self, kind: str) -> List[AttentionRecord]:
         if kind not in KINDS:
             raise ValueError(f"unknown attention kind {kind!r}; valid: {', '.join(KINDS)}")
-        return [r for r in self.records if r.kind == kind]
+        return [r for r in self.records if r.kind in {kind}]
 
     def by_pass(self, index: int) -> List[AttentionRecord]:
         return [r for r in self.records if r.pass_index == index]
@@ -231,7 +232,7 @@ def _routes(lv: _Live) -> List[Tuple[str, torch.Tensor]]:
             and t.is_contiguous()):
         out.append(("view", base))
     o = lv.output
-    if (lv.record.kind == "spatial" and o is not None and o.requires_grad and t.dim() == 4 and t.shape[1] == 1
+    if (kind_of(lv.record.kind).output_route and o is not None and o.requires_grad and t.dim() == 4 and t.shape[1] == 1
             and o.shape[0] == t.shape[0] and o.shape[-2:] == t.shape[-2:]):
         out.append(("output", o))
     return out
@@ -313,11 +314,12 @@ def _keep_hooks(base: nn.Module, taps: List[Tuple[str, AttentionTap]], recorder:
     """Forward hooks that hand the recorder what each tap passes on, and each spatial tap's block output."""
     handles = []
     for name, tap in taps:
-        if tap.kind == "channel":
-            continue  # channel gates have no map
+        kind = kind_of(tap.kind)
+        if kind.gradient_words is None:
+            continue  # no gradient map for this kind (channel gates, covariance matrices)
         handles.append(tap.register_forward_hook(lambda m, args, out: recorder.keep(m, out)))
         owner = _owner_module(base, name, tap)
-        if tap.kind == "spatial" and owner is not None:
+        if kind.output_route and owner is not None:
             handles.append(owner.register_forward_hook(lambda m, args, out, n=name: recorder.keep_output(n, out)))
     return handles
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 
 from .geometry import GridGeometry, place
+from .kinds import kind_of
 
 NORMS = ("fixed", "per_image")
 RELATIVE_RANGE = 8.0  # relative maps span 1/8x .. 8x uniform
@@ -402,9 +403,11 @@ def _matrix_tile(unit: torch.Tensor, prefix: int, colormap: str, side: int) -> n
 
 
 def matrix_picture(unit: torch.Tensor, prefix: int, lines: List[Line], scale: str, norm: str = "fixed",
-                   colormap: str = "jet", max_width: int = MAX_WIDTH) -> np.ndarray:
-    """One image's token-by-token attention ``unit`` ``(Nq, Nk)`` (colour-map positions) with axis labels
-    (rows: query token, columns: key token), the class token marked, caption ``lines`` and a colour bar."""
+                   colormap: str = "jet", max_width: int = MAX_WIDTH,
+                   axes: Tuple[str, str] = ("query token", "key token")) -> np.ndarray:
+    """One image's attention matrix ``unit`` ``(Nq, Nk)`` (colour-map positions) with axis labels (``axes``:
+    rows, columns; token by token by default, channel by channel for a covariance map), the class token
+    marked, caption ``lines`` and a colour bar."""
     left, top = 16, LINE_H + 2
     side = max_width - left - 4
     tile = _matrix_tile(unit, prefix, colormap, side)
@@ -417,11 +420,11 @@ def matrix_picture(unit: torch.Tensor, prefix: int, lines: List[Line], scale: st
     canvas[-bar.shape[0] :] = bar
     nq, nk = unit.shape
     texts = [(1, LINE_H * k, t, c, FONT_SIZE) for k, (t, c) in enumerate(lines)]
-    key_label = f"key token 0..{nk - 1} ->" + ("  (cls = 0, white line)" if prefix else "")
+    key_label = f"{axes[1]} 0..{nk - 1} ->" + ("  (cls = 0, white line)" if prefix else "")
     texts.append((left, cap_h, fit_text(key_label, max_width - left), DIM, FONT_SIZE - 1))
     out = _write(canvas, texts)
     # the vertical axis label, drawn sideways
-    label = f"query token 0..{nq - 1} ->"
+    label = f"{axes[0]} 0..{nq - 1} ->"
     strip = _write(_canvas(left - 2, tile.shape[0]), [(2, 1, fit_text(label, tile.shape[0] - 4, FONT_SIZE - 1), DIM,
                                                        FONT_SIZE - 1)])
     out[y0 : y0 + tile.shape[0], : left - 2] = np.rot90(strip, k=-1)  # reads top to bottom
@@ -531,55 +534,12 @@ def box_notes(hit: torch.Tensor, energy: torch.Tensor, chance: float, area: floa
                        (f"energy in box {energy.mean():.2f} (box area {area:.2f})", TEXT)]
 
 
-_SHARE = "share of the positive evidence per position (sum 1)"
-
-
-def _gradient_words(lm: Any) -> str:
-    r = lm.record
-    if r.kind == "spatial":
-        through = " through the block's output" if getattr(r, "via", "") == "output" else ""
-        return ("gate x gradient (Grad-CAM's rule: positive part of gate * d logit / d gate, summed over the "
-                f"gate's channels){through}")
-    if r.kind == "pool":
-        return "pooling weights x gradient (positive part of w * d logit / d w)"
-    return ("attention x gradient (Chefer et al. 2021: E_h[(grad * A)^+], "
-            + ("the class token's row)" if r.num_prefix_tokens > 0 else "received per position, mean of the queries)"))
-
-
-def _rollout_words(lm: Any) -> str:
-    how = {"cls": "the class token", "mean": "the mean over tokens"}.get(lm.info["readout"],
-                                                                          "the sequence-pooling weights")
-    return f"{lm.info['layers']} layer(s), read out by {how}"
-
-
 def describe(lm: Any) -> str:
-    """A :class:`~visattn.maps.readout.LayerMap`'s one-line description (TensorBoard's text tab): what it is,
-    its scale and where its cells lie; a map made elsewhere (a baseline, a caller's) keeps its ``note``."""
-    owner, kind, r = lm.info.get("owner", "block"), lm.kind, lm.record
-    if kind == "spatial":
-        what = f"spatial map of {owner}" + {"relative": " (softmax over positions)",
-                                             "gain": " (gain per position, 2 x sigmoid: 1 = unchanged)"}.get(
-            lm.scale, " (sigmoid gate per position)")
-    elif kind == "token":
-        heads = r.weights.shape[1]
-        what = f"attention of {owner}: " + (f"the class token's row, mean of {heads} heads" if r.num_prefix_tokens > 0
-                                            else f"attention each position receives, mean of {heads} heads and all "
-                                                 "queries")
-    elif kind == "pool":
-        what = f"attention-pooling weights of {owner} over the tokens"
-    elif kind == "head":
-        what = f"class-token attention of one head of {owner}"
-    elif kind == "rollout":
-        what = f"attention rollout (Abnar & Zuidema 2020) through {_rollout_words(lm)}; the grid's share of the flow"
-    elif kind == "attention_gradient":
-        what = f"{_gradient_words(lm)} of {owner} for the target class's logit; {_SHARE}"
-    elif kind == "gradient_rollout":
-        what = (f"gradient-weighted attention rollout (Chefer, Gur, Wolf 2021): R = I + A_bar R with A_bar = "
-                f"E_h[(grad * A)^+] through {_rollout_words(lm)}; {_SHARE}")
-    elif kind == "layers_gradient":
-        names = lm.info["layers"]
-        what = (f"mean of the layers' gate or attention x gradient shares ({len(names)} layers, equal weight, on the "
-                f"input's pixels: {', '.join(names)}); {_SHARE}")
-    else:
+    """A :class:`~visattn.maps.readout.LayerMap`'s one-line description (TensorBoard's text tab): what it is
+    (its kind's words, :mod:`.kinds`), its scale and where its cells lie; a map made elsewhere (a baseline, a
+    caller's) keeps its ``note``."""
+    kind = kind_of(lm.kind)
+    if kind.words is None:
         return lm.note
-    return f"{what}; scale: {scale_title(lm.scale)}; {lm.geometry.describe()}"
+    where = lm.geometry.describe() if kind.placed else f"a {' x '.join(kind.axes)} matrix, not placed on the image"
+    return f"{kind.words(lm, lm.info.get('owner', 'block'))}; scale: {scale_title(lm.scale)}; {where}"

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from ..attention.tap import AttentionRecord
 from .faithful import PRIOR, box_scores, faithfulness
-from .readout import GRADIENT_KINDS, HEAD_MAPS, LayerMap, named_records, read_maps
+from .kinds import kind_of, kinds_where
+from .readout import HEAD_MAPS, LayerMap, named_records, read_maps
 from .record import probe_pass
 from .render import (
     DIM,
@@ -99,140 +100,219 @@ class MapSettings:
                    tolerance=cfg.data.placed.tolerance)
 
 
-def _matrix(writer: Any, r: AttentionRecord, name: str, step: int, caption: List[Line], norm: str,
-            colormap: str, summary: Dict[str, List[str]], about: Dict[str, str]) -> None:
-    w = r.weights[0].mean(0)  # (Nq, Nk), first probe image, mean over heads
-    tag = f"matrix/{name}"
-    if not torch.isfinite(w).all():
-        warnings.warn(f"log_attention_maps: {tag} has NaN or inf weights at step {step}; picture skipped",
+@dataclass
+class Probe:
+    """What every card sees of one probe pass: the writer and step, the model and its input, the recorded
+    records and their maps, the drawing inputs (captions, the images as float RGB, the style) and what the
+    cards hand each other and the caller: ``notes`` (each map's card lines and text-tab words, from the
+    faithfulness and box cards), ``image_notes`` (lines per image per map), ``about`` (tag -> one line for
+    ``maps/descriptions``) and ``summary`` (what was logged and skipped)."""
+
+    writer: Any
+    step: int
+    settings: MapSettings
+    model: torch.nn.Module
+    images: torch.Tensor
+    labels: Optional[torch.Tensor]
+    boxes: Optional[torch.Tensor]
+    records: List[AttentionRecord]
+    maps: List[LayerMap]
+    captions: List[List[Line]]
+    base: torch.Tensor
+    image_hw: Tuple[int, int]
+    style: Dict[str, Any]
+    explained: str
+    summary: Dict[str, List[Any]] = field(default_factory=lambda: {k: [] for k in SUMMARY_KEYS})
+    about: Dict[str, str] = field(default_factory=dict)
+    notes: Dict[str, Tuple[List[Line], str]] = field(default_factory=dict)
+    image_notes: Optional[Dict[str, List[List[Line]]]] = None
+
+    def skip(self, tag: str, what: str, step_words: str = "picture skipped") -> None:
+        warnings.warn(f"log_attention_maps: {tag} has NaN or inf {what} at step {self.step}; {step_words}",
                       RuntimeWarning)
-        summary["skipped"].append(tag)
-        return
-    unit = to_unit(w[None], "relative", int(w.shape[-1]), norm)[0]
-    writer.add_image(tag, matrix_picture(unit, r.num_prefix_tokens, caption, "relative", norm, colormap), step,
-                     dataformats="HWC")
-    summary["images"].append(tag)
-    about[tag] = (f"first probe image's token-by-token attention of {name}, mean over heads (rows: query tokens, "
-                  f"columns: key tokens{', class token marked' if r.num_prefix_tokens else ''}); scale: "
-                  f"{scale_title('relative', norm)}")
 
 
-def _describe(writer: Any, about: Dict[str, str], step: int) -> None:
-    rows = "\n".join(f"| `{tag}` | {text} |" for tag, text in about.items())
-    writer.add_text("maps/descriptions", "| tag | what it shows |\n|---|---|\n" + rows, step)
+class Card(Protocol):
+    """A TensorBoard card: one class with ``log(probe)``, which writes its tags through ``probe.writer`` and
+    notes them in ``probe.summary`` and ``probe.about``. :data:`CARDS` lists them in the order they run (the
+    scores first: the map cards write them on their pictures); a new card is one class added to the list."""
+
+    def log(self, probe: Probe) -> None:
+        ...
 
 
-def _faithfulness(writer: Any, model, images, labels, maps: List[LayerMap], step: int,
-                  summary: Dict[str, List[str]], about: Dict[str, str]) -> Dict[str, Tuple[List[Line], str]]:
-    """Score the maps and the centre prior on the probe, log the scalars; returns each map's card notes and
-    text-tab words by map name."""
-    report = faithfulness(model, images, labels, maps=maps, **FAITHFULNESS_PROBE)
-    out = {}
-    for row in report.rows:
-        for what, score in (("deletion", row.deletion_score), ("insertion", row.insertion_score)):
-            tag = f"faithfulness/{row.name}/{what}"
-            writer.add_scalar(tag, score.mean, step)
-            summary["scalars"].append(tag)
-        scores = f"deletion {row.deletion_score}, insertion {row.insertion_score}"
-        if row.kind == "prior":
-            summary["faithfulness"].append(f"{row.name} prior: {scores}")
-            continue
-        d, i = versus = report.versus(row.name, PRIOR)
-        summary["faithfulness"].append(f"maps/{row.name}: {scores}; vs the centre prior: deletion {d}, insertion {i}")
-        words = (f"{scores} (> 0: better than random); minus the centre prior's: deletion {d}, insertion {i} "
-                 "(> 0: more faithful than the prior)")
-        out[row.name] = (faithfulness_notes(row, report.images, versus), words)
-    about["faithfulness/<map>/deletion"] = ("probe images: random-order deletion area - the map's deletion area (true "
-                                            "class probability as squares are removed most attended first); > 0: "
-                                            "better than random")
-    about["faithfulness/<map>/insertion"] = "probe images: the map's insertion area - random-order insertion area"
-    about[f"faithfulness/{PRIOR}/deletion"] = ("the same scores of the centre prior, a Gaussian on the image centre "
-                                               "(sigma a quarter of the shorter side), the same for every image: a "
-                                               "map below it says no more than where objects usually are")
-    return out
+class FaithfulnessCard:
+    """``faithfulness/<map>/deletion`` and ``/insertion`` scalars (``settings.faithfulness``): the probe's
+    scores against random orders and the centre prior's (:func:`visattn.faithfulness`), and each map's lines
+    about them for its picture."""
+
+    def log(self, probe: Probe) -> None:
+        maps = [m for m in probe.maps if m.finite() and kind_of(m.kind).scored] if probe.settings.faithfulness else []
+        if not maps:  # nothing to score (no maps, or none finite): no scores, not even the prior's
+            return
+        start = time.perf_counter()
+        report = faithfulness(probe.model, probe.images, probe.labels, maps=maps, **FAITHFULNESS_PROBE)
+        for row in report.rows:
+            for what, score in (("deletion", row.deletion_score), ("insertion", row.insertion_score)):
+                tag = f"faithfulness/{row.name}/{what}"
+                probe.writer.add_scalar(tag, score.mean, probe.step)
+                probe.summary["scalars"].append(tag)
+            scores = f"deletion {row.deletion_score}, insertion {row.insertion_score}"
+            if row.name == PRIOR:
+                probe.summary["faithfulness"].append(f"{row.name} prior: {scores}")
+                continue
+            d, i = versus = report.versus(row.name, PRIOR)
+            probe.summary["faithfulness"].append(f"maps/{row.name}: {scores}; vs the centre prior: deletion {d}, "
+                                                 f"insertion {i}")
+            words = (f"{scores} (> 0: better than random); minus the centre prior's: deletion {d}, insertion {i} "
+                     "(> 0: more faithful than the prior)")
+            probe.notes[row.name] = (faithfulness_notes(row, report.images, versus), words)
+        probe.about["faithfulness/<map>/deletion"] = (
+            "probe images: random-order deletion area - the map's deletion area (true class probability as squares "
+            "are removed most attended first); > 0: better than random")
+        probe.about["faithfulness/<map>/insertion"] = ("probe images: the map's insertion area - random-order "
+                                                       "insertion area")
+        probe.about[f"faithfulness/{PRIOR}/deletion"] = (
+            "the same scores of the centre prior, a Gaussian on the image centre (sigma a quarter of the shorter "
+            "side), the same for every image: a map below it says no more than where objects usually are")
+        probe.summary["faithfulness_seconds"] = [time.perf_counter() - start]
 
 
-def _localization(writer: Any, maps: List[LayerMap], boxes: torch.Tensor, tolerance: int, image_hw, step: int,
-                  notes: Dict[str, Tuple[List[Line], str]], summary: Dict[str, List[str]],
-                  about: Dict[str, str]) -> Dict[str, List[List[Line]]]:
-    """Each map against the probe's object boxes (:func:`~visattn.maps.faithful.box_scores`): a line per image (hit or miss,
-    energy in the box), the probe's pointing rate and mean energy on the card and as scalars."""
-    from ..data.placed import box_share
+class BoxCard:
+    """With object boxes: each map against them (:func:`~visattn.maps.faithful.box_scores`):
+    ``localization/<map>/pointing`` and ``/energy`` scalars, the boxes outlined on the pictures, a line per
+    image (hit or miss, energy in the box) and the probe's rates on the map's picture."""
 
-    gen = torch.Generator().manual_seed(0)
-    chance = float(box_share(boxes.cpu().numpy(), image_hw[0], tolerance).mean())
-    area = float(((boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])).double().mean()) / (image_hw[0] * image_hw[1])
-    per_image = {}
-    for lm in maps:
-        if not lm.finite():
-            continue
-        hit, energy = box_scores(lm, boxes, tolerance, image_hw, gen)
-        per_image[lm.name], lines = box_notes(hit, energy, chance, area)
-        for what, v in (("pointing", hit.mean()), ("energy", energy.mean())):
-            writer.add_scalar(f"localization/{lm.name}/{what}", float(v), step)
-            summary["scalars"].append(f"localization/{lm.name}/{what}")
-        card, words = notes.get(lm.name, ([], ""))
-        notes[lm.name] = ([*lines, *card], words)
-    about["localization/<map>/pointing"] = (f"probe: share of images whose map peaks within {tolerance} px of the "
-                                            f"object's box (chance {chance:.0%}, a random point's)")
-    about["localization/<map>/energy"] = f"probe: share of the map's positive mass inside the box (the box's area: {area:.2f})"
-    return per_image
+    def log(self, probe: Probe) -> None:
+        from ..data.placed import box_share
 
-
-def _map_images(writer: Any, maps: List[LayerMap], base: torch.Tensor, image_hw, captions, step: int,
-                style: Dict[str, Any], notes: Dict[str, Tuple[List[Line], str]], explained: str,
-                summary: Dict[str, List[str]], about: Dict[str, str],
-                image_notes: Optional[Dict[str, List[List[Line]]]] = None) -> None:
-    for lm in maps:
-        if not lm.finite():
-            warnings.warn(f"log_attention_maps: {lm.tag} has NaN or inf values at step {step}; picture skipped",
-                          RuntimeWarning)
-            summary["skipped"].append(lm.name)
-            continue
-        card, words = notes.get(lm.name, ((), ""))
-        picture = map_picture(base, lm, image_hw, captions, notes=card, image_notes=(image_notes or {}).get(lm.name),
-                              **style)
-        writer.add_image(lm.tag, picture, step, dataformats="HWC")
-        summary["images"].append(lm.tag)
-        about[lm.tag] = lm.description + (f"; explained class: {explained}" if lm.kind in GRADIENT_KINDS else "")
-        if words:
-            about[lm.tag] += "; on the probe: " + words
+        if probe.boxes is None:
+            return
+        boxes, tolerance, (h, w) = probe.boxes, probe.settings.tolerance, probe.image_hw
+        probe.style["boxes"] = boxes.tolist()
+        gen = torch.Generator().manual_seed(0)
+        chance = float(box_share(boxes.cpu().numpy(), h, tolerance).mean())
+        area = float(((boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])).double().mean()) / (h * w)
+        probe.image_notes = {}
+        for lm in probe.maps:
+            if not kind_of(lm.kind).scored or not lm.finite():
+                continue
+            hit, energy = box_scores(lm, boxes, tolerance, (h, w), gen)
+            probe.image_notes[lm.name], lines = box_notes(hit, energy, chance, area)
+            for what, v in (("pointing", hit.mean()), ("energy", energy.mean())):
+                probe.writer.add_scalar(f"localization/{lm.name}/{what}", float(v), probe.step)
+                probe.summary["scalars"].append(f"localization/{lm.name}/{what}")
+            card, words = probe.notes.get(lm.name, ([], ""))
+            probe.notes[lm.name] = ([*lines, *card], words)
+        probe.about["localization/<map>/pointing"] = (f"probe: share of images whose map peaks within {tolerance} px "
+                                                      f"of the object's box (chance {chance:.0%}, a random point's)")
+        probe.about["localization/<map>/energy"] = ("probe: share of the map's positive mass inside the box (the "
+                                                    f"box's area: {area:.2f})")
 
 
-def _channels(writer: Any, records, step: int, summary: Dict[str, List[str]], about: Dict[str, str]) -> None:
-    for k, r in named_records(records, "channel"):  # no spatial layout: histograms
-        if not torch.isfinite(r.weights).all():
-            warnings.warn(f"log_attention_maps: channel/{k} has NaN or inf gates at step {step}; histogram skipped",
-                          RuntimeWarning)
-            summary["skipped"].append(f"channel/{k}")
-            continue
-        writer.add_histogram(f"channel/{k}", r.weights.cpu(), step)
-        summary["histograms"].append(f"channel/{k}")
-        what = ("gains, 2 x sigmoid, 0-2 with 1 = unchanged (init='identity')" if r.value_scale == "gain"
-                else "sigmoid, 0-1")
-        about[f"channel/{k}"] = f"histogram of the channel gate values of {k} over the probe images ({what})"
+class MapCard:
+    """``maps/<name>``: every map placed on the image, over the probe images, with its caption lines."""
+
+    def log(self, probe: Probe) -> None:
+        for lm in probe.maps:
+            if not lm.placed:
+                continue
+            if not lm.finite():
+                probe.skip(lm.tag, "values")
+                probe.summary["skipped"].append(lm.name)
+                continue
+            card, words = probe.notes.get(lm.name, ((), ""))
+            picture = map_picture(probe.base, lm, probe.image_hw, probe.captions, notes=card,
+                                  image_notes=(probe.image_notes or {}).get(lm.name), **probe.style)
+            probe.writer.add_image(lm.tag, picture, probe.step, dataformats="HWC")
+            probe.summary["images"].append(lm.tag)
+            probe.about[lm.tag] = lm.description + (f"; explained class: {probe.explained}"
+                                                    if kind_of(lm.kind).from_gradients else "")
+            if words:
+                probe.about[lm.tag] += "; on the probe: " + words
 
 
-def _gate_scalars(writer: Any, records, step: int, summary: Dict[str, List[str]], about: Dict[str, str]) -> None:
+class MatrixCard:
+    """``matrix/<layer>``: the first probe image's attention matrix, mean over heads, with named axes: token by
+    token, or channel by channel for a covariance record (the kinds with a ``matrix`` in :mod:`.kinds`)."""
+
+    def log(self, probe: Probe) -> None:
+        st = probe.settings
+        for k, r in named_records(probe.records, kinds_where("matrix"), dims=4):
+            kind = kind_of(r.kind)
+            w = kind.matrix(r)[0]  # (rows, columns), first probe image
+            tag = f"matrix/{k}"
+            if not torch.isfinite(w).all():
+                probe.skip(tag, "weights")
+                probe.summary["skipped"].append(tag)
+                continue
+            unit = to_unit(w[None], "relative", int(w.shape[-1]), st.norm)[0]
+            lines = probe.captions[0] + [(f"attention of {k}", DIM)]
+            probe.writer.add_image(tag, matrix_picture(unit, r.num_prefix_tokens, lines, "relative", st.norm,
+                                                       st.colormap, axes=kind.axes), probe.step, dataformats="HWC")
+            probe.summary["images"].append(tag)
+            rows, cols = (a + "s" for a in kind.axes)
+            probe.about[tag] = (f"first probe image's {kind.axes[0].split()[-1]}-by-{kind.axes[1].split()[-1]} "
+                                f"attention of {k}, mean over heads (rows: {rows}, columns: {cols}"
+                                f"{', class token marked' if r.num_prefix_tokens else ''}); scale: "
+                                f"{scale_title('relative', st.norm)}")
+
+
+class HistogramCard:
+    """``channel/<layer>``: histograms of the kinds without a spatial layout (channel gates)."""
+
+    def log(self, probe: Probe) -> None:
+        for k, r in named_records(probe.records, kinds_where("draws_histogram")):
+            tag = f"channel/{k}"
+            if not torch.isfinite(r.weights).all():
+                probe.skip(tag, "gates", "histogram skipped")
+                probe.summary["skipped"].append(tag)
+                continue
+            probe.writer.add_histogram(tag, r.weights.cpu(), probe.step)
+            probe.summary["histograms"].append(tag)
+            what = ("gains, 2 x sigmoid, 0-2 with 1 = unchanged (init='identity')" if r.value_scale == "gain"
+                    else "sigmoid, 0-1")
+            probe.about[tag] = f"histogram of the channel gate values of {k} over the probe images ({what})"
+
+
+class GateCurveCard:
     """``gates/<layer>/mean`` and ``/std``: each gate's mean value over the probe and its spread, one point per
     logging epoch, so a gate that shuts its signal off shows as a falling curve (Scalars tab)."""
-    for kind in ("channel", "spatial"):
-        for k, r in named_records(records, kind):
-            if r.value_scale == "relative" or not torch.isfinite(r.weights).all():
-                continue
-            w = r.weights.float()
-            for what, value in (("mean", w.mean()), ("std", w.std() if w.numel() > 1 else w.new_zeros(()))):
-                writer.add_scalar(f"gates/{k}/{what}", float(value), step)
-                summary["scalars"].append(f"gates/{k}/{what}")
-            unit = "gain, 1 = unchanged (init='identity')" if r.value_scale == "gain" else "sigmoid gate, 0-1"
-            about[f"gates/{k}/mean"] = (f"the {kind} gate of {k}: its mean over the probe images and positions ({unit}); "
-                                        "/std its spread")
+
+    def log(self, probe: Probe) -> None:
+        for kind in kinds_where("gate_curve"):
+            for k, r in named_records(probe.records, kind):
+                if r.value_scale == "relative" or not torch.isfinite(r.weights).all():
+                    continue
+                w = r.weights.float()
+                for what, value in (("mean", w.mean()), ("std", w.std() if w.numel() > 1 else w.new_zeros(()))):
+                    probe.writer.add_scalar(f"gates/{k}/{what}", float(value), probe.step)
+                    probe.summary["scalars"].append(f"gates/{k}/{what}")
+                unit = "gain, 1 = unchanged (init='identity')" if r.value_scale == "gain" else "sigmoid gate, 0-1"
+                probe.about[f"gates/{k}/mean"] = (f"the {kind} gate of {k}: its mean over the probe images and "
+                                                  f"positions ({unit}); /std its spread")
+
+
+class DescriptionCard:
+    """``maps/descriptions`` (Text tab): one line per tag the cards before it wrote."""
+
+    def log(self, probe: Probe) -> None:
+        if probe.about:
+            rows = "\n".join(f"| `{tag}` | {text} |" for tag, text in probe.about.items())
+            probe.writer.add_text("maps/descriptions", "| tag | what it shows |\n|---|---|\n" + rows, probe.step)
+            probe.summary["texts"].append("maps/descriptions")
+
+
+CARDS: Tuple[Card, ...] = (FaithfulnessCard(), BoxCard(), MapCard(), MatrixCard(), HistogramCard(), GateCurveCard(),
+                           DescriptionCard())
+SUMMARY_KEYS = ("images", "histograms", "scalars", "texts", "skipped", "faithfulness")
 
 
 def log_attention_maps(writer: Any, model: torch.nn.Module, images: torch.Tensor, labels: Optional[torch.Tensor],
                        step: int, settings: MapSettings = MapSettings(),
-                       boxes: Optional[torch.Tensor] = None) -> Dict[str, List[str]]:
-    """Run one probe forward pass of ``images`` (normalised model input, ``(B, 3, H, W)``) and log its maps.
+                       boxes: Optional[torch.Tensor] = None, cards: Sequence[Card] = CARDS) -> Dict[str, List[str]]:
+    """Run one probe forward pass of ``images`` (normalised model input, ``(B, 3, H, W)``) and log its maps:
+    each of ``cards`` (default :data:`CARDS`) in turn logs its part of the one :class:`Probe`.
 
     The pass runs in eval mode with the RNG state forked (under ``torch.no_grad()``, or with one backward
     pass for ``settings.gradient_maps``); afterwards every module's train/eval flag is what it was, and
@@ -252,34 +332,15 @@ def log_attention_maps(writer: Any, model: torch.nn.Module, images: torch.Tensor
     _, _, h, w = images.shape
     st = settings
     rec, logits = probe_pass(model, images, labels_, gradients=st.gradient_maps)
-    captions = class_captions(logits, labels, st.class_names, 2 * w * st.scale + GAP)
-    base = images_to_float(images, st.mean, st.std, (h * st.scale, w * st.scale))
-    summary: Dict[str, List[str]] = {"images": [], "histograms": [], "scalars": [], "texts": [], "skipped": [],
-                                     "faithfulness": []}
-    about: Dict[str, str] = {}
-    maps = read_maps(rec.records, model, images.shape, head_maps=st.head_maps)
-    notes: Dict[str, Tuple[List[Line], str]] = {}
-    scored = [m for m in maps if m.finite() and m.kind != "head"] if st.faithfulness else []
-    if scored:  # nothing to score (no maps, or none finite): no scores, not even the prior's
-        start = time.perf_counter()
-        notes = _faithfulness(writer, model, images, labels_, scored, step, summary, about)
-        summary["faithfulness_seconds"] = [time.perf_counter() - start]
-    style: Dict[str, Any] = {"norm": st.norm, "colormap": st.colormap, "alpha": st.alpha}
-    image_notes = None
-    if boxes is not None:
-        style["boxes"] = boxes.tolist()
-        image_notes = _localization(writer, [m for m in maps if m.kind != "head"], boxes, st.tolerance, (h, w), step,
-                                    notes, summary, about)
-    explained = "the true class" if labels is not None else "the predicted class"
-    _map_images(writer, maps, base, (h, w), captions, step, style, notes, explained, summary, about, image_notes)
-    for k, r in named_records(rec.records, "token", dims=4):
-        _matrix(writer, r, k, step, captions[0] + [(f"attention of {k}", DIM)], st.norm, st.colormap, summary, about)
-    _channels(writer, rec.records, step, summary, about)
-    _gate_scalars(writer, rec.records, step, summary, about)
-    if about:
-        _describe(writer, about, step)
-        summary["texts"].append("maps/descriptions")
-    return summary
+    probe = Probe(writer, step, st, model, images, labels_, boxes, list(rec.records),
+                  read_maps(rec.records, model, images.shape, head_maps=st.head_maps),
+                  class_captions(logits, labels, st.class_names, 2 * w * st.scale + GAP),
+                  images_to_float(images, st.mean, st.std, (h * st.scale, w * st.scale)), (h, w),
+                  {"norm": st.norm, "colormap": st.colormap, "alpha": st.alpha},
+                  "the true class" if labels is not None else "the predicted class")
+    for card in cards:
+        card.log(probe)
+    return probe.summary
 
 
 class MapLogger:
@@ -297,6 +358,7 @@ class MapLogger:
         self.faithfulness_on = bool(cfg.log.faithfulness)
         self.budget = FAITHFULNESS_BUDGET if budget is None else budget
         self.say = say
+        self.cards: List[Card] = list(CARDS)  # what each logging step draws, in order; append a Card to add one
 
     def log(self, writer: Any, model: torch.nn.Module, probe: Sequence[Any], step: int,
             epoch_seconds: Optional[float] = None) -> List[str]:
@@ -307,7 +369,7 @@ class MapLogger:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             summary = log_attention_maps(writer, model, probe[0], probe[1], step, settings,
-                                         boxes=probe[2] if len(probe) > 2 else None)
+                                         boxes=probe[2] if len(probe) > 2 else None, cards=self.cards)
         cost = summary.get("faithfulness_seconds")
         if self.auto and cost and epoch_seconds and cost[0] > self.budget * epoch_seconds:
             self.faithfulness_on = False
