@@ -25,6 +25,7 @@ import timm
 import torch
 import torch.nn.functional as F
 import torchvision
+from test_catalogue_tokens import TOKEN_REFERENCES  # talking_heads, class_attn, xca, attn_pool, window
 from timm.layers import Attention as TimmAttention
 from timm.layers import EcaModule, NonLocalAttn, SEModule
 from timm.layers import GlobalContext as TimmGlobalContext
@@ -288,6 +289,7 @@ REFERENCES = {
     "seqpool": _explicit_seqpool,
     "none": lambda b: ((lambda x: x), []),
 }
+REFERENCES.update(TOKEN_REFERENCES)
 
 
 def test_every_block_has_a_double_backward_reference():

@@ -105,8 +105,10 @@ def test_tap_records_shape_grid_and_rows_sum_to_one(name):
     assert rec.grid == (2, 3) and rec.num_prefix_tokens == 1
     if rec.kind == "pool":
         assert rec.weights.shape == (2, 7)
-    else:
-        assert rec.weights.shape == (2, block.num_heads, 7, 7)
+    elif rec.kind == "covariance":  # channel x channel per head (XCA)
+        assert rec.weights.shape == (2, block.num_heads, block.head_dim, block.head_dim)
+    else:  # queries x keys; class attention has one query
+        assert rec.weights.shape == (2, block.num_heads, getattr(block, "num_queries", 7), 7)
     assert (rec.weights >= 0).all()
     assert torch.allclose(rec.weights.sum(-1), torch.ones(()), atol=1e-5)
     # a grid that does not fit the sequence is reported, not silently recorded

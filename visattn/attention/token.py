@@ -28,11 +28,12 @@ from .functional import init_linears, positive_int, sdpa
 from .tap import AttentionTap
 
 __all__ = ["MultiHeadSelfAttention", "LocalitySelfAttention", "SequencePooling", "SCORES", "SDPA_CPU_MODES",
-           "POS_BIASES", "sdpa_cpu_mode", "matmul_attention"]
+           "POS_BIASES", "GATES", "sdpa_cpu_mode", "matmul_attention"]
 
 SCORES = ("scaled_dot", "dot", "general", "additive")
 SDPA_CPU_MODES = ("fp32", "native", "matmul")  # the fast path's CPU attention (see sdpa_cpu_mode)
 POS_BIASES = ("none", "local")
+GATES = ("none", "head", "element")  # mhsa's output gate (Qiu et al. 2025): off, one per head, one per channel
 
 Grid = Optional[Tuple[int, int]]
 Hard = Union[None, str, int]
@@ -149,6 +150,15 @@ class MultiHeadSelfAttention(nn.Module):
     each head starts as a local average (ConViT's convolution-like start, d'Ascoli et al. 2021, arXiv
     2103.10697, as an additive bias so the fused kernel still runs). ``"none"`` (the default): no bias.
 
+    ``qk_norm=True``: LayerNorm over each head's ``d`` channels of ``q`` and ``k`` before the scores
+    (``q_norm``, ``k_norm``; Dehghani et al., 2023, "Scaling Vision Transformers to 22 Billion Parameters",
+    arXiv 2302.05442), as timm's ``Attention(qk_norm=True)``, whose state dict loads strictly.
+    ``gate="head"`` or ``"element"``: the attention output (before ``proj``) is multiplied by
+    ``sigmoid(gate_proj(x))``, one gate per head (``gate_proj``: ``dim -> heads``) or per channel
+    (``dim -> dim``), computed from the block's input (Qiu et al., 2025, "Gated Attention for Large Language
+    Models: Non-linearity, Sparsity, and Attention-Sink-Free", arXiv 2505.06708, the SDPA-output gate G1);
+    ``"none"`` (the default): no gate.
+
     Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
     ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
 
@@ -157,13 +167,19 @@ class MultiHeadSelfAttention(nn.Module):
     default ``"fp32"``; :func:`sdpa_cpu_mode`) picks the fast path's CPU kernel.
     """
 
+
     fast_path = True  # False (per block): the baseline fused path, functional.sdpa on a permuted split of qkv
     sdpa_cpu = "fp32"
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, score: str = "scaled_dot",
                  attn_drop: float = 0.0, proj_drop: float = 0.0, hard: Hard = None, grid: Grid = None,
-                 num_prefix_tokens: int = 0, proj_bias: bool = True, pos_bias: str = "none"):
+                 num_prefix_tokens: int = 0, proj_bias: bool = True, pos_bias: str = "none",
+                 qk_norm: bool = False, gate: str = "none"):
         super().__init__()
+        if not isinstance(qk_norm, bool):
+            raise ValueError(f"qk_norm must be True or False, got {qk_norm!r}")
+        if gate not in GATES:
+            raise ValueError(f"unknown gate {gate!r}; valid: {', '.join(GATES)}")
         positive_int("dim", dim)
         positive_int("num_heads", num_heads, divides=dim)
         if score not in SCORES:
@@ -179,7 +195,12 @@ class MultiHeadSelfAttention(nn.Module):
         self.num_prefix_tokens = int(num_prefix_tokens)
 
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.qk_norm = qk_norm
+        self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()  # timm's names and order
+        self.k_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
+        self.gate = gate
+        self.gate_proj = None if gate == "none" else nn.Linear(dim, num_heads if gate == "head" else dim)
         self.proj = nn.Linear(dim, dim, bias=proj_bias)
         self.proj_drop = nn.Dropout(proj_drop)
         if score == "general":
@@ -262,6 +283,8 @@ class MultiHeadSelfAttention(nn.Module):
         permuted split costs a transposing copy). On a CPU ``sdpa_cpu`` picks the kernel (:func:`sdpa_cpu_mode`)."""
         B, N, _ = qkv.shape
         parts = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(2)  # 3 x (B, N, heads, d) views
+        if self.qk_norm:  # LayerNorm over d (fp32 under autocast): cast back so q, k, v share a dtype
+            parts = (self.q_norm(parts[0]).to(qkv.dtype), self.k_norm(parts[1]).to(qkv.dtype), parts[2])
         mode = self.sdpa_cpu if qkv.device.type == "cpu" else "native"
         upcast = mode == "fp32" and qkv.dtype in (torch.bfloat16, torch.float16)
         attend = matmul_attention if mode == "matmul" else F.scaled_dot_product_attention
@@ -315,9 +338,11 @@ class MultiHeadSelfAttention(nn.Module):
             attn_mask = self._with_pos_bias(attn_mask)  # fp32 (..., heads, N, N)
         qkv = self.qkv(x)  # (B, N, 3*D)
         if self.fast_path and not (self.tap.active or self._use_hard() or not self._has_fused()):
-            return self.proj_drop(self.proj(self._fused_packed(qkv, attn_mask, is_causal)))
+            return self.proj_drop(self.proj(self._gated(x, self._fused_packed(qkv, attn_mask, is_causal))))
         # (B, N, 3*D) -> (3, B, heads, N, d)
         q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.qk_norm:
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         if self.tap.active or self._use_hard() or not self._has_fused():
             if self.tap.active:
                 _check_tokens(self, N)
@@ -327,12 +352,22 @@ class MultiHeadSelfAttention(nn.Module):
         else:
             out = self._fused(q, k, v, attn_mask, is_causal)
         out = out.transpose(1, 2).reshape(B, N, D)
-        return self.proj_drop(self.proj(out))
+        return self.proj_drop(self.proj(self._gated(x, out)))
+
+    def _gated(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` ``(B, N, D)`` times ``sigmoid(gate_proj(x))``, per head or per channel (``gate``)."""
+        if self.gate_proj is None:
+            return out
+        g = torch.sigmoid(self.gate_proj(x)).to(out.dtype)  # (B, N, heads) or (B, N, D)
+        if self.gate == "head":
+            return (out.unflatten(-1, (self.num_heads, self.head_dim)) * g.unsqueeze(-1)).flatten(-2)
+        return out * g
 
     def extra_repr(self) -> str:
         return (
             f"dim={self.dim}, num_heads={self.num_heads}, score={self.score!r}, hard={self.hard!r}, "
             f"grid={self.tap_grid}, num_prefix_tokens={self.num_prefix_tokens}, pos_bias={self.pos_bias!r}"
+            + (", qk_norm=True" if self.qk_norm else "") + (f", gate={self.gate!r}" if self.gate != "none" else "")
         )
 
 
@@ -346,6 +381,7 @@ class LocalitySelfAttention(MultiHeadSelfAttention):
     least 2 tokens; ``is_causal`` is refused (the first token would attend to nothing). ``hard`` as for
     ``mhsa``. Double backward: as for ``mhsa``, under ``sdpa_kernel(SDPBackend.MATH)``.
     """
+
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, hard: Hard = None, grid: Grid = None, num_prefix_tokens: int = 0,
@@ -398,6 +434,7 @@ class SequencePooling(nn.Module):
     tokens, and the output is ``sum_n w_n x_n``. The tap (kind ``"pool"``) carries ``w``, ``(B, N)``, with
     ``tap_grid`` and ``num_prefix_tokens`` as for the attention blocks. The softmax is taken in fp32.
     """
+
 
     def __init__(self, dim: int, grid: Grid = None, num_prefix_tokens: int = 0):
         super().__init__()
