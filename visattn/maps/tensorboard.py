@@ -135,7 +135,9 @@ class Probe:
 class Card(Protocol):
     """A TensorBoard card: one class with ``log(probe)``, which writes its tags through ``probe.writer`` and
     notes them in ``probe.summary`` and ``probe.about``. :data:`CARDS` lists them in the order they run (the
-    scores first: the map cards write them on their pictures); a new card is one class added to the list."""
+    scores first: the map cards write them on their pictures); a new card is one class added to the list
+    (``MapLogger.cards``, or ``log_attention_maps(..., cards=[*CARDS, MyCard()])``). What it puts in
+    ``probe.about`` goes into ``maps/descriptions`` after the last card."""
 
     def log(self, probe: Probe) -> None:
         ...
@@ -293,18 +295,7 @@ class GateCurveCard:
                                                   f"positions ({unit}); /std its spread")
 
 
-class DescriptionCard:
-    """``maps/descriptions`` (Text tab): one line per tag the cards before it wrote."""
-
-    def log(self, probe: Probe) -> None:
-        if probe.about:
-            rows = "\n".join(f"| `{tag}` | {text} |" for tag, text in probe.about.items())
-            probe.writer.add_text("maps/descriptions", "| tag | what it shows |\n|---|---|\n" + rows, probe.step)
-            probe.summary["texts"].append("maps/descriptions")
-
-
-CARDS: Tuple[Card, ...] = (FaithfulnessCard(), BoxCard(), MapCard(), MatrixCard(), HistogramCard(), GateCurveCard(),
-                           DescriptionCard())
+CARDS: Tuple[Card, ...] = (FaithfulnessCard(), BoxCard(), MapCard(), MatrixCard(), HistogramCard(), GateCurveCard())
 SUMMARY_KEYS = ("images", "histograms", "scalars", "texts", "skipped", "faithfulness")
 
 
@@ -340,6 +331,10 @@ def log_attention_maps(writer: Any, model: torch.nn.Module, images: torch.Tensor
                   "the true class" if labels is not None else "the predicted class")
     for card in cards:
         card.log(probe)
+    if probe.about:  # maps/descriptions (Text tab): one line per tag the cards wrote
+        rows = "\n".join(f"| `{tag}` | {text} |" for tag, text in probe.about.items())
+        writer.add_text("maps/descriptions", "| tag | what it shows |\n|---|---|\n" + rows, step)
+        probe.summary["texts"].append("maps/descriptions")
     return probe.summary
 
 
