@@ -385,3 +385,68 @@ TOKEN_REFERENCES = {
     "attn_pool": _by_state(lambda b: TimmAttentionPoolLatent(b.dim, num_heads=b.num_heads, norm_layer=nn.LayerNorm)),
     "window": _window_ref,
 }
+
+
+# ---- options beyond the defaults the generic contract tests build ------------------------------------------
+OPTION_VARIANTS = [
+    ("window", dict(window_size=2, shift_size=1, grid=(4, 4))),
+    ("window", dict(window_size=(2, 3), shift_size=(1, 1), grid=(2, 3), num_prefix_tokens=1)),
+    ("mhsa", dict(qk_norm=True, gate="head")),
+    ("mhsa", dict(gate="element")),
+    ("attn_pool", dict(qk_norm=True, latent_len=2, pool="avg")),
+]
+VARIANT_IDS = ["-".join([n, *map(str, kw.values())]) for n, kw in OPTION_VARIANTS]
+
+
+def _variant(name, kw, seed=0):
+    torch.manual_seed(seed)
+    block = randomize_(create_attention(name, 16, num_heads=2, **kw))
+    grid = kw.get("grid")
+    n = grid[0] * grid[1] + kw.get("num_prefix_tokens", 0) if grid else 6
+    return block, n
+
+
+@pytest.mark.parametrize("name,kw", OPTION_VARIANTS, ids=VARIANT_IDS)
+def test_option_variants_compile_export_and_double_backward(name, kw):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch._dynamo.reset()
+    block, n = _variant(name, kw)
+    x = torch.randn(2, n, 16)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = compiled(xa), block(xb)
+    torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-5)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    program = torch.export.export(block.eval(), (x,))
+    x2 = torch.randn(2, n, 16)
+    torch.testing.assert_close(program.module()(x2), block(x2), rtol=1e-5, atol=1e-5)
+    # double backward (a gradient penalty) exists and agrees with finite differences in float64
+    block = block.double()
+    xd = torch.randn(1, n, 16, dtype=torch.float64, requires_grad=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert torch.autograd.gradgradcheck(lambda t: block(t), (xd,), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(any(__import__("importlib").util.find_spec(m) is None for m in ("onnx", "onnxruntime", "onnxscript")),
+                    reason="onnx, onnxruntime and onnxscript not installed")
+@pytest.mark.parametrize("name,kw", OPTION_VARIANTS, ids=VARIANT_IDS)
+def test_option_variants_onnx(name, kw, tmp_path):
+    import warnings
+
+    import onnxruntime as ort
+
+    block, n = _variant(name, kw)
+    block.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(block, (torch.randn(2, n, 16),), dynamo=True, verbose=False)
+    program.save(str(tmp_path / "m.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    x = torch.randn(2, n, 16)
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(out), block(x), rtol=1e-4, atol=1e-5)
