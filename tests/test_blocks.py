@@ -186,7 +186,7 @@ def test_taps_record_the_weights_without_changing_the_output(name):
         assert w.dtype == torch.float32 and not w.requires_grad
         if tap.kind == "channel":
             assert w.shape == (B, C)
-            assert (w >= 0).all() and (w <= 1).all()
+            assert (w >= 0).all() and (w <= (2 if rec.value_scale == "gain" else 1)).all()  # gct, bam: 0-2
         elif tap.kind == "spatial":
             assert w.shape == (B, 1, H, W)
             assert (w >= 0).all()

@@ -72,12 +72,12 @@ SIZES = [(9, 7), (1, 1), (3, 8)]
 # ---- ge: timm's GatherExcite ---------------------------------------------------------------------------------
 
 
-def timm_ge(channels: int, extent: int, use_mlp: bool) -> nn.Module:
+def timm_ge(channels: int, extent: int, use_mlp: bool, hidden: int = 0) -> nn.Module:
     """timm's GatherExcite; its MLP (``ConvMlp(channels, rd, act_layer=...)`` with a ``*dd`` that should be
     ``**dd``, so it cannot be built in timm 1.0.31) is set here as timm means it."""
     ref = TimmGatherExcite(channels, extent=extent, use_mlp=False)
     if use_mlp:
-        ref.mlp = ConvMlp(channels, channels // 16, act_layer=nn.ReLU)
+        ref.mlp = ConvMlp(channels, hidden or channels // 16, act_layer=nn.ReLU)
     return ref
 
 
@@ -378,10 +378,10 @@ class AuthorsBAM(nn.Module):
     """The authors' BAM (ChannelGate with one hidden layer, SpatialGate with two dilated convs), with their
     product of the branches (``combine="product"``) or the paper's sum (Eq. 1)."""
 
-    def __init__(self, c, combine):
+    def __init__(self, c, combine, square_pool=True):
         super().__init__()
-        r = c // 16
-        self.combine = combine
+        r = max(1, c // 16)
+        self.combine, self.square_pool = combine, square_pool
         self.gate_c = nn.Sequential(nn.Flatten(), nn.Linear(c, r), nn.BatchNorm1d(r), nn.ReLU(), nn.Linear(r, c))
         self.gate_s = nn.Sequential(
             nn.Conv2d(c, r, 1), nn.BatchNorm2d(r), nn.ReLU(),
@@ -389,7 +389,8 @@ class AuthorsBAM(nn.Module):
             nn.Conv2d(r, r, 3, padding=4, dilation=4), nn.BatchNorm2d(r), nn.ReLU(), nn.Conv2d(r, 1, 1))
 
     def forward(self, x):
-        mc = self.gate_c(F.avg_pool2d(x, x.size(2), stride=x.size(2)))[:, :, None, None].expand_as(x)
+        pooled = F.avg_pool2d(x, x.size(2), stride=x.size(2)) if self.square_pool else x.mean((2, 3), keepdim=True)
+        mc = self.gate_c(pooled)[:, :, None, None].expand_as(x)
         ms = self.gate_s(x).expand_as(x)
         z = mc * ms if self.combine == "product" else mc + ms
         return (1 + torch.sigmoid(z)) * x
@@ -495,3 +496,38 @@ def test_issue_acceptance(name):
         assert isinstance(cls.__dict__.get(attr), str) and len(cls.__dict__[attr]) > 10, attr
     assert "arXiv" in cls.PAPER or "PMLR" in cls.PAPER
     assert any(isinstance(m, AttentionTap) for m in create_attention(name, 64).modules())
+
+
+# ---- the references test_compose.py's double-backward test uses for these blocks -----------------------------------
+
+
+def _loaded(make):
+    """A reference module holding ``block``'s weights (by order), float64, training mode, and its parameters."""
+    def reference(block):
+        ref = make(block).double()
+        load_by_order(ref, block)
+        return ref.train(), list(ref.parameters())
+
+    return reference
+
+
+def _fca_reference(block):
+    ref = AuthorsFca(block.channels, block.dct_size[0]).double()
+    ref.fc[0].weight.data.copy_(block.fc1.weight)
+    ref.fc[2].weight.data.copy_(block.fc2.weight)
+    ref.weight = block.dct_weight.double().clone()
+    return ref.train(), list(ref.parameters())
+
+
+GATE_REFERENCES = {
+    "ge": _loaded(lambda b: timm_ge(b.channels, b.extent, b.mlp is not None, b.mlp.fc1.out_channels if b.mlp is not None else 0)),
+    "ela": _loaded(lambda b: EfficientLocalAttn(b.channels)),
+    "fca": _fca_reference,
+    "gct": lambda b: ((lambda x: authors_gct(x, b.alpha, b.gamma, b.beta, b.eps, b.mode)), list(b.parameters())),
+    "srm": _loaded(lambda b: AuthorsSRM(b.channels)),
+    "sge": lambda b: ((lambda x: authors_sge(x, b.weight, b.bias, b.groups)), list(b.parameters())),
+    "simam": lambda b: (authors_simam, []),
+    "triplet": _loaded(lambda b: AuthorsTriplet()),
+    "bam": _loaded(lambda b: AuthorsBAM(b.channels, b.combine, square_pool=False)),
+    "shuffle": _loaded(lambda b: AuthorsSA(b.channels, b.groups)),
+}

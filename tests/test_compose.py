@@ -292,6 +292,11 @@ REFERENCES = {
 REFERENCES.update(TOKEN_REFERENCES)
 
 
+from test_catalogue_gates import GATE_REFERENCES  # noqa: E402  (issue 90's gate blocks)
+
+REFERENCES.update(GATE_REFERENCES)
+
+
 def test_every_block_has_a_double_backward_reference():
     assert set(REFERENCES) == set(BLOCKS)
 
@@ -326,7 +331,7 @@ def test_double_backward_matches_reference(name):
     assert_all_close(ours, theirs, rtol=1e-6, atol=1e-6)
     if name != "none":  # the comparison is not vacuous
         assert ours[0].abs().max() > 1e-3
-        assert any(g.abs().max() > 1e-3 for g in ours[1:])
+        assert any(g.abs().max() > 1e-3 for g in ours[1:]) or not ours[1:]  # (simam: no parameters)
 
 
 def test_sdpa_blocks_document_the_math_backend():

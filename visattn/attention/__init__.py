@@ -18,6 +18,7 @@ class NoAttention(nn.Identity):
 # Importing the block modules registers their blocks.
 from . import channel, self_attn2d, spatial, token  # noqa: E402
 from . import token_more, token_window  # noqa: E402,F401  (talking_heads, class_attn, xca, attn_pool, window)
+from . import excite, excite_groups  # noqa: E402,F401  (ge, ela, fca, gct, srm; sge, simam, triplet, bam, shuffle)
 from .insert import AttnLayer, attn_layer, insert_attention  # noqa: E402
 
 __all__ = [

@@ -48,12 +48,30 @@ def norm_any_batch(norm: nn.Module, z: torch.Tensor) -> torch.Tensor:
     or of a 1x1 map) returns its shift, which is what batch normalisation's formula gives there
     (``z - mean(z) = 0``), with a zero gradient to ``z`` and the scale, and leaves its running statistics as
     they were (their unbiased variance is undefined). PyTorch's BatchNorm refuses that input instead."""
-    if norm.training and isinstance(norm, nn.modules.batchnorm._BatchNorm) and z.numel() == z.shape[1]:
+    bn = isinstance(norm, nn.modules.batchnorm._BatchNorm)
+    if bn and norm.training and z.numel() == z.shape[1]:
         shape = (1, -1) + (1,) * (z.dim() - 2)
         centred = z - z  # exactly zero, and on the graph
-        scale = norm.weight.view(shape) if norm.weight is not None else 1.0
-        return centred * scale + (norm.bias.view(shape) if norm.bias is not None else 0.0)
+        scale = norm.weight.view(shape).to(z.dtype) if norm.weight is not None else 1.0
+        return centred * scale + (norm.bias.view(shape).to(z.dtype) if norm.bias is not None else 0.0)
+    if bn and norm.running_mean is not None and norm.weight is not None and z.dtype != norm.weight.dtype:
+        return wide_batch_norm(norm, z)
     return norm(z)
+
+
+def wide_batch_norm(norm: nn.modules.batchnorm._BatchNorm, z: torch.Tensor) -> torch.Tensor:
+    """``norm(z)`` computed in ``z``'s (wider) dtype for a BatchNorm cast to half precision: its parameters and
+    running statistics are read in ``z``'s dtype and the statistics written back. A BN over a batch of pooled
+    vectors divides by small differences between samples, which bf16 rounding would flip."""
+    rm, rv = norm.running_mean.to(z.dtype), norm.running_var.to(z.dtype)
+    momentum = norm.momentum if norm.momentum is not None else 1.0 / float(norm.num_batches_tracked + 1)
+    out = F.batch_norm(z, rm, rv, norm.weight.to(z.dtype), norm.bias.to(z.dtype), norm.training, momentum, norm.eps)
+    if norm.training:
+        with torch.no_grad():
+            norm.running_mean.copy_(rm)
+            norm.running_var.copy_(rv)
+            norm.num_batches_tracked.add_(1)
+    return out
 
 
 def spatial_mean(gate: torch.Tensor, size: Tuple[int, int]) -> torch.Tensor:
@@ -430,8 +448,8 @@ class StyleRecalibration(IdentityGate, nn.Module):
         with autocast_off(x):
             mu = mean_over(x, (2, 3), acc, keepdim=True)  # (B, C, 1, 1)
             var = (x.to(acc) - mu).square().sum((2, 3), keepdim=True) / max(n - 1, 1)
-            t = torch.cat([mu, (var + self.eps).sqrt()], dim=3).to(self.cfc.dtype)  # (B, C, 1, 2)
-            z = (t * self.cfc[None, :, None, :]).sum(3, keepdim=True)  # (B, C, 1, 1)
-            w = gained(self.gate(norm_any_batch(self.bn, z)), self.gain)
+            t = torch.cat([mu, (var + self.eps).sqrt()], dim=3)  # (B, C, 1, 2)
+            z = (t * self.cfc.to(acc)[None, :, None, :]).sum(3, keepdim=True)  # (B, C, 1, 1), fp32 for the BN
+            w = gained(self.gate(norm_any_batch(self.bn, z)), self.gain).to(self.cfc.dtype)
         self.tap(w.flatten(1))
         return x * w.to(x.dtype)
