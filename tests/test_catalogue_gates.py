@@ -375,32 +375,37 @@ def test_triplet_matches_the_authors_code(train, hw):
 
 
 class AuthorsBAM(nn.Module):
-    """The authors' BAM (ChannelGate with one hidden layer, SpatialGate with two dilated convs), with their
-    product of the branches (``combine="product"``) or the paper's sum (Eq. 1)."""
+    """The authors' BAM (ChannelGate with one hidden layer, SpatialGate with two dilated convs): their code
+    (``"code"``: the product of the branches, no final BN) or the paper's Eq. 2-4 (``"paper"``: a BN at the
+    end of each branch, ``sigmoid(M_c + M_s)``)."""
 
-    def __init__(self, c, combine, square_pool=True):
+    def __init__(self, c, variant, square_pool=True):
         super().__init__()
         r = max(1, c // 16)
-        self.combine, self.square_pool = combine, square_pool
-        self.gate_c = nn.Sequential(nn.Flatten(), nn.Linear(c, r), nn.BatchNorm1d(r), nn.ReLU(), nn.Linear(r, c))
+        self.variant, self.square_pool = variant, square_pool
+        last_c = [nn.BatchNorm1d(c)] if variant == "paper" else []  # Eq. 2: BN(W1(W0 GAP(F) + b0) + b1)
+        last_s = [nn.BatchNorm2d(1)] if variant == "paper" else []  # Eq. 3: BN(f3(f2(f1(f0(F)))))
+        self.gate_c = nn.Sequential(nn.Flatten(), nn.Linear(c, r), nn.BatchNorm1d(r), nn.ReLU(), nn.Linear(r, c),
+                                    *last_c)
         self.gate_s = nn.Sequential(
             nn.Conv2d(c, r, 1), nn.BatchNorm2d(r), nn.ReLU(),
             nn.Conv2d(r, r, 3, padding=4, dilation=4), nn.BatchNorm2d(r), nn.ReLU(),
-            nn.Conv2d(r, r, 3, padding=4, dilation=4), nn.BatchNorm2d(r), nn.ReLU(), nn.Conv2d(r, 1, 1))
+            nn.Conv2d(r, r, 3, padding=4, dilation=4), nn.BatchNorm2d(r), nn.ReLU(), nn.Conv2d(r, 1, 1), *last_s)
 
     def forward(self, x):
         pooled = F.avg_pool2d(x, x.size(2), stride=x.size(2)) if self.square_pool else x.mean((2, 3), keepdim=True)
         mc = self.gate_c(pooled)[:, :, None, None].expand_as(x)
         ms = self.gate_s(x).expand_as(x)
-        z = mc * ms if self.combine == "product" else mc + ms
+        z = mc * ms if self.variant == "code" else mc + ms  # Eq. 4: sigmoid(M_c + M_s)
         return (1 + torch.sigmoid(z)) * x
 
 
-@pytest.mark.parametrize("combine", ["sum", "product"])
+@pytest.mark.parametrize("variant", ["paper", "code"])
 @pytest.mark.parametrize("train", [True, False])
-def test_bam_matches_the_authors_code(combine, train):
-    ref = randomize_(AuthorsBAM(64, combine), seed=9)
-    ours = create_attention("bam", 64, combine=combine)
+def test_bam_matches_the_authors_code(variant, train):
+    ref = randomize_(AuthorsBAM(64, variant), seed=9)
+    opts = dict(combine="sum", final_norm=True) if variant == "paper" else dict(combine="product", final_norm=False)
+    ours = create_attention("bam", 64, **opts)
     load_by_order(ours, ref)
     same_function(ours, ref, torch.randn(3, 64, 9, 9), train=train)  # square: their pool is the global mean
 
@@ -417,7 +422,9 @@ def test_bam_any_map_size(hw):
 
 def test_bam_defaults():
     bam = create_attention("bam", 64)
-    assert bam.combine == "sum" and bam.gate_c[0].out_features == 4 and isinstance(bam.gate_c[1], nn.BatchNorm1d)
+    assert bam.combine == "sum" and bam.final_norm and bam.gate_c[0].out_features == 4
+    assert isinstance(bam.gate_c[1], nn.BatchNorm1d) and isinstance(bam.gate_c[-1], nn.BatchNorm1d)
+    assert isinstance(bam.gate_s[-1], nn.BatchNorm2d) and bam.gate_s[-1].num_features == 1
     dilated = [m for m in bam.gate_s if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
     assert len(dilated) == 2 and all(m.dilation == (4, 4) and m.padding == (4, 4) for m in dilated)
     x = torch.randn(2, 64, 5, 5)
@@ -528,6 +535,6 @@ GATE_REFERENCES = {
     "sge": lambda b: ((lambda x: authors_sge(x, b.weight, b.bias, b.groups)), list(b.parameters())),
     "simam": lambda b: (authors_simam, []),
     "triplet": _loaded(lambda b: AuthorsTriplet()),
-    "bam": _loaded(lambda b: AuthorsBAM(b.channels, b.combine, square_pool=False)),
+    "bam": _loaded(lambda b: AuthorsBAM(b.channels, "paper" if b.final_norm else "code", square_pool=False)),
     "shuffle": _loaded(lambda b: AuthorsSA(b.channels, b.groups)),
 }

@@ -251,23 +251,26 @@ class BottleneckAttention(nn.Module):
     Channel branch ``M_c``: global average pool, ``C -> C/r`` linear, BatchNorm1d, ReLU, ``C/r -> C`` linear
     (``num_layers`` hidden layers; r = 16). Spatial branch ``M_s``: 1x1 conv ``C -> C/r``, BN, ReLU, two 3x3
     convs with dilation 4 (padding 4, so any map size keeps its size), each BN, ReLU, and a 1x1 conv to one
-    map. Output ``x * (1 + sigmoid(M_c + M_s))`` (``combine="sum"``, the paper's Eq. 1-2, the default); the
-    authors' code multiplies the branches, ``combine="product"``; its channel pool (``avg_pool2d`` with a
-    ``H x H`` kernel) is the global mean only for square maps, so here it is the global mean. BNs that see
-    one value per channel in training give their shift (:func:`~visattn.attention.excite.norm_any_batch`).
-    Taps (scale ``"gain"``): ``channel_tap``, the ``(B, C)`` spatial mean of the multiplier, and ``tap``, its
-    ``(B, 1, H, W)`` channel mean, on recording passes. ``init="identity"``: the last layer of each branch
-    (of the spatial branch only for ``"product"``, so the channel branch's still gets a gradient) starts at
-    zero and the multiplier is read as ``(1 + sigmoid(z)) / 1.5``.
+    map. Output ``x * (1 + sigmoid(M_c + M_s))``. The paper and the authors' code differ in two places, both
+    options: the paper (Eq. 2-4, the default) ends each branch with a BN (``final_norm=True``) and sums the
+    branches (``combine="sum"``); the code has no final BN and multiplies them (``final_norm=False,
+    combine="product"``). The hidden layers' BN and ReLU are the code's (the paper's equations leave them
+    out). The code's channel pool (``avg_pool2d`` with an ``H x H`` kernel) is the global mean only for
+    square maps; here it is the global mean. BNs that see one value per channel in training give their shift
+    (:func:`~visattn.attention.excite.norm_any_batch`). Taps (scale ``"gain"``): ``channel_tap``, the
+    ``(B, C)`` spatial mean of the multiplier, and ``tap``, its ``(B, 1, H, W)`` channel mean, on recording
+    passes. ``init="identity"``: each branch's last layer (its final BN's scale and shift where there is one;
+    for ``"product"`` the spatial branch's only, so the channel branch still gets a gradient) starts at zero
+    and the multiplier is read as ``(1 + sigmoid(z)) / 1.5``.
     """
 
     PAPER = "Park, Woo, Lee, Kweon, 2018, BAM: Bottleneck Attention Module, arXiv 1807.06514"
-    CHECKED_AGAINST = ("the authors' BAM (ChannelGate, SpatialGate) written in the test, product as their code "
-                       "and sum as the paper, float64")
-    IDENTITY = "the last linear and the last 1x1 conv; multiplier (1 + sigmoid) / 1.5"
+    CHECKED_AGAINST = ("the authors' BAM (ChannelGate, SpatialGate) written in the test: their code (product, no final "
+                       "BN) and the paper's Eq. 2-4 (sum, final BNs), float64")
+    IDENTITY = "each branch's final BN (or last layer); multiplier (1 + sigmoid) / 1.5"
 
     def __init__(self, channels: int, reduction_ratio: int = 16, num_layers: int = 1, dilation_conv_num: int = 2,
-                 dilation_val: int = 4, combine: str = "sum", init: str = "default"):
+                 dilation_val: int = 4, combine: str = "sum", final_norm: bool = True, init: str = "default"):
         super().__init__()
         self.channels = check_channels(channels)
         self.init = check_init(init)
@@ -276,17 +279,19 @@ class BottleneckAttention(nn.Module):
         positive_int("reduction_ratio", reduction_ratio)
         positive_int("num_layers", num_layers)
         positive_int("dilation_val", dilation_val)
-        self.combine = combine
+        self.combine, self.final_norm = combine, bool(final_norm)
         rd = reduced_channels(channels, 1.0 / reduction_ratio, None, 1)
         widths = [channels] + [rd] * num_layers
         layers = []
         for i in range(num_layers):
             layers += [nn.Linear(widths[i], widths[i + 1]), nn.BatchNorm1d(widths[i + 1]), nn.ReLU()]
-        self.gate_c = nn.Sequential(*layers, nn.Linear(rd, channels))
+        last = [nn.BatchNorm1d(channels)] if final_norm else []
+        self.gate_c = nn.Sequential(*layers, nn.Linear(rd, channels), *last)
         layers = [nn.Conv2d(channels, rd, 1), nn.BatchNorm2d(rd), nn.ReLU()]
         for _ in range(dilation_conv_num):
             layers += [nn.Conv2d(rd, rd, 3, padding=dilation_val, dilation=dilation_val), nn.BatchNorm2d(rd), nn.ReLU()]
-        self.gate_s = nn.Sequential(*layers, nn.Conv2d(rd, 1, 1))
+        last = [nn.BatchNorm2d(1)] if final_norm else []
+        self.gate_s = nn.Sequential(*layers, nn.Conv2d(rd, 1, 1), *last)
         self.gain = 1.0 if init == "default" else 1 / 1.5
         self.channel_tap = AttentionTap("channel", scale="gain")
         self.tap = AttentionTap("spatial", scale="gain")
@@ -301,7 +306,6 @@ class BottleneckAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
-        H, W = x.shape[2:]
         dt = self.gate_s[0].weight.dtype
         with autocast_off(x):
             mc = mean_over(x, (2, 3), compute_dtype(x)).to(dt)  # (B, C)
