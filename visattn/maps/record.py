@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.tap import KINDS, AttentionRecord, AttentionTap
+from . import families
 from .kinds import kind_of
 
 DEFAULT_MAX_PASSES = 64
@@ -250,7 +251,7 @@ def find_taps(model: nn.Module) -> List[Tuple[str, AttentionTap]]:
         raise TypeError(f"record_attention expects an nn.Module, got {type(model).__name__}")
     base = unwrap_model(model)
     own = [(_record_name(p), m) for p, m in base.named_modules() if isinstance(m, AttentionTap)]
-    return own + adapter_taps(base)
+    return own + adapter_taps(base) + [(s.path, s.tap) for s in families.sites(base)]
 
 
 @contextmanager
@@ -296,14 +297,17 @@ def record_attention(model: nn.Module, max_passes: Optional[int] = DEFAULT_MAX_P
     add_taps(base)
     taps = find_taps(model)
     if not taps and warn:
+        why = "; ".join(families.unrecordable(base))
         warnings.warn(f"record_attention: {type(base).__name__} has nothing to record; searched for "
-                      f"{', '.join(SEARCHED)} and found none", RuntimeWarning, stacklevel=3)
+                      f"{', '.join(SEARCHED)} and found none" + (f" ({why})" if why else ""), RuntimeWarning,
+                      stacklevel=3)
     recorder = AttentionRecorder({name: tap.kind for name, tap in taps}, max_passes, device)
     handles = [model.register_forward_pre_hook(lambda m, args: recorder.start_pass())]
     try:
         if gradients:
             handles += _keep_hooks(base, taps, recorder)
-        with tap_sinks(model, recorder, taps), _eager(), (own_attention(base) if gradients else nullcontext()):
+        with (tap_sinks(model, recorder, taps), _eager(), families.recording(base),
+              (own_attention(base) if gradients else nullcontext())):
             yield recorder
     finally:
         for h in handles:
@@ -382,6 +386,7 @@ SEARCHED = (
     "visattn AttentionTap modules",
     "timm Attention (timm.layers.Attention = timm.models.vision_transformer.Attention)",
     "torch.nn.MultiheadAttention",
+    "the vision transformer families of visattn.maps.families",
 )
 
 
@@ -426,7 +431,7 @@ def _context(model: nn.Module, path: str) -> Tuple[Optional[int], Optional[Tuple
         pe = getattr(m, "patch_embed", None)
         if pe is not None and getattr(pe, "grid_size", None) is not None:  # timm
             return int(getattr(m, "num_prefix_tokens", 1)), tuple(int(g) for g in pe.grid_size)
-        if isinstance(getattr(m, "conv_proj", None), nn.Module) and hasattr(m, "patch_size"):  # torchvision
+        if isinstance(getattr(m, "conv_proj", None), nn.Module) and hasattr(m, "image_size"):  # torchvision
             size = int(getattr(m, "image_size"))
             g = size // int(m.patch_size)
             return (1 if getattr(m, "class_token", None) is not None else 0), (g, g)
@@ -611,10 +616,13 @@ def own_attention(model: nn.Module) -> Iterator[None]:
 
 
 def foreign_modules(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """``(path, module)`` of every timm ``Attention`` and ``nn.MultiheadAttention`` in ``model``."""
+    """``(path, module)`` of every timm ``Attention`` and ``nn.MultiheadAttention`` in ``model`` that no family of
+    :mod:`.families` records (MobileViT's)."""
     from timm.layers import Attention
 
-    return [(p, m) for p, m in model.named_modules() if isinstance(m, (Attention, nn.MultiheadAttention))]
+    mine = families.claimed(model)
+    return [(p, m) for p, m in model.named_modules()
+            if isinstance(m, (Attention, nn.MultiheadAttention)) and id(m) not in mine]
 
 
 def add_taps(model: nn.Module) -> List[Tuple[str, AttentionTap]]:
@@ -654,4 +662,4 @@ def remove_taps(model: nn.Module) -> int:
             for h in ad.handles:
                 h.remove()
             n += 1
-    return n
+    return n + families.forget(model)
