@@ -11,7 +11,10 @@ attention_gradient, layers_gradient, rollout, gradient_rollout, input_x_gradient
 ``pointing`` (the map's peak within the run's ``data.placed.tolerance`` px of the box) and ``energy`` (the share of
 its positive mass in the box), ``[mean, lo, hi]`` with 95% bootstrap intervals over canvases, beside their chance
 levels; and deletion/insertion scores (:func:`visattn.faithfulness`, against random orders) on the first
-``--faith-images`` of the same canvases. A checkpoint trained with ``data.placed.object=false`` (the
+``--faith-images`` of the same canvases. Beside the maps, the **seam control** (:func:`seam_map`, kind ``seam``): a
+detector with no model and no class that points at the pasted patch by the mosaic's lattice seams, which the patch
+lacks; where it scores as well as the maps, pointing at the box says the map found the patch, not class evidence
+(``bench/grid_game.py`` asks that). A checkpoint trained with ``data.placed.object=false`` (the
 background-only check) is reported by its held-out accuracy against chance. A checkpoint scored again
 replaces its rows.
 """
@@ -23,12 +26,15 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+import torch
+import torch.nn.functional as F
+
 from bench.common import ROOT, command, parser, provenance, splice
 from bench.faithfulness import ROW, by_checkpoint, find_checkpoints, kind_of, val_acc
 from bench.faithfulness import load as load_results  # (the same file form)
 from visattn.errors import DataError, run_main
 from visattn.options import check_at_least
-from visattn.rundir import check_rows, write_atomic
+from visattn.results import check_rows, write_atomic
 
 RESULTS = ROOT / "bench" / "results" / "localization.json"
 DOCS = ROOT / "docs" / "maps.md"
@@ -38,6 +44,34 @@ ATTENTION_KINDS = ("attention", "attention_gradient", "layers_gradient", "rollou
 FAMILIES = (("raw attention", ("attention",)), ("attention x gradient", ("attention_gradient", "layers_gradient")),
             ("rollout", ("rollout", "gradient_rollout")), ("input x gradient", ("input_x_gradient",)),
             ("Grad-CAM", ("gradcam",)), ("centre prior", ("centre",)), ("random", ("random",)))
+SEAM = ("seam control", ("seam",))  # a column once a checkpoint's rows hold the seam control
+CONTROLS = ("centre", "random", "seam")  # never "the map that finds the object"
+
+
+def seam_map(x: torch.Tensor, patch: int) -> Any:
+    """The seam control: a detector that uses no model and no class. The mosaic background changes source image
+    at every ``patch``-px lattice line, the pasted object does not; the map is high where the jumps across lattice
+    lines (absolute differences of neighbouring pixels, summed over channels) are fewest in a ``3 * patch`` px
+    window (whole windows only, each at its centre pixel; 0 where no whole window is centred), so its peak lies
+    where the canvas is one image: the pasted patch. A benchmark it scores well on rewards finding the patch,
+    not the evidence for its class (issue 93). ``x``: ``(B, C, H, W)`` canvases; a :class:`LayerMap` on the
+    pixels."""
+    from visattn.maps import GridGeometry, LayerMap
+
+    x = x.float().cpu()
+    h, w = x.shape[-2:]
+    jumps = torch.zeros(len(x), h, w)
+    on_cols = (torch.arange(1, w) % patch == 0).float()  # the jump between column j - 1 and j, j on the lattice
+    on_rows = (torch.arange(1, h) % patch == 0).float()
+    jumps[:, :, 1:] += (x[..., :, 1:] - x[..., :, :-1]).abs().sum(1) * on_cols
+    jumps[:, 1:, :] += (x[..., 1:, :] - x[..., :-1, :]).abs().sum(1) * on_rows[:, None]
+    k = 3 * patch  # a multiple of the lattice: every window crosses the same number of lattice lines
+    energy = F.avg_pool2d(jumps[:, None], k, stride=1)[:, 0]  # (B, H - k + 1, W - k + 1)
+    heat = torch.zeros(len(x), h, w)
+    c = (k - 1) // 2
+    heat[:, c:c + energy.shape[-2], c:c + energy.shape[-1]] = energy.flatten(1).amax(1)[:, None, None] - energy
+    return LayerMap("seam", "seam", heat, "gate", 0, GridGeometry.image((h, w)),
+                    f"the seam control: the fewest jumps across the {patch}-px mosaic's lattice (no model, no class)")
 
 
 def _iv(iv: Any) -> List[float]:
@@ -45,8 +79,9 @@ def _iv(iv: Any) -> List[float]:
 
 
 def score(ckpt: Path, images: int, faith_images: int, options: Dict[str, Any], data: Optional[str],
-          device: str, command: str) -> List[Dict[str, Any]]:
-    """Every map of one checkpoint on ``images`` held-out canvases; returns its rows."""
+          device: str, command: str, seam_only: bool = False) -> List[Dict[str, Any]]:
+    """Every map of one checkpoint on ``images`` held-out canvases (``seam_only``: the seam control alone);
+    returns its rows."""
     from visattn import evaluate
     from visattn.maps.faithful import faithfulness, localization, random_map
     from visattn.visualize import heldout_batch
@@ -64,6 +99,9 @@ def score(ckpt: Path, images: int, faith_images: int, options: Dict[str, Any], d
             "tolerance": cfg.data.placed.tolerance, "command": command}
     if not cfg.data.placed.object:  # the background-only check: its accuracy is the result
         return [{**head, "map": None, "kind": None, "val_images": cfg.data.val_size}]
+    seam = seam_row(head, x, boxes, cfg.data.placed, options["seed"])
+    if seam_only:
+        return [seam]
     precision = evaluate.resolve_precision(cfg.precision, x.device)
     with evaluate.autocast(x.device, precision):
         loc = localization(model, x, y, boxes, cfg.data.placed.tolerance, seed=options["seed"])
@@ -72,7 +110,7 @@ def score(ckpt: Path, images: int, faith_images: int, options: Dict[str, Any], d
                              options["seed"], x.device)}, **{k: v for k, v in options.items() if k != "seed"},
                              seed=options["seed"]) if n else None
     fr = {r.name: r for r in faith.rows} if faith is not None else {}
-    rows = []
+    rows = [seam]
     for r in loc.rows:
         f = fr.get(r.name)
         rows.append({**head, "map": r.name, "kind": kind_of(r), "pointing": _iv(r.pointing), "energy": _iv(r.energy),
@@ -83,7 +121,23 @@ def score(ckpt: Path, images: int, faith_images: int, options: Dict[str, Any], d
     return rows
 
 
-# what the report reads of every row, and of every map's row (rundir.check_rows)
+def seam_row(head: Dict[str, Any], x: torch.Tensor, boxes: torch.Tensor, placed: Any, seed: int) -> Dict[str, Any]:
+    """The seam control's row (:func:`seam_map`) on the same canvases, scored as the maps are."""
+    from visattn.data.placed import box_share
+    from visattn.maps.faithful import bootstrap, box_scores
+
+    hw = tuple(x.shape[-2:])
+    hit, energy = box_scores(seam_map(x, placed.patch), boxes, placed.tolerance, hw,
+                             torch.Generator().manual_seed(seed))
+    b = boxes.cpu().numpy()
+    return {**head, "map": "seam", "kind": "seam", "pointing": _iv(bootstrap(hit, 1000, 0.95, seed)),
+            "energy": _iv(bootstrap(energy, 1000, 0.95, seed)),
+            "pointing_chance": float(box_share(b, hw[0], placed.tolerance).mean()),
+            "energy_chance": float(((b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])).mean() / (hw[0] * hw[1])), "seed": seed,
+            "faith_images": 0, "deletion_score": None, "insertion_score": None}
+
+
+# what the report reads of every row, and of every map's row (results.check_rows)
 LOCALIZATION_ROW = {**ROW, "object": "bool", "canvas": "int", "object_size": "int", "tolerance": "int",
                     "map": "str?", "kind": "str?", "val_images": "int?"}
 MAP_ROW = {"map": "str", "kind": "str", "pointing": "interval", "energy": "interval", "pointing_chance": "number",
@@ -147,23 +201,24 @@ def report(rows: List[Dict[str, Any]]) -> str:
         return "\n".join([BEGIN, "No checkpoint scored yet (`bench/results/localization.json` holds none): train "
                            "configs/placed/*.yaml, then run the commands above.", END])
     r0 = scored[0][0]
+    families = FAMILIES + ((SEAM,) if any(r["kind"] == "seam" for g in scored for r in g) else ())
     out = [BEGIN,
            f"{r0['images']} held-out canvases per checkpoint ({r0['object_size']}x{r0['object_size']} objects on "
            f"{r0['canvas']}x{r0['canvas']}, pointing tolerance {r0['tolerance']} px); each cell: pointing rate / "
            f"energy in the box (the best map of that family). Chance: pointing {100 * r0['pointing_chance']:.0f}%, "
            f"energy {r0['energy_chance']:.2f}.", "",
-           "| model (config, seed) | val acc | " + " | ".join(f for f, _ in FAMILIES)
+           "| model (config, seed) | val acc | " + " | ".join(f for f, _ in families)
            + " | finds the object best: pointing, energy [95% CI] | deletion / insertion of that map "
            "| attention-derived >= input x gradient and Grad-CAM on both |",
-           "|---|---|" + "---|" * len(FAMILIES) + "---|---|---|"]
+           "|---|---|" + "---|" * len(families) + "---|---|---|"]
     for g in scored:
         c = g[0]["checkpoint"]
-        best = max(g, key=merit)
+        best = max((r for r in g if r["kind"] not in CONTROLS), key=merit)
         acc = "-" if g[0]["val_acc"] is None else f"{100 * g[0]['val_acc']:.1f}%"
         di = ("-" if best["deletion_score"] is None
               else f"{best['deletion_score'][0]:+.3f} / {best['insertion_score'][0]:+.3f}")
         out.append(f"| {g[0]['model']} ({c['config']}, {c['seed']}) | {acc} | "
-                   + " | ".join(_pe(_best(g, kinds)) for _, kinds in FAMILIES)
+                   + " | ".join(_pe(_best(g, kinds)) for _, kinds in families)
                    + f" | `{best['map']}` ({best['kind']}): {_ci(best['pointing'], True)}, {_ci(best['energy'])} "
                    f"| {di} | {_verdict(g)} |")
     for r in checks:
@@ -192,6 +247,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--draws", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default=None, help="dataset path (default: each run's data.root)")
+    ap.add_argument("--seam-only", action="store_true",
+                    help="add (or replace) only the seam control's row of each checkpoint; its other rows stay")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.report:
@@ -213,10 +270,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     revision = provenance(device=args.device)["git"]
     for ckpt in find_checkpoints(args.runs):
         rows = [dict(r, git=revision) for r in score(ckpt, args.images, args.faith_images, options, args.data,
-                                                      args.device, made)]
+                                                      args.device, made, args.seam_only)]
         again = {r["checkpoint"]["path"] for r in rows}
+        if args.seam_only:  # the checkpoint's other rows stay as they are
+            keep = [r for r in load(out) if r["checkpoint"]["path"] not in again or r["kind"] != "seam"]
+            save(out, keep + [r for r in rows if r["kind"] == "seam"])
+            continue
         save(out, [r for r in load(out) if r["checkpoint"]["path"] not in again] + rows)
-        best = max((r for r in rows if r["map"]), key=merit, default=None)
+        best = max((r for r in rows if r["map"] and r["kind"] not in CONTROLS), key=merit, default=None)
         print(f"{ckpt}: {len(rows)} rows on {rows[0]['images']} canvases"
               + (f"; finds the object best: {best['map']} ({best['kind']})" if best else
                  f"; background only, val acc {rows[0]['val_acc']}"), flush=True)
