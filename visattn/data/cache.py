@@ -2,10 +2,13 @@
 
 :func:`cached_read` is handed the reader to call on a miss; its key is the source's
 :func:`~visattn.data.sources.fingerprint` and the decode settings, so an edited, added or removed image is a
-miss. A truncated, corrupt or unreadable cache file is rebuilt with a warning, never trusted, never fatal.
+miss. Every cache carries a ``digest`` (SHA-256 over each array's name, dtype, shape and bytes) that every read
+recomputes: a truncated, corrupt, unreadable or altered cache (valid arrays rewritten with ``np.savez``, a cache
+written before digests) is rebuilt with one warning line, never trusted, never fatal.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import zipfile
@@ -29,13 +32,28 @@ def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr, flush=True)
 
 
+def digest(arrays: Dict[str, np.ndarray]) -> str:
+    """SHA-256 over every array of a cache but ``digest`` itself, in name order: its name, dtype, shape and
+    bytes, so a changed label, a re-typed or re-shaped array, or an added or dropped one all change it."""
+    h = hashlib.sha256()
+    for name in sorted(k for k in arrays if k != "digest"):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(memoryview(a).cast("B") if a.size and a.dtype.kind != "U" else a.tobytes())
+    return h.hexdigest()
+
+
 def load_cache(cache: Path, size: Optional[int] = None) -> Tuple[Parts, int]:
-    """Read every array of ``cache`` now (a lazy read would fail later, far from here) and check they fit
-    together, and that the images are ``size`` px square where given (the file's name is the only record of the
-    decode it holds: a cache of another size is never trusted); raises ValueError (or the reader's own error)
-    for anything else."""
+    """Read every array of ``cache`` now (a lazy read would fail later, far from here), check its digest (a
+    cache without one, or whose arrays do not match it, is not trusted), that the arrays fit together, and that
+    the images are ``size`` px square where given (the file's name is the only record of the decode it holds:
+    a cache of another size is never trusted); raises ValueError (or the reader's own error) for anything else."""
     with np.load(cache, allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
+    if "digest" not in arrays:
+        raise ValueError("it has no digest (written before caches carried one, or rewritten by hand)")
+    if arrays["digest"].shape != () or str(arrays["digest"]) != digest(arrays):
+        raise ValueError("its arrays do not match the digest written with them (altered or damaged)")
     classes = tuple(str(c) for c in arrays["classes"])
     parts = {}
     for s in ("train", "test"):
@@ -66,7 +84,7 @@ def cached_read(root: Path, key_extra: Tuple[Any, ...], cache_dir: Path,
             return load_cache(cache, size)
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error, RuntimeError) as e:
             why = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
-            warn(f"decode cache {cache} is truncated, corrupt or unreadable ({e.__class__.__name__}"
+            warn(f"decode cache {cache} is truncated, corrupt, altered or unreadable ({e.__class__.__name__}"
                  f"{': ' + why if why else ''}); rebuilding it")
     parts, skipped = read()
     _write(cache, parts, skipped, warn)
@@ -81,7 +99,8 @@ def _write(cache: Path, parts: Parts, skipped: int, warn: Callable[[str], None])
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.stem}.tmp{os.getpid()}.npz")
-        np.savez(tmp, classes=np.asarray(classes), skipped=np.asarray(skipped), **arrays)
+        arrays.update(classes=np.asarray(classes), skipped=np.asarray(skipped))
+        np.savez(tmp, digest=np.asarray(digest(arrays)), **arrays)
         if cache.is_dir():
             raise IsADirectoryError(f"{cache} is a folder")
         os.replace(tmp, cache)
