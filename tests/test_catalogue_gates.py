@@ -538,3 +538,25 @@ GATE_REFERENCES = {
     "bam": _loaded(lambda b: AuthorsBAM(b.channels, "paper" if b.final_norm else "code", square_pool=False)),
     "shuffle": _loaded(lambda b: AuthorsSA(b.channels, b.groups)),
 }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_maps_record_inside_a_timm_resnet18(name):
+    """Inserted into timm's ResNet-18 (one block per residual block), every block's taps record, with the
+    shapes of their kinds, and read into per-layer maps."""
+    timm = pytest.importorskip("timm")
+    import visattn
+
+    torch.manual_seed(0)
+    model = timm.create_model("resnet18", num_classes=10).eval()
+    assert visattn.insert_attention(model, name, init="default") == 8
+    with torch.no_grad(), visattn.record_attention(model) as records:
+        model(torch.randn(2, 3, 32, 32))
+    blocks = {r.name.removesuffix(".channel").removesuffix(".spatial") for r in records}  # bam: two taps
+    assert len(blocks) == 8, sorted(blocks)
+    for r in records:
+        assert torch.isfinite(r.weights).all()
+        assert r.weights.shape[:2] == ((2, 1) if r.kind == "spatial" else (2, r.weights.shape[1]))
+    maps = visattn.read_maps(list(records), model, input_shape=(2, 3, 32, 32))
+    if any(r.kind == "spatial" for r in records):  # channel records are histograms, not maps
+        assert maps and all(torch.isfinite(m.heat).all() for m in maps)

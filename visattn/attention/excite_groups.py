@@ -244,6 +244,15 @@ class TripletAttention(nn.Module):
 COMBINES = ("sum", "product")
 
 
+class TapHolder(nn.Module):
+    """A parameter-free holder of one tap, so a block with two taps records them as ``<block>.channel`` and
+    ``<block>.spatial`` (the names CBAM's gates give)."""
+
+    def __init__(self, tap: AttentionTap):
+        super().__init__()
+        self.tap = tap
+
+
 @register_attention("bam", layout="feature", kind="spatial")
 class BottleneckAttention(nn.Module):
     """Bottleneck attention module (Park, Woo, Lee, Kweon, 2018, arXiv 1807.06514).
@@ -257,9 +266,9 @@ class BottleneckAttention(nn.Module):
     combine="product"``). The hidden layers' BN and ReLU are the code's (the paper's equations leave them
     out). The code's channel pool (``avg_pool2d`` with an ``H x H`` kernel) is the global mean only for
     square maps; here it is the global mean. BNs that see one value per channel in training give their shift
-    (:func:`~visattn.attention.excite.norm_any_batch`). Taps (scale ``"gain"``): ``channel_tap``, the
-    ``(B, C)`` spatial mean of the multiplier, and ``tap``, its ``(B, 1, H, W)`` channel mean, on recording
-    passes. ``init="identity"``: each branch's last layer (its final BN's scale and shift where there is one;
+    (:func:`~visattn.attention.excite.norm_any_batch`). Taps (scale ``"gain"``): ``channel.tap``, the
+    ``(B, C)`` spatial mean of the multiplier, and ``spatial.tap``, its ``(B, 1, H, W)`` channel mean, on
+    recording passes. ``init="identity"``: each branch's last layer (its final BN's scale and shift where there is one;
     for ``"product"`` the spatial branch's only, so the channel branch still gets a gradient) starts at zero
     and the multiplier is read as ``(1 + sigmoid(z)) / 1.5``.
     """
@@ -293,8 +302,8 @@ class BottleneckAttention(nn.Module):
         last = [nn.BatchNorm2d(1)] if final_norm else []
         self.gate_s = nn.Sequential(*layers, nn.Conv2d(rd, 1, 1), *last)
         self.gain = 1.0 if init == "default" else 1 / 1.5
-        self.channel_tap = AttentionTap("channel", scale="gain")
-        self.tap = AttentionTap("spatial", scale="gain")
+        self.channel = TapHolder(AttentionTap("channel", scale="gain"))  # records as "<block>.channel"
+        self.spatial = TapHolder(AttentionTap("spatial", scale="gain"))  # and "<block>.spatial", as CBAM's
         self.zero_init_last()
 
     def zero_init_last(self) -> None:
@@ -318,10 +327,10 @@ class BottleneckAttention(nn.Module):
             att = 1 + torch.sigmoid(z)
             if self.gain != 1.0:
                 att = att / 1.5  # exactly 1 at z = 0
-        if self.channel_tap.active:
-            self.channel_tap(att.float().mean((2, 3)))
-        if self.tap.active:
-            self.tap(att.float().mean(1, keepdim=True))
+        if self.channel.tap.active:
+            self.channel.tap(att.float().mean((2, 3)))
+        if self.spatial.tap.active:
+            self.spatial.tap(att.float().mean(1, keepdim=True))
         return x * att.to(x.dtype)
 
 
