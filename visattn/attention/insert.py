@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import inspect
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -21,8 +22,15 @@ import torch
 from torch import nn
 
 from ..registry import ATTENTION, attention_info, attention_options, create_attention, list_attention
+from . import structure
 
-__all__ = ["attn_layer", "insert_attention", "AttnLayer", "PLACEMENT", "SUPPORTED_FAMILIES", "check_sites"]
+__all__ = ["attn_layer", "insert_attention", "AttnLayer", "PLACEMENT", "RULES", "SUPPORTED_FAMILIES", "check_sites",
+           "structural_sites"]
+
+# "auto": the sites found in the model's forward (visattn.attention.structure), each in a block of a family below
+# installed by that family's rule (its module paths and state-dict names as before); "structure": the found
+# sites alone, each as AttnAfter(<module>, <block>) (names kept); "family": the family rules alone
+RULES = ("auto", "structure", "family")
 
 # the default rule's name, recorded with results: "se-slot" puts blocks in inverted residuals at the family's SE
 # slot, in blocks with a skip (before it, every such block had one after its projection norm)
@@ -205,7 +213,7 @@ def _timm_inverted_site(path: str, block: nn.Module) -> Optional[Site]:
     def install(a: nn.Module) -> None:
         block.se = AttnAfter(se, a, keep_names=True)
 
-    return (f"{path}.se", project.in_channels, project.weight, block.training,
+    return (f"{path}.se", project.in_channels, _first_param(project), block.training,  # (MixedConv2d: no .weight)
             None if isinstance(se, (AttnAfter, *_visattn_classes())) else install)
 
 
@@ -355,6 +363,71 @@ def _residual_sites(model: nn.Module) -> List[Site]:
     return [site for site in sites if site is not None]
 
 
+def _family_types() -> tuple:
+    """The block types the family rules (:func:`_residual_sites`) know."""
+    import timm.models._efficientnet_blocks as tm_eff
+    import timm.models.convnext as tm_convnext
+    import timm.models.regnet as tm_regnet
+    import timm.models.resnet as tm_resnet
+    import torchvision.models.convnext as tv_convnext
+    import torchvision.models.efficientnet as tv_efficientnet
+    import torchvision.models.mobilenetv2 as tv_mobilenetv2
+    import torchvision.models.mobilenetv3 as tv_mobilenetv3
+    import torchvision.models.regnet as tv_regnet
+    import torchvision.models.resnet as tv_resnet
+
+    return (tv_resnet.BasicBlock, tv_resnet.Bottleneck, tm_resnet.BasicBlock, tm_resnet.Bottleneck,
+            tv_regnet.ResBottleneckBlock, tv_efficientnet.MBConv, tv_efficientnet.FusedMBConv,
+            tv_mobilenetv3.InvertedResidual, tv_mobilenetv2.InvertedResidual, tm_regnet.Bottleneck,
+            tm_eff.InvertedResidual, tm_eff.DepthwiseSeparableConv, tm_eff.EdgeResidual, tv_convnext.CNBlock,
+            tm_convnext.ConvNeXtBlock)
+
+
+def structural_sites(model: nn.Module, tr: Optional[structure.Trace] = None) -> List[Site]:
+    """The sites :func:`visattn.attention.structure.find_sites` finds in ``model``'s forward, each installed as
+    ``AttnAfter(<module>, <block>, keep_names=True)`` (parameter names kept). Raises ``TraceError`` if the
+    model does not run on the probe."""
+    modules = dict(model.named_modules())
+    fallback = _first_param(model)
+    sites: List[Site] = []
+    for found in structure.find_sites(model, tr):
+        module = modules[found.path]
+        parent_path, _, attr = found.path.rpartition(".")
+        parent = modules[parent_path]
+        like = next((t for t in (_first_param(modules[found.anchor]), _first_param(parent)) if t is not None), fallback)
+
+        def install(a: nn.Module, parent: nn.Module = parent, attr: str = attr, last: bool = found.channels_last) -> None:
+            setattr(parent, attr, AttnAfter(getattr(parent, attr), a, channels_last=last, keep_names=True))
+
+        taken = isinstance(module, (AttnAfter, *_visattn_classes()))
+        sites.append((found.path, found.channels, like, parent.training, None if taken else install))
+    return sites
+
+
+def _auto_sites(model: nn.Module, rule: str) -> List[Site]:
+    """The default rule: the structural sites, a family's rule inside the blocks it knows; the family rules
+    alone, with one warning line, where the model does not run on the probe."""
+    if rule == "family":
+        return _residual_sites(model)
+    try:
+        found = structural_sites(model)
+    except structure.TraceError as e:
+        warnings.warn(f"insert_attention: {type(model).__name__} did not run on a probe image ({e}); its sites "
+                      "come from the family rules alone", stacklevel=3)
+        return _residual_sites(model)
+    if rule == "structure":
+        return found
+    known = _family_types()
+    blocks = [p + "." for p, m in model.named_modules() if p and isinstance(m, known)]
+    return _residual_sites(model) + [s for s in found if not any(s[0].startswith(b) for b in blocks)]
+
+
+def _nearest_modules(model: nn.Module, n: int = 3) -> str:
+    """A few of ``model``'s modules that ``at=`` takes (its last convs and norms of (B, C, H, W) output)."""
+    names = [p for p, m in model.named_modules() if p and _out_channels(m) is not None and not list(m.children())]
+    return ", ".join(repr(p) for p in names[-n:]) or "none of (B, C, H, W) output"
+
+
 def _out_channels(module: nn.Module) -> Optional[int]:
     """How many channels a module's ``(B, C, H, W)`` output has, where its type says: a 2-d conv, a batch or
     group norm, timm's ``LayerNorm2d`` (a channels-first layer norm; a plain ``LayerNorm`` is channels-last and
@@ -415,7 +488,7 @@ def _visattn_classes() -> tuple:
 
 
 def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], None] = None,
-                     replace_se: bool = False, **kwargs: Any) -> int:
+                     replace_se: bool = False, rule: str = "auto", **kwargs: Any) -> int:
     """Put block ``name`` (built with ``kwargs``) into a torchvision or timm CNN, or after the modules ``at``
     names in any model; returns how many were put.
 
@@ -441,6 +514,8 @@ def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], 
     slot that already holds an attention block.
     """
     _check_feature_block(name, kwargs)
+    if rule not in RULES:
+        raise ValueError(f"insert_attention: rule={rule!r} is not one of {', '.join(RULES)}")
     if replace_se and at is not None:
         raise ValueError("insert_attention: replace_se=True replaces the model's SE modules; it cannot go with at=")
     if "init" in attention_options(name):
@@ -459,14 +534,14 @@ def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], 
             raise ValueError(f"insert_attention(replace_se=True): {type(model).__name__} has no squeeze-and-"
                              "excitation modules of torchvision or timm to replace")
     else:
-        sites = _residual_sites(model)
+        sites = _auto_sites(model, rule)
     if not sites:
         raise ValueError(
-            f"insert_attention found no residual blocks it knows in {type(model).__name__}: it "
-            f"supports {SUPPORTED_FAMILIES} "
-            "from torchvision and timm; for another model name the modules to follow, insert_attention(model, "
-            "name, at=['body.1', ...]), or build the block with visattn.create_attention(name, channels) and "
-            "call it in the model's forward after a residual branch's last norm"
+            f"insert_attention found no residual blocks in {type(model).__name__}: its forward adds no residual "
+            "branch to a skip over a feature map and has no inverted residual's SE slot (any CNN's are found; "
+            f"the family rules cover {SUPPORTED_FAMILIES}); name the modules to follow, "
+            f"insert_attention(model, name, at=[...]), e.g. at=[{_nearest_modules(model)}], or build the block with "
+            "visattn.create_attention(name, channels) and call it in the model's forward"
         )
     # check everything before changing anything, so a refusal leaves the model as it was
     taken = [path for path, _, _, _, install in sites if install is None]
