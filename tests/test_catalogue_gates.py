@@ -129,6 +129,35 @@ def test_ela_matches_timm(train, hw):
     same_function(ours, ref, torch.randn(3, 64, *hw), train=train)
 
 
+class AuthorsELA(nn.Module):
+    """The authors' ELA: one Conv1d and one GroupNorm shared by the two strips, a sigmoid, ``x_h * x_w * x``."""
+
+    def __init__(self, c, phi):
+        super().__init__()
+        k = {"T": 5, "B": 7, "S": 5, "L": 7}[phi]
+        groups = {"T": c, "B": c, "S": c // 8, "L": c // 8}[phi]
+        self.con1 = nn.Conv1d(c, c, kernel_size=k, padding=k // 2, groups=groups, bias=False)
+        self.GN = nn.GroupNorm({"T": 32, "B": 16, "S": 16, "L": 16}[phi], c)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        x_h = torch.sigmoid(self.GN(self.con1(x.mean(3)))).view(b, c, h, 1)
+        x_w = torch.sigmoid(self.GN(self.con1(x.mean(2)))).view(b, c, 1, w)
+        return x_h * x_w * x
+
+
+@pytest.mark.parametrize("phi", ["T", "B", "S", "L"])
+@pytest.mark.parametrize("hw", SIZES)
+def test_ela_phi_matches_the_authors_code(phi, hw):
+    ref = randomize_(AuthorsELA(64, phi), seed=3)
+    ours = create_attention("ela", 64, phi=phi)
+    load_by_order(ours, ref)
+    same_function(ours, ref, torch.randn(3, 64, *hw), train=True)
+    ident = create_attention("ela", 64, phi=phi, init="identity")
+    x = torch.randn(2, 64, *hw)
+    assert torch.equal(ident(x), x)
+
+
 def test_ela_defaults():
     ela = create_attention("ela", 64)
     assert ela.conv_h.kernel_size == (7, 1) and ela.conv_w.kernel_size == (1, 7) and ela.conv_h.groups == 64

@@ -177,33 +177,44 @@ class GatherExcite(IdentityGate, nn.Module):
 # ---- efficient local attention -------------------------------------------------------------------------------
 
 
+# the authors' ELA variants: kernel size, input channels per conv group (1: depthwise), GroupNorm groups
+ELA_PHI = {"T": (5, 1, 32), "B": (7, 1, 16), "S": (5, 8, 16), "L": (7, 8, 16)}
+
+
 @register_attention("ela", layout="feature", kind="spatial")
 class EfficientLocalAttention(IdentityGate, nn.Module):
     """Efficient local attention (Xu, Wan, 2024, arXiv 2403.01123), in timm's ``EfficientLocalAttn`` form.
 
     Strip pooling along each axis (``(B, C, H, 1)`` and ``(B, C, 1, W)``), a depthwise 1D conv of
     ``kernel_size`` (7, the paper's ELA-B) on each strip, a norm (timm's ``GroupNorm1``), an activation (SiLU)
-    and a sigmoid: ``out = x * a_h * a_w``; ``has_skip`` adds ``x``. This is timm's block weight for weight;
-    the authors' code shares one conv and one ``GroupNorm(16)`` between the strips and has no SiLU. Tap (kind
+    and a sigmoid: ``out = x * a_h * a_w``; ``has_skip`` adds ``x``. This is timm's block weight for weight
+    (the default, so ``ela`` means what timm's ``get_attn("ela")`` does). ``phi="T"|"B"|"S"|"L"``: the
+    authors' code's ELA-T/B/S/L instead: one 1D conv (kernel 5/7/5/7, depthwise for T and B, ``C // 8``
+    groups for S and L) and one ``GroupNorm`` (32/16/16/16 groups) shared by both strips, no activation
+    before the sigmoid; ``phi`` sets those, and the other options are the timm form's. Tap (kind
     ``"spatial"``): the channel mean of ``a_h * a_w``, ``(B, 1, H, W)``, on recording passes.
-    ``init="identity"``: both norms' scale and shift (without a norm: the convs) start at zero, so SiLU gives
+    ``init="identity"``: the norms' scale and shift (without a norm: the convs) start at zero, so SiLU gives
     0, and both gates are ``2 * sigmoid``.
     """
 
     PAPER = "Xu, Wan, 2024, ELA: Efficient Local Attention for Deep Convolutional Neural Networks, arXiv 2403.01123"
-    CHECKED_AGAINST = "timm EfficientLocalAttn (weights copied, float64)"
-    IDENTITY = "norm_h and norm_w scale and shift (or conv_h, conv_w); gates 2 * sigmoid"
+    CHECKED_AGAINST = "timm EfficientLocalAttn (weights copied, float64); phi: the authors' ELA written in the test"
+    IDENTITY = "norm_h and norm_w scale and shift (phi: the GroupNorm's; no norm: the convs); gates 2 * sigmoid"
 
     def __init__(self, channels: int, kernel_size: int = 7, bias: bool = False, act_layer: Type[nn.Module] = nn.SiLU,
                  gate_layer: Type[nn.Module] = nn.Sigmoid, norm_layer: Optional[Type[nn.Module]] = GroupNorm1,
-                 has_skip: bool = False, init: str = "default"):
+                 has_skip: bool = False, phi: Optional[str] = None, init: str = "default"):
         super().__init__()
         self.channels = check_channels(channels)
         self.init = check_init(init)
         positive_int("kernel_size", kernel_size, odd=True)
         if has_skip and init == "identity":
             raise ValueError("ela: init='identity' cannot hold with has_skip=True (x * 1 + x is 2x)")
-        self.has_skip = has_skip
+        self.has_skip, self.phi = has_skip, phi
+        if phi is not None:
+            self.build_authors(channels, phi)
+            self.setup_gate(gate_layer, init, "spatial")
+            return
         self.conv_h = nn.Conv2d(channels, channels, (kernel_size, 1), padding=(kernel_size // 2, 0), groups=channels,
                                 bias=bias)
         self.conv_w = nn.Conv2d(channels, channels, (1, kernel_size), padding=(0, kernel_size // 2), groups=channels,
@@ -213,7 +224,21 @@ class EfficientLocalAttention(IdentityGate, nn.Module):
         self.act = act_layer()
         self.setup_gate(gate_layer, init, "spatial")
 
+    def build_authors(self, channels: int, phi: str) -> None:
+        """The authors' ELA-``phi``: one shared ``conv`` (Conv1d) and ``gn`` (GroupNorm), no activation."""
+        if phi not in ELA_PHI:
+            raise ValueError(f"ela: phi must be one of {', '.join(ELA_PHI)} (or None: timm's form), got {phi!r}")
+        k, per_group, norm_groups = ELA_PHI[phi]
+        if channels % per_group or channels % norm_groups:
+            raise ValueError(f"ela: phi={phi!r} needs channels divisible by {per_group} and {norm_groups}, "
+                             f"got {channels}")
+        self.conv = nn.Conv1d(channels, channels, k, padding=k // 2, groups=channels // per_group, bias=False)
+        self.gn = nn.GroupNorm(norm_groups, channels)
+        self.act = nn.Identity()
+
     def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
+        if self.phi is not None:
+            return self.gn.weight, self.gn.bias
         if getattr(self.norm_h, "weight", None) is not None:
             return self.norm_h.weight, self.norm_h.bias, self.norm_w.weight, self.norm_w.bias
         return self.conv_h.weight, self.conv_h.bias, self.conv_w.weight, self.conv_w.bias
@@ -222,11 +247,17 @@ class EfficientLocalAttention(IdentityGate, nn.Module):
         check_feature_map(self, x, self.channels)
         acc = compute_dtype(x)
         with autocast_off(x):
-            dt = self.conv_h.weight.dtype
-            x_h = mean_over(x, (3,), acc, keepdim=True).to(dt)  # (B, C, H, 1)
-            x_w = mean_over(x, (2,), acc, keepdim=True).to(dt)  # (B, C, 1, W)
-            a_h = gained(self.gate(self.act(norm_any_batch(self.norm_h, self.conv_h(x_h)))), self.gain)
-            a_w = gained(self.gate(self.act(norm_any_batch(self.norm_w, self.conv_w(x_w)))), self.gain)
+            if self.phi is not None:  # the authors': strips as (B, C, L) sequences through one conv and norm
+                dt = self.conv.weight.dtype
+                x_h, x_w = mean_over(x, (3,), acc).to(dt), mean_over(x, (2,), acc).to(dt)
+                a_h = gained(self.gate(self.gn(self.conv(x_h))), self.gain)[:, :, :, None]  # (B, C, H, 1)
+                a_w = gained(self.gate(self.gn(self.conv(x_w))), self.gain)[:, :, None, :]  # (B, C, 1, W)
+            else:
+                dt = self.conv_h.weight.dtype
+                x_h = mean_over(x, (3,), acc, keepdim=True).to(dt)  # (B, C, H, 1)
+                x_w = mean_over(x, (2,), acc, keepdim=True).to(dt)  # (B, C, 1, W)
+                a_h = gained(self.gate(self.act(norm_any_batch(self.norm_h, self.conv_h(x_h)))), self.gain)
+                a_w = gained(self.gate(self.act(norm_any_batch(self.norm_w, self.conv_w(x_w)))), self.gain)
         if self.tap.active:
             self.tap((a_h.float() * a_w.float()).mean(1, keepdim=True))
         out = x * a_h.to(x.dtype) * a_w.to(x.dtype)
