@@ -366,7 +366,7 @@ FAMILIES: Tuple[Family, ...] = (
     Family("coat", (("timm.models.coat", "FactorAttnConvRelPosEnc"),), "pool", _coat),
     Family("mobilevit", (("timm.models.mobilevit", "LinearSelfAttention"),), "pool", _mobilevit2),
 )
-MOBILEVIT = Family("mobilevit", (("timm.models.vision_transformer", "Attention"),), "token", _mobilevit, _patch_area)
+MOBILEVIT = Family("mobilevit", (("timm.layers.attention", "Attention"),), "token", _mobilevit, _patch_area)
 
 UNRECORDABLE = {
     ("timm.models.efficientvit_mit", "LiteMLA"): "EfficientViT (MIT)'s LiteMLA is ReLU linear attention: it forms "
@@ -387,7 +387,9 @@ _SITES: "weakref.WeakKeyDictionary[nn.Module, Site]" = weakref.WeakKeyDictionary
 
 
 def family_of(model: nn.Module, path: str, module: nn.Module) -> Optional[Family]:
-    if MOBILEVIT.matches(module) and _in_mobilevit(model, path):
+    from timm.layers import Attention
+
+    if isinstance(module, Attention) and _in_mobilevit(model, path):
         return MOBILEVIT
     return next((f for f in FAMILIES if f.matches(module)), None)
 
