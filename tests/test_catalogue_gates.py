@@ -117,6 +117,24 @@ def test_ge_theta_gather_with_parameters(train):
     same_function(ours, forward, torch.randn(2, 32, 11, 6), train=train, ref_params=list(ref.parameters()))
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_ge_theta_global_gather(train):
+    """GE-theta with the global extent: a depthwise conv as large as the map, no padding (one value per
+    channel), BN, the MLP and a sigmoid; any other map size is a one-line error."""
+    torch.manual_seed(0)
+    ours = randomize_(create_attention("ge", 32, extra_params=True, feat_size=(5, 4)), seed=3)
+    ref = nn.ModuleDict({"gather": nn.Sequential(nn.Conv2d(32, 32, (5, 4), groups=32, bias=False),
+                                                 nn.BatchNorm2d(32)), "mlp": ConvMlp(32, 2, act_layer=nn.ReLU)})
+    load_by_order(ref, ours)
+    ref.double().train(train)
+    same_function(ours, lambda x: x * torch.sigmoid(ref.mlp(ref.gather(x))), torch.randn(3, 32, 5, 4), train=train,
+                  ref_params=list(ref.parameters()))
+    with pytest.raises(ValueError, match="feat_size"):
+        ours(torch.randn(2, 32, 6, 4).double())
+    with pytest.raises(ValueError, match="feat_size"):
+        create_attention("ge", 32, extra_params=True)
+
+
 # ---- ela: timm's EfficientLocalAttn --------------------------------------------------------------------------
 
 

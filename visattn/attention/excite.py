@@ -95,8 +95,9 @@ class GatherExcite(IdentityGate, nn.Module):
     (1x1 convs with bias, ReLU) on the gathered map; the sigmoid gate is resized to the map by nearest
     interpolation and multiplies it. Defaults are timm's ``get_attn("ge")`` (extent 0, no gather parameters,
     the MLP): at these the block computes SE's function, as timm's docstring notes; ``use_mlp=False`` is the
-    parameter-free GE-theta-minus. The global extent with gather parameters (a depthwise conv as large as the
-    map) is left out: it fixes the map size. Names follow timm's (``gather.conv1``, ``mlp.fc1``, ``mlp.fc2``).
+    parameter-free GE-theta-minus. The global extent with gather parameters is the paper's depthwise conv as
+    large as the map (no padding: one value per channel); it needs ``feat_size`` and runs on that map size
+    only (timm's pads it and so gathers locally). Names follow timm's (``gather.conv1``, ``mlp.fc1``, ``mlp.fc2``).
     Tap: the ``(B, C)`` gate (its spatial mean for a local extent). ``init="identity"``: ``mlp.fc2`` (without
     the MLP: the last gather BN's scale and shift) starts at zero and the gate is ``2 * sigmoid``.
     """
@@ -107,7 +108,8 @@ class GatherExcite(IdentityGate, nn.Module):
                        "patching its *dd bug in the test)")
     IDENTITY = "mlp.fc2 (without the MLP: the last gather BN); gate 2 * sigmoid"
 
-    def __init__(self, channels: int, extent: int = 0, extra_params: bool = False, use_mlp: bool = True,
+    def __init__(self, channels: int, extent: int = 0, extra_params: bool = False,
+                 feat_size: Optional[Union[int, Sequence[int]]] = None, use_mlp: bool = True,
                  rd_ratio: float = 1.0 / 16, rd_channels: Optional[int] = None, rd_divisor: int = 1,
                  act_layer: Type[nn.Module] = nn.ReLU, norm_layer: Optional[Type[nn.Module]] = nn.BatchNorm2d,
                  gate_layer: Type[nn.Module] = nn.Sigmoid, init: str = "default"):
@@ -116,13 +118,22 @@ class GatherExcite(IdentityGate, nn.Module):
         self.init = check_init(init)
         if isinstance(extent, bool) or not isinstance(extent, int) or extent < 0 or extent % 2:
             raise ValueError(f"ge: extent must be 0 (global) or an even positive int, got {extent!r}")
+        self.feat_size = None
         if extra_params and extent == 0:
-            raise ValueError("ge: extra_params needs a local extent (2, 4, 8, ...): a global one fixes the map size")
+            if feat_size is None:
+                raise ValueError("ge: extra_params with the global extent (0) needs feat_size, the map's (H, W)")
+            fs = (feat_size, feat_size) if isinstance(feat_size, int) else tuple(feat_size)
+            self.feat_size = tuple(positive_int("feat_size", v) for v in fs)
         if init == "identity" and not use_mlp and not (extra_params and norm_layer is not None):
             raise ValueError("ge: init='identity' needs use_mlp=True or extra_params=True with a norm_layer")
         self.extent = extent
         self.gather = None
-        if extra_params:
+        if extra_params and extent == 0:  # GE-theta, global: a depthwise conv over the whole map
+            self.gather = nn.Sequential()
+            self.gather.add_module("conv1", nn.Conv2d(channels, channels, self.feat_size, groups=channels, bias=False))
+            if norm_layer is not None:
+                self.gather.add_module("norm1", norm_layer(channels))
+        elif extra_params:
             self.gather = nn.Sequential()
             num_conv = int(math.log2(extent))
             for i in range(num_conv):
@@ -162,6 +173,9 @@ class GatherExcite(IdentityGate, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
         H, W = x.shape[2:]
+        if self.feat_size is not None and (H, W) != self.feat_size:
+            raise ValueError(f"GatherExcite: built with feat_size={self.feat_size} for its global gather, got a "
+                             f"{H}x{W} map")
         param = next(self.parameters(), None)
         with autocast_off(x):
             g = self.gathered(x, compute_dtype(x) if param is None else param.dtype)
