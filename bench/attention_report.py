@@ -21,7 +21,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from bench.common import ROOT, parser, splice
 from visattn.errors import ConfigError, DataError, VisattnError, run_main
-from visattn.rundir import check_rows, read_json, write_atomic
+from visattn.results import check_rows, read_json, write_atomic
 
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
 CNN_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ATTENTION]
@@ -428,7 +428,7 @@ def write_summary(text: str, pages: Sequence[Path] = SUMMARY_PAGES) -> List[Path
     return [page for page in pages if README_BEGIN in page.read_text() and splice(page, README_BEGIN, README_END, inner)]
 
 
-# what the tables, the summary, the plot and the merge read of every run (rundir.check_rows)
+# what the tables, the summary, the plot and the merge read of every run (results.check_rows)
 ROW = {"name": "str", "config": "str", "seed": "int", "epochs": "int", "val_acc": "number", "parameters": "number",
        "train_seconds": "number", "images_per_s": "number", "precision": "str?", "kernels": "str?", "git": "str?",
        "load_mean": "number?", "threads": "int?", "model": "dict?", "overrides": "list?"}
@@ -436,7 +436,7 @@ ROW = {"name": "str", "config": "str", "seed": "int", "epochs": "int", "val_acc"
 
 def read_results(path: Path, missing: Optional[list] = None) -> List[dict]:
     """The runs of a results file (``missing`` where there is no file and it is given); a damaged file or row is
-    one line naming it (:func:`visattn.rundir.check_rows`)."""
+    one line naming it (:func:`visattn.results.check_rows`)."""
     return check_rows(path, read_json(path, list) if missing is None else read_json(path, list, missing=missing), ROW)
 
 

@@ -52,7 +52,9 @@ from bench.attention_report import (
 )
 from bench.common import ROOT, cpu_name, kernels, parser
 from visattn.errors import CheckpointError, ConfigError, run_main
-from visattn.rundir import Interrupted, complete_rows, read_json, write_atomic
+from visattn.results import read_json, write_atomic
+from visattn.rundir import complete_rows
+from visattn.signals import Interrupted
 
 
 class LoadSampler:

@@ -66,7 +66,7 @@ from visattn.attention.spatial import coord_mip
 from visattn.config import load_config
 from visattn.errors import DataError, run_main
 from visattn.options import check_at_least
-from visattn.rundir import check_rows, read_json, write_atomic
+from visattn.results import check_rows, read_json, write_atomic
 
 try:  # coordinate attention arrived in timm 1.0.16 (timm/layers/coord_attn.py)
     from timm.layers.coord_attn import CoordAttn
@@ -374,7 +374,7 @@ def tables(data: dict) -> str:
     return "\n".join(lines)
 
 
-# what tables() reads of a measurement: the top-level keys (rundir.check_rows kinds), and numbers in its mappings
+# what tables() reads of a measurement: the top-level keys (results.check_rows kinds), and numbers in its mappings
 TABLE_FIELDS = {"cpu": "str", "device": "str", "kernels": "str", "precision": "str", "threads": "int", "torch": "str",
                 "date": "str", "batch_size": "int", "steps": "int", "repeats": "int", "quick": "bool", "before": "str",
                 "after": "str", "note": "str", "targets": "dict", "ratios": "dict", "met": "dict", "alone_ms": "dict",

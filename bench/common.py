@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Hashable, List, Mapping, NamedTuple, Opt
 
 from visattn.errors import ConfigError
 from visattn.options import ArgumentParser, check_at_least, describe
-from visattn.rundir import cpu_name
+from visattn.results import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -154,7 +154,7 @@ def provenance(precision: Optional[str] = None, device: str = "auto") -> Dict[st
     precision (``None``: each row says its own)."""
     import torch
 
-    from visattn.rundir import git_revision
+    from visattn.results import git_revision
 
     return {"command": command(), "git": git_revision(), "date": datetime.datetime.now(datetime.timezone.utc)
             .strftime("%Y-%m-%dT%H:%M:%SZ"), "torch": torch.__version__, "cpu": cpu_name(), "kernels": kernels(device),
@@ -210,7 +210,7 @@ def splice(doc: Path, begin: str, end: str, text: str) -> bool:
     """Write ``text`` between the markers ``begin`` and ``end`` of ``doc`` (atomically; a page whose block is
     already ``text`` is left as it is); returns whether the page changed. A page without both markers (or no
     page) is one ConfigError line naming it, the page untouched."""
-    from visattn.rundir import write_atomic
+    from visattn.results import write_atomic
 
     page = Path(doc).read_text() if Path(doc).is_file() else ""
     if begin not in page or end not in page.split(begin, 1)[1]:

@@ -39,7 +39,8 @@ from typing import Any, Dict, Iterable, List, Optional
 from bench.common import ROOT, parser, provenance
 from visattn.errors import DataError, run_main
 from visattn.options import check_at_least
-from visattn.rundir import check_rows, complete_rows, read_json, write_atomic
+from visattn.results import check_rows, read_json, write_atomic
+from visattn.rundir import complete_rows
 
 RESULTS = ROOT / "bench" / "results" / "faithfulness.json"
 KINDS = ("attention", "attention_gradient", "layers_gradient", "rollout", "gradient_rollout", "input_x_gradient",
@@ -121,7 +122,7 @@ def score(ckpt: Path, images: int, vit_images: Optional[int], options: Dict[str,
     return rows
 
 
-# what every row holds (rundir.check_rows): the merge, the report and the summary read these
+# what every row holds (results.check_rows): the merge, the report and the summary read these
 ROW = {"model": "str", "checkpoint.path": "str", "checkpoint.config": "str", "checkpoint.seed": "int",
        "val_acc": "number?", "images": "int"}
 SCORED_ROW = {**ROW, "map": "str", "kind": "str", "deletion_score": "interval", "insertion_score": "interval",

@@ -32,7 +32,9 @@ from bench.attention_table import run_resuming
 from bench.common import ROOT, command, cpu_name, parser, splice
 from visattn.errors import ConfigError, run_main
 from visattn.options import check_at_least
-from visattn.rundir import Interrupted, check_rows, complete_rows, read_json, write_atomic
+from visattn.results import check_rows, read_json, write_atomic
+from visattn.rundir import complete_rows
+from visattn.signals import Interrupted
 
 RESULTS = ROOT / "bench" / "results" / "finetune.json"
 DOC = ROOT / "docs" / "results.md"
@@ -85,7 +87,7 @@ def paired(runs: List[dict]) -> List[dict]:
     return out
 
 
-# what the table and the pairing read of every run and every paired row (rundir.check_rows)
+# what the table and the pairing read of every run and every paired row (results.check_rows)
 RUN = {"block": "str", "seed": "int", "lr": "number", "epochs": "int", "base_epoch": "int", "base_val_acc": "number",
        "step0_val_acc": "number", "val_acc": "number", "train_seconds": "number", "precision": "str", "cpu": "str",
        "threads": "int"}

@@ -35,7 +35,8 @@ from typing import Dict, Iterator, List, Optional, Sequence
 from bench.attention_table import planned_numerics, run_one
 from bench.common import ROOT, parser, splice
 from visattn.errors import ConfigError, run_main
-from visattn.rundir import Interrupted, check_rows, read_json, write_atomic
+from visattn.results import check_rows, read_json, write_atomic
+from visattn.signals import Interrupted
 
 RESULTS = ROOT / "bench" / "results" / "foreign_models.json"
 DOC = ROOT / "docs" / "results.md"

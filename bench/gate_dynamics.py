@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from bench.common import ROOT, parser, provenance, splice
 from visattn.errors import ConfigError, run_main
-from visattn.rundir import write_atomic
+from visattn.results import write_atomic
 
 RECIPE = "configs/timm/mobilenetv3_small.yaml"
 RESULTS = ROOT / "bench" / "results" / "gate_dynamics.json"
@@ -73,9 +73,11 @@ def probe(arm: str, steps: int, every: int, work: Path, data_root: Optional[str]
     import torch
 
     from visattn.config import load_config
+    from visattn.hooks import FunctionHook
     from visattn.maps import record_attention
     from visattn.registry import is_attention_block
-    from visattn.trainer import Stat, build, fit
+    from visattn.step import Stat
+    from visattn.trainer import build, fit
 
     run_dir = work / arm
     if run_dir.exists():
@@ -100,7 +102,7 @@ def probe(arm: str, steps: int, every: int, work: Path, data_root: Optional[str]
                 return
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
-            loss_sum, images = float(r.live[Stat.loss_sum]), float(r.live[Stat.finite_images])
+            loss_sum, images = float(r.meter.totals[Stat.loss_sum]), float(r.meter.totals[Stat.finite_images])
             if images < seen[1]:  # a new epoch: its totals started again from zero
                 seen[:] = [0.0, 0.0]
             loss = (loss_sum - seen[0]) / max(images - seen[1], 1.0)
@@ -121,7 +123,7 @@ def probe(arm: str, steps: int, every: int, work: Path, data_root: Optional[str]
             trace.append({"step": step, "loss": loss, "grad_norm": total, "blocks": row})
             rec.records.clear()
 
-        run.hooks["step_end"].append(on_step)
+        run.hooks.append(FunctionHook("step_end", on_step))
         t0 = time.perf_counter()
         fit(run)
     return {"arm": arm, "blocks": [{"name": p, "skip": skip_of(p)} for p, _ in blocks], "trace": trace,
@@ -180,7 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--write", action="store_true", help="with --summary: write it into docs/blocks.md")
     args = ap.parse_args(argv)
     if args.summary:
-        from visattn.rundir import read_json
+        from visattn.results import read_json
 
         data = read_json(Path(args.out), dict)
         if not isinstance(data.get("arms"), list):

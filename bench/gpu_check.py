@@ -271,7 +271,7 @@ def row_data(c: Check, limit: float) -> Dict[str, Any]:
 
 
 def row_race(c: Check, limit: float) -> Dict[str, Any]:
-    from visattn.rundir import read_json
+    from visattn.results import read_json
 
     out = c.out / "gpu_race.json"
     args = DRY_RACE if c.dry else ["--runs", str(c.runs), "--data-root", c.data, "--device", "cuda"]
@@ -479,13 +479,14 @@ ROWS: Dict[str, Callable[[Check, float], Dict[str, Any]]] = {
 
 def child_main(argv: List[str]) -> int:
     """``train.py ARGV`` (``visattn.cli.main``) with the probes the environment asks for, each a hook of the loop
-    (:func:`visattn.trainer.register_hook`); each writes what it saw to ``GPU_CHECK_REPORT`` (rank 0).
+    (:func:`visattn.hooks.register_hook`); each writes what it saw to ``GPU_CHECK_REPORT`` (rank 0).
     ``GPU_CHECK_STEP_LOG``: every step's number, appended as it ends. ``GPU_CHECK_OVERFLOW_AT=K``: the fp16
     scaler's K-th scaled loss is made infinite. ``GPU_CHECK_LAYOUT``: the batches' and weights' memory format, and
     the logits against a contiguous copy after training. ``GPU_CHECK_FORCE_DIST``: the data-parallel path under
     torchrun even with one rank (``VISATTN_DATA_PARALLEL=1``; the trainer takes it from two ranks on), so DDP and
     the process group's all-reduce run."""
-    from visattn import cli, trainer
+    from visattn import cli
+    from visattn.hooks import register_hook
 
     report: Dict[str, Any] = {}
     env = os.environ
@@ -501,7 +502,7 @@ def child_main(argv: List[str]) -> int:
         hooks.append(("fit_start", _dist_probe(report)))
     with contextlib.ExitStack() as stack:
         for event, hook in hooks:
-            stack.callback(trainer.register_hook(event, hook))
+            stack.callback(register_hook(event, hook))
         try:
             return cli.main(argv)
         finally:
@@ -537,7 +538,7 @@ def _forced_overflow(at: int, report: Dict[str, Any]) -> Callable:
                 return super().step(optimizer, *args, **kwargs)
             params = [p for g in optimizer.param_groups for p in g["params"]]
             before = [p.detach().clone() for p in params]
-            report["scale_before"] = float(self._scale)
+            report["scale_before"] = self.get_scale()
             out = super().step(optimizer, *args, **kwargs)
             report["weights_unchanged"] = all(torch.equal(b, p) for b, p in zip(before, params))
             return out
@@ -545,7 +546,7 @@ def _forced_overflow(at: int, report: Dict[str, Any]) -> Callable:
         def update(self, new_scale=None):  # type: ignore[override]
             super().update(new_scale)
             if self.calls == at:
-                report["scale_after"] = float(self._scale)
+                report["scale_after"] = self.get_scale()
 
     return lambda device, precision: ForcedOverflow(device.type) if precision == "fp16" else None
 
@@ -630,7 +631,7 @@ def environment(dry: bool) -> Dict[str, Any]:
     import timm
     import torch
 
-    from visattn.rundir import git_revision
+    from visattn.results import git_revision
 
     cuda = not dry and torch.cuda.is_available()  # a dry run never initialises CUDA: it forks its children
     rev = git_revision()
@@ -698,7 +699,7 @@ def merge(results: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def main() -> None:
-    from visattn.rundir import read_json, write_atomic
+    from visattn.results import read_json, write_atomic
 
     ap = parser(__doc__, out=ROOT / "runs" / "gpu_check", help={"out": "where the JSON and the log go"})
     ap.add_argument("--data", default="data/gpu_check/cifar10-train-jpeg.tar.gz", help="the images' archive")

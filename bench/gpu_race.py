@@ -36,6 +36,7 @@ from bench.time_to_accuracy import time_to
 from visattn import evaluate, options, trainer
 from visattn.errors import ConfigError
 from visattn.options import check_at_least
+from visattn.step import training_loss
 
 CONFIG = ROOT / "configs" / "cifar10_gpu.yaml"
 RESULTS = ROOT / "bench" / "results" / "gpu_race.json"
@@ -97,7 +98,7 @@ def warm_compile(run: Any) -> float:
             model.set_epoch(epoch)
         with evaluate.autocast(device, run.policy.precision):
             logits = compiled(x)
-        trainer.training_loss(logits, x, y, run.policy).backward()
+        training_loss(logits, x, y, run.policy).backward()
     _sync(device)
     seconds = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
@@ -107,7 +108,6 @@ def warm_compile(run: Any) -> float:
 
 def visattn_run(seed: int, overrides: List[str], workdir: Path, target: float) -> Dict[str, Any]:
     """One run of the GPU recipe through ``trainer.build`` and ``trainer.fit``, every epoch evaluated."""
-    from visattn import trainer
     from visattn.config import load_config
 
     torch._dynamo.reset()  # each run compiles its own model (no recompile limit reached over the runs)
@@ -196,7 +196,7 @@ def race(args: argparse.Namespace, save: Callable[[Dict[str, Any]], None] = lamb
 
 def result(head: Dict[str, Any], runs: List[Dict[str, Any]], complete: bool) -> Dict[str, Any]:
     """The race's JSON from the runs so far: the median time to the target of each recipe and their ratio."""
-    from visattn.rundir import git_revision
+    from visattn.results import git_revision
 
     med = {k: _median([r["seconds_to_target"] for r in runs if r["recipe"] == k]) for k in ("visattn", "airbench94")}
     ratio = med["visattn"] / med["airbench94"] if med["visattn"] is not None and med["airbench94"] else None
@@ -207,7 +207,7 @@ def result(head: Dict[str, Any], runs: List[Dict[str, Any]], complete: bool) -> 
 
 
 def main() -> None:
-    from visattn.rundir import write_atomic
+    from visattn.results import write_atomic
 
     ap = parser(__doc__, precision="auto", precisions=("auto", "bf16", "fp32"), device="auto", out=RESULTS,
                 help={"out": f"default: {RESULTS.relative_to(ROOT)}"})

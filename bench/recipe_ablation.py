@@ -24,7 +24,9 @@ from pathlib import Path
 from bench.attention_table import numerics, run_resuming
 from bench.common import ROOT, kernels, parser, provenance
 from visattn.errors import CheckpointError, ConfigError, run_main
-from visattn.rundir import Interrupted, check_rows, complete_rows, read_json, write_atomic
+from visattn.results import check_rows, read_json, write_atomic
+from visattn.rundir import complete_rows
+from visattn.signals import Interrupted
 
 # airbench94's setting of the levers: batch 1024 (lr 1.5 in mean-loss form) with lookahead averaging
 AIRBENCH = ["train.batch_size=1024", "optim.lr=1.5", "train.lookahead_every=5"]
@@ -156,7 +158,7 @@ def run_one(recipe: str, variant: str, seed: int, run_root: Path, data_root: str
             **({"resumed": True} if resumed else {})}
 
 
-# what the table and the skip of runs already made read of every row (rundir.check_rows)
+# what the table and the skip of runs already made read of every row (results.check_rows)
 ROW = {"variant": "str", "seed": "int", "val_acc": "number", "train_seconds": "number", "images_per_s": "number",
        "epochs": "int?", "precision": "str?", "kernels": "str?"}
 

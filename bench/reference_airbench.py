@@ -34,7 +34,7 @@ from torch import nn
 from bench.common import ROOT, kernels, parser, provenance
 from visattn.errors import ConfigError, DataError, run_main
 from visattn.options import check_at_least
-from visattn.rundir import check_rows, read_json
+from visattn.results import check_rows, read_json
 
 RESULTS = ROOT / "bench" / "results" / "reference_airbench.json"
 MEAN = (0.4914, 0.4822, 0.4465)  # CIFAR-10's channel statistics, as airbench normalises
@@ -257,14 +257,14 @@ def train(seed: int, epochs: float, precision: str, overrides=(), quality: int |
             "reencoded_quality": quality}
 
 
-# what the table and the skip of runs already made read of every row (rundir.check_rows)
+# what the table and the skip of runs already made read of every row (results.check_rows)
 ROW = {"seed": "int", "epochs": "number", "precision": "str", "kernels": "str", "val_acc": "number",
        "train_seconds": "number", "images_per_s": "number", "reencoded_quality": "int?"}
 
 
 def main() -> None:
     from visattn import evaluate
-    from visattn.rundir import write_atomic
+    from visattn.results import write_atomic
 
     ap = parser(__doc__, precision="auto", precisions=("auto", "bf16", "fp32"))
     ap.add_argument("--epochs", type=float, default=9.9)

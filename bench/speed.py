@@ -62,10 +62,13 @@ from visattn import evaluate, trainer
 from visattn.attention.token import SDPA_CPU_MODES, MultiHeadSelfAttention, sdpa_cpu_mode
 from visattn.config import load_config
 from visattn.data import ImageSet, Placement, TensorLoader
+from visattn.distill import Distill
 from visattn.errors import run_main
 from visattn.models import from_config
 from visattn.models.layout import to_channels_last
-from visattn.rundir import write_atomic
+from visattn.optim import Optimization, StepScheduler, build_optimizer
+from visattn.results import write_atomic
+from visattn.step import StepPolicy, training_loss
 
 FLOPS = "A config's achieved training FLOP/s against this machine's matmul ceiling, eager and compiled."
 OVERHEAD = "Images/s of visattn's training loop against a bare PyTorch loop, and bf16 against fp32, in one process."
@@ -105,14 +108,14 @@ def step_flops(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precisi
 
 
 def make_step(model: torch.nn.Module, opt: torch.optim.Optimizer, precision: str,
-              distill: Optional[trainer.Distill] = None):
+              distill: Optional[Distill] = None):
     """One training step; with ``distill`` (a config's ``train.distill``) the teacher's forward pass too."""
-    policy = trainer.StepPolicy(torch.device("cpu"), precision, 0.2, distill=distill)
+    policy = StepPolicy(torch.device("cpu"), precision, 0.2, distill=distill)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         with evaluate.autocast(x.device, precision):
             out = model(x)
-        loss = trainer.training_loss(out, x, y, policy)
+        loss = training_loss(out, x, y, policy)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -176,7 +179,7 @@ class Setup:
     batches: List[Tuple[torch.Tensor, torch.Tensor]]
     precision: str
     dtype: torch.dtype
-    distill: Optional[trainer.Distill] = None  # the config's teacher: its forward pass is part of the step
+    distill: Optional[Distill] = None  # the config's teacher: its forward pass is part of the step
 
 
 def build(config: str, batch: int = 0, steps: int = 8, precision: str = "", overrides: Sequence[str] = ()) -> Setup:
@@ -194,7 +197,7 @@ def build(config: str, batch: int = 0, steps: int = 8, precision: str = "", over
                for _ in range(steps)]
     distill = None
     if cfg.train.distill.teacher:
-        from visattn.trainer import load_teacher
+        from visattn.distill import load_teacher
 
         distill = load_teacher(cfg.train.distill, torch.device("cpu"), cfg.channels_last)[0]
     return Setup(config, cfg.model.name, model, batches, precision, evaluate.AMP_DTYPES[precision] or torch.float32,
@@ -334,7 +337,7 @@ def bare_loop(model, batches, opt, precision) -> None:
 
 
 def visattn_loop(model, loader, opt, sched, precision) -> None:
-    trainer.train_one_epoch(model, loader, trainer.Optimization(opt, sched), trainer.StepPolicy(torch.device("cpu"), precision))
+    trainer.train_one_epoch(model, loader, Optimization(opt, sched), StepPolicy(torch.device("cpu"), precision))
 
 
 def overhead_flags(ap: argparse.ArgumentParser) -> None:
@@ -354,8 +357,8 @@ def overhead(args: argparse.Namespace) -> None:
     for precision in ("bf16", "fp32"):
         model = from_config(cfg, train_images=torch.from_numpy(images.x[:512]).permute(0, 3, 1, 2))
         to_channels_last(model, torch.device("cpu"))
-        opt = trainer.build_optimizer(model, "sgd", 0.05, 5e-4)
-        sched = trainer.StepScheduler(opt, "constant", 0.05, 10**6, 0)
+        opt = build_optimizer(model, "sgd", 0.05, 5e-4)
+        sched = StepScheduler(opt, "constant", 0.05, 10**6, 0)
         plain = TensorLoader(images, args.batch, mean, std, train=True, augment=None, seed=0, placement=Placement(channels_last=True))
         aug = TensorLoader(images, args.batch, mean, std, train=True, augment=dcfg.augment, seed=0, placement=Placement(channels_last=True))
         batches = [(xb.clone(), yb.clone()) for xb, yb in plain]  # the bare loop's data: ready in memory

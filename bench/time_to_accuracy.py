@@ -17,7 +17,8 @@ from typing import List, Optional
 
 from bench.common import parser
 from visattn.errors import run_main
-from visattn.rundir import complete_rows, read_json
+from visattn.results import read_json
+from visattn.rundir import complete_rows
 
 
 def rows(run_dir: Path) -> List[dict]:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from visattn.errors import DataError
-from visattn.rundir import cpu_name
+from visattn.results import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "finetune_torchvision.json"
@@ -47,7 +47,7 @@ END = "<!-- end of torchvision finetune table -->"
 
 def stamp(argv: List[str]) -> Dict[str, str]:
     """What made a row: the command (from the repository root) and the git revision (``-dirty``: with changes)."""
-    from visattn.rundir import git_revision
+    from visattn.results import git_revision
 
     return {"command": shlex.join(["python", "examples/finetune_torchvision.py", *argv]), "git": git_revision()}
 
@@ -124,7 +124,7 @@ def train(net: torch.nn.Module, tr, mean, std, epochs: int, lr: float, seed: int
 
 def read() -> Dict[str, object]:
     """The results file ({} where there is none); a base or arm row without what the table reads is one line."""
-    from visattn.rundir import check_rows, read_json
+    from visattn.results import check_rows, read_json
 
     res = read_json(RESULTS, missing={})
     if "base" in res:
@@ -135,7 +135,7 @@ def read() -> Dict[str, object]:
 
 
 def write(res: Dict[str, object]) -> None:
-    from visattn.rundir import write_atomic
+    from visattn.results import write_atomic
 
     write_atomic(RESULTS, json.dumps(res, indent=1) + "\n")
 

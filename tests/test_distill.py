@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from visattn import trainer
 from visattn.cli import main
 from visattn.config import load_config
+from visattn.distill import Distill, distill_loss
 from visattn.errors import CheckpointError, ConfigError
 from visattn.models import create_model
 from visattn.rundir import load_checkpoint, save_checkpoint
+from visattn.step import StepPolicy, training_loss
 from visattn.trainer import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,17 +39,17 @@ def teacher(tmp_path_factory) -> Path:
 def test_soft_term_is_zero_for_equal_logits_and_positive_otherwise():
     torch.manual_seed(0)
     s, t = torch.randn(16, 10), torch.randn(16, 10)
-    assert trainer.distill_loss(s, s.clone(), "soft", 2.0).abs() < 1e-6
-    assert trainer.distill_loss(s, t, "soft", 1.0) > 0.05
+    assert distill_loss(s, s.clone(), "soft", 2.0).abs() < 1e-6
+    assert distill_loss(s, t, "soft", 1.0) > 0.05
     # the KL divergence of the tempered softmaxes, times T^2
     ref = F.kl_div(F.log_softmax(s / 4, 1), F.softmax(t / 4, 1), reduction="batchmean") * 16
-    assert torch.allclose(trainer.distill_loss(s, t, "soft", 4.0), ref, atol=1e-6)
+    assert torch.allclose(distill_loss(s, t, "soft", 4.0), ref, atol=1e-6)
 
 
 def test_hard_term_is_cross_entropy_against_the_teachers_top_class():
     torch.manual_seed(0)
     s, t = torch.randn(16, 10), torch.randn(16, 10)
-    assert torch.allclose(trainer.distill_loss(s, t, "hard"), F.cross_entropy(s, t.argmax(1)))
+    assert torch.allclose(distill_loss(s, t, "hard"), F.cross_entropy(s, t.argmax(1)))
 
 
 def test_training_loss_mixes_the_terms_and_leaves_the_teacher_untouched():
@@ -60,14 +61,14 @@ def test_training_loss_mixes_the_terms_and_leaves_the_teacher_untouched():
     dev = torch.device("cpu")
     logits = student(x)
     ce = F.cross_entropy(logits, y, label_smoothing=0.1)
-    kd = trainer.distill_loss(logits, teacher(x), "soft", 2.0)
-    plain = trainer.StepPolicy(dev, "fp32", 0.1)
-    assert torch.allclose(trainer.training_loss(logits, x, y, plain), ce)
+    kd = distill_loss(logits, teacher(x), "soft", 2.0)
+    plain = StepPolicy(dev, "fp32", 0.1)
+    assert torch.allclose(training_loss(logits, x, y, plain), ce)
     for w in (0.0, 0.3, 1.0):
-        pol = trainer.StepPolicy(dev, "fp32", 0.1, distill=trainer.Distill(teacher, w, 2.0, "soft"))
-        assert torch.allclose(trainer.training_loss(logits, x, y, pol), (1 - w) * ce + w * kd, atol=1e-6)
-    pol = trainer.StepPolicy(dev, "fp32", 0.1, distill=trainer.Distill(teacher, 0.5, 2.0, "soft"))
-    trainer.training_loss(student(x), x, y, pol).backward()
+        pol = StepPolicy(dev, "fp32", 0.1, distill=Distill(teacher, w, 2.0, "soft"))
+        assert torch.allclose(training_loss(logits, x, y, pol), (1 - w) * ce + w * kd, atol=1e-6)
+    pol = StepPolicy(dev, "fp32", 0.1, distill=Distill(teacher, 0.5, 2.0, "soft"))
+    training_loss(student(x), x, y, pol).backward()
     assert all(p.grad is None for p in teacher.parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in student.parameters())
     assert not teacher.training
@@ -159,7 +160,7 @@ def test_throughputs_step_runs_the_teacher_of_a_distilling_config(teacher):
 
 def test_load_teacher_gives_a_frozen_eval_model_in_the_asked_layout(teacher):
     """One loader for the trainer and the throughput bench: frozen, eval mode, the run's memory format."""
-    from visattn.trainer import load_teacher
+    from visattn.distill import load_teacher
 
     d = _cfg(Path("unused"), f"train.distill.teacher={teacher}", "train.distill.temperature=2").train.distill
     distill, tcfg, state = load_teacher(d, torch.device("cpu"), channels_last=True)

@@ -1,7 +1,7 @@
 """Data-parallel training under torchrun: two CPU ranks over gloo.
 
 Each rank runs ``train.py``'s own ``main`` inside a small probe (written to the test's temporary folder) that,
-through the loop's hooks (``trainer.register_hook``), records what the rank did: its final weights and EMA
+through the loop's hooks (``visattn.hooks.register_hook``), records what the rank did: its final weights and EMA
 weights, the image counts the engine reported (already reduced over ranks), and every file-system write it
 made under the run folder (through a Python audit hook), so the test can check that ranks agree, metrics count all ranks' images, and
 only rank 0 writes run files. Resume is checked to be exact under torchrun too.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-import visattn.trainer as trainer
+from visattn.hooks import register_hook
 from visattn.cli import main
 
 rank = int(os.environ.get("RANK", "0"))
@@ -80,7 +80,7 @@ def epoch_done(run, epoch, row):
         seen["eval_images"].append(run.last_eval["images"])
 
 for event, hook in (("fit_start", started), ("step_end", stepped), ("epoch_end", epoch_done)):
-    trainer.register_hook(event, hook)
+    register_hook(event, hook)
 
 rc = main(sys.argv[1:])
 ema = seen["run"].opt.ema

@@ -31,6 +31,7 @@ from visattn import evaluate as evaluate_cli
 from visattn.cli import main
 from visattn.config import load_config
 from visattn.errors import CheckpointError
+from visattn.hooks import HOOKS
 from visattn.models import create_model
 from visattn.rundir import load_checkpoint, save_checkpoint
 from visattn.trainer import run
@@ -47,7 +48,7 @@ WAIT = 120.0  # seconds: the bound on every wait for a subprocess
 PROBE = r'''
 import io, os, signal, sys
 import torch
-import visattn.trainer as trainer
+from visattn.hooks import register_hook
 from visattn.cli import main
 
 step_log = os.environ["PROBE_STEP_LOG"]
@@ -57,7 +58,7 @@ saves = 0
 def logging(run, step):
     with open(step_log, "a") as f:  # a step_end hook: before the step's own checks, which may checkpoint
         f.write(f"{step}\n")
-trainer.register_hook("step_end", logging)
+register_hook("step_end", logging)
 
 real_save = torch.save
 def torn_save(obj, f, *a, **k):
@@ -449,7 +450,6 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, finis
 def _poison_weights_at_step(monkeypatch, at: int, then: Callable[[], None] = lambda: None) -> None:
     """After training step ``at`` fill a weight with NaN (as bad steps reach the weights on a GPU, where the loss
     is checked only every ``check_every`` steps), then call ``then``."""
-    import visattn.trainer as trainer
 
     def poisoning(run, step: int) -> None:
         if step == at:
@@ -457,7 +457,7 @@ def _poison_weights_at_step(monkeypatch, at: int, then: Callable[[], None] = lam
                 next(run.model.parameters()).fill_(float("nan"))
             then()
 
-    monkeypatch.setitem(trainer.HOOKS, "step_end", [poisoning])  # a step_end hook of every run built in the test
+    monkeypatch.setitem(HOOKS, "step_end", [poisoning])  # a step_end hook of every run built in the test
 
 
 def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch):
@@ -480,7 +480,7 @@ def test_periodic_checkpoint_never_saves_nonfinite_weights(tmp_path, monkeypatch
 def test_a_signal_with_nonfinite_weights_saves_nothing_and_says_so(tmp_path, monkeypatch):
     """A SIGTERM that comes while the weights are not finite keeps the last good checkpoint and says that
     nothing was saved (not "state saved to last.pt")."""
-    from visattn.rundir import Interrupted
+    from visattn.signals import Interrupted
 
     # the trainer's handler sets its stop flag
     _poison_weights_at_step(monkeypatch, 4, then=lambda: os.kill(os.getpid(), signal.SIGTERM))
@@ -498,14 +498,13 @@ def test_nonfinite_state_at_an_epoch_end_is_never_committed(tmp_path, monkeypatc
     """NaN normalisation statistics after the epoch's last step (no step left to see a NaN loss; on a GPU, steps
     between two loss checks): the epoch is neither evaluated into a row nor saved; one error line, exit 3, and
     last.pt stays the last finite one (step 5)."""
-    import visattn.trainer as trainer
 
     def poisoning(run, step: int) -> None:
         if step == 6:
             bn = next(m for m in run.model.modules() if isinstance(m, torch.nn.BatchNorm2d))
             bn.running_mean.fill_(float("nan"))
 
-    monkeypatch.setitem(trainer.HOOKS, "step_end", [poisoning])
+    monkeypatch.setitem(HOOKS, "step_end", [poisoning])
     rd = tmp_path / "run"
     rc, err = _cli(["--config", str(SMOKE), f"run_dir={rd}", *TINY, "train.batch_size=50", "train.epochs=1",
                     "train.ckpt_every_steps=1", "log.tensorboard=false"])

@@ -24,7 +24,8 @@ from visattn.config import load_config
 from visattn.data import Placement, build_loader, load_splits
 from visattn.evaluate import evaluate
 from visattn.evaluate import main as evaluate_main
-from visattn.rundir import load_checkpoint, logged_hparams
+from visattn.hparams import logged_hparams
+from visattn.rundir import load_checkpoint
 from visattn.trainer import run
 from visattn.visualize import main as visualize_main
 
@@ -577,7 +578,7 @@ def test_bn_momentum_sets_the_models_batchnorms_and_leaves_the_inserted_blocks_o
     from visattn.config import load_config
     from visattn.models import from_config
     from visattn.registry import backbone_modules
-    from visattn.trainer import bn_lag_note
+    from visattn.run_checks import bn_lag_note
 
     def momenta(model, modules):
         return {m.momentum for m in modules if isinstance(m, torch.nn.BatchNorm2d)}

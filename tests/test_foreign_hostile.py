@@ -21,12 +21,13 @@ from test_data import _write_cifar_batches, _write_folder
 from test_faults import _snapshot
 
 import visattn
-from visattn.config import check_for_training, load_config
+from visattn.config import load_config
 from visattn.data import ImageSet, Placement, build_loader, check_augment, load_splits
 from visattn.data.cache import cached_read
 from visattn.errors import CheckpointError, ConfigError, DataError
 from visattn.evaluate import main as evaluate_main
 from visattn.models.foreign import apply_cifar_stem, read_weights_entry
+from visattn.run_checks import check_for_training
 from visattn.rundir import DIGEST_KEY, load_checkpoint
 from visattn.trainer import run
 

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from visattn import trainer
 from visattn.config import load_config
+from visattn.hooks import FunctionHook
 
 race = _load("gpu_race")
 GPU = ROOT / "configs" / "cifar10_gpu.yaml"
@@ -143,7 +144,7 @@ class _HostReads(TorchDispatchMode):
 
 
 def test_the_gpu_recipes_steps_read_the_host_only_at_the_checks(tmp_path, monkeypatch):
-    """The GPU path of the loop (``trainer.host_check_every`` as on a GPU), with the GPU recipe's loader, optimizer,
+    """The GPU path of the loop (``visattn.step.host_check_every`` as on a GPU), with the GPU recipe's loader, optimizer,
     schedule and lookahead: between two checks a step makes no host read at all (loader included), and a check
     step makes one (the run of non-finite losses); the loader draws its augmentation on its own device."""
     check = 4
@@ -160,7 +161,7 @@ def test_the_gpu_recipes_steps_read_the_host_only_at_the_checks(tmp_path, monkey
     def after_step(run, step: int) -> None:
         marks.append((reads.count, len(listed)))
 
-    run.hooks["step_end"].append(after_step)
+    run.hooks.append(FunctionHook("step_end", after_step))
     with reads:
         trainer.train_one_epoch(run.model, run.train_loader, run.opt, run.policy, run=run)
     per_step = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(marks[1:], marks)]  # steps 2.. (step 1 sets up the epoch)
@@ -183,7 +184,7 @@ def test_no_synchronising_cuda_call_between_checks(tmp_path, monkeypatch):
     def after_step(run, step: int) -> None:  # before the step's own checks (step 8: the stop, and its save)
         torch.cuda.set_sync_debug_mode("error" if step < 8 else 0)
 
-    run.hooks["step_end"].append(after_step)
+    run.hooks.append(FunctionHook("step_end", after_step))
     try:
         trainer.train_one_epoch(run.model, run.train_loader, run.opt, run.policy, run=run)
     finally:

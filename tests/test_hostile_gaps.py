@@ -23,8 +23,9 @@ from test_hostile import _script
 
 from visattn import evaluate as evaluate_cli
 from visattn import visualize as visualize_cli
-from visattn.config import check_for_training, load_config
+from visattn.config import load_config
 from visattn.errors import CheckpointError, ConfigError
+from visattn.run_checks import check_for_training
 from visattn.rundir import CHECKPOINT_FORMAT, DIGEST_KEY, load_checkpoint, save_checkpoint, state_digest
 
 RUN = TINY + ["train.batch_size=50", "log.tensorboard=false"]

@@ -9,12 +9,14 @@ PKG = Path(__file__).resolve().parents[1] / "visattn"
 
 # Floors, lowest first: a module may import its own floor's modules and the floors below, never above.
 FLOORS = (
-    ("visattn.errors", "visattn.registry", "visattn.options"),
+    ("visattn.errors", "visattn.registry", "visattn.options", "visattn.results", "visattn.rng", "visattn.signals"),
     ("visattn.config",),
     ("visattn.attention", "visattn.data"),
     ("visattn.models",),
     ("visattn.maps",),
     ("visattn.evaluate", "visattn.rundir"),
+    # the run's parts around the loop: optimizer, step, distillation, hooks, checks, the HParams file
+    ("visattn.optim", "visattn.step", "visattn.distill", "visattn.hooks", "visattn.run_checks", "visattn.hparams"),
     ("visattn.trainer",),
     ("visattn.visualize", "visattn.cli", "visattn"),
 )

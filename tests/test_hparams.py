@@ -18,7 +18,7 @@ from test_tensorboard_server import OPENER, poll, serving  # noqa: E402
 
 from visattn.cli import main  # noqa: E402
 from visattn.config import load_config  # noqa: E402
-from visattn.rundir import HPARAMS_FILE, METRIC_TAGS, logged_hparams, run_hparams, start_hparams  # noqa: E402
+from visattn.hparams import HPARAMS_FILE, METRIC_TAGS, logged_hparams, run_hparams, start_hparams  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "configs" / "smoke.yaml")

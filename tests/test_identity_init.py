@@ -12,8 +12,8 @@ from visattn import create_attention, create_model, list_attention, list_models
 from visattn.attention import insert as insert_mod
 from visattn.maps import render as scale_mod
 from visattn.models import resnet as resnet_mod
+from visattn.optim import build_optimizer
 from visattn.registry import backbone_modules, is_attention_block
-from visattn.trainer import build_optimizer
 
 FEATURE = [n for n in list_attention("feature") if n != "none"]
 # the CPU recipe's backbone options (configs/cifar10_cpu.yaml): every one of them reaches for norms and convs

@@ -73,7 +73,7 @@ def test_a_block_at_identity_scores_the_checkpoints_accuracy_at_step_0_then_fine
     assert origin["best_acc"] == best["best_acc"] and origin["weights"] == "model"
     assert len(origin["new_blocks"]) == 3 and all(b.endswith(".units.0.attn") for b in origin["new_blocks"])
     assert [row["epoch"] for row in metrics_rows(rd)] == [1]  # the fine-tune's own epochs only: no row 0
-    from visattn.rundir import logged_hparams
+    from visattn.hparams import logged_hparams
 
     assert logged_hparams(rd / "tb")[0]["init_from"] == str(source / "best.pt")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

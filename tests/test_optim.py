@@ -1,11 +1,12 @@
-"""Which parameters get weight decay: trainer.build_optimizer goes through timm's create_optimizer_v2, which
+"""Which parameters get weight decay: optim.build_optimizer goes through timm's create_optimizer_v2, which
 keeps norms, biases and the model's ``no_weight_decay()`` names (a ViT's pos_embed, cls_token) undecayed."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from visattn import create_model, trainer
+from visattn import create_model
+from visattn.optim import StepScheduler, build_optimizer
 
 
 def _decay_by_name(model, opt):
@@ -18,7 +19,7 @@ def _decay_by_name(model, opt):
 def test_decay_spares_norms_biases_and_position_embeddings(name, opt_name):
     kw = {"depth": 2} if name == "vit_tiny" else {}
     model = create_model(name, **kw)
-    opt = trainer.build_optimizer(model, opt_name, 1e-3, 0.05)
+    opt = build_optimizer(model, opt_name, 1e-3, 0.05)
     decay = _decay_by_name(model, opt)
     assert set(decay) == {n for n, p in model.named_parameters() if p.requires_grad}  # every parameter, once
     for n, p in model.named_parameters():
@@ -37,7 +38,7 @@ def test_norms_and_biases_decay_when_asked_but_declared_names_never():
     """optim.no_decay_norm_bias=false decays the 1-d parameters too; what the model declares in
     ``no_weight_decay()`` stays undecayed (timm's rule)."""
     model = create_model("vit_tiny", depth=1)
-    decay = _decay_by_name(model, trainer.build_optimizer(model, "adamw", 1e-3, 0.05, no_decay_norm_bias=False))
+    decay = _decay_by_name(model, build_optimizer(model, "adamw", 1e-3, 0.05, no_decay_norm_bias=False))
     assert decay["blocks.0.norm1.weight"] == decay["head.bias"] == 0.05
     assert decay["pos_embed"] == decay["cls_token"] == 0.0
 
@@ -45,18 +46,18 @@ def test_norms_and_biases_decay_when_asked_but_declared_names_never():
 @pytest.mark.parametrize("momentum,nesterov,expect", [(0.9, True, True), (0.9, False, False), (0.0, True, False)])
 def test_sgd_momentum_and_nesterov(momentum, nesterov, expect):
     model = torch.nn.Linear(3, 2)
-    opt = trainer.build_optimizer(model, "sgd", 0.1, 5e-4, momentum=momentum, nesterov=nesterov)
+    opt = build_optimizer(model, "sgd", 0.1, 5e-4, momentum=momentum, nesterov=nesterov)
     assert isinstance(opt, torch.optim.SGD)
     assert opt.defaults["nesterov"] is expect and opt.defaults["momentum"] == momentum
 
 
 def test_adamw_betas_and_unknown_name():
-    opt = trainer.build_optimizer(torch.nn.Linear(3, 2), "adamw", 1e-3, 0.05, betas=(0.8, 0.99))
+    opt = build_optimizer(torch.nn.Linear(3, 2), "adamw", 1e-3, 0.05, betas=(0.8, 0.99))
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["betas"] == (0.8, 0.99)
     from visattn.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown optimizer 'lamb'"):
-        trainer.build_optimizer(torch.nn.Linear(3, 2), "lamb", 1e-3, 0.0)
+        build_optimizer(torch.nn.Linear(3, 2), "lamb", 1e-3, 0.0)
 
 
 def _muon_routes(model, opt):
@@ -67,7 +68,7 @@ def _muon_routes(model, opt):
 
 def test_muon_orthogonalises_the_matrices_and_leaves_the_classifier_and_embeddings_to_adamw():
     model = create_model("cct_2", depth=1, dim=64, num_heads=2)
-    opt = trainer.build_optimizer(model, "muon", 2e-3, 0.05, momentum=0.95, nesterov=True, betas=(0.9, 0.98))
+    opt = build_optimizer(model, "muon", 2e-3, 0.05, momentum=0.95, nesterov=True, betas=(0.9, 0.98))
     fallback, orthogonalised = _muon_routes(model, opt)
     assert {"head.weight", "head.bias", "pos_embed", "blocks.0.norm1.weight"} <= fallback
     assert {"tokenizer.layers.0.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc2.weight"} <= orthogonalised
@@ -91,8 +92,8 @@ def test_muon_runs_newton_schulz_in_fp32_where_bf16_is_emulated_and_the_swap_is_
     monkeypatch.setattr(muon, "zeropower_via_newtonschulz", spy)
     torch.manual_seed(0)
     model = create_model("cct_2", depth=1, dim=32, num_heads=2, num_classes=3)
-    opt = trainer.build_optimizer(model, "muon", 1e-2, 0.0, momentum=0.95, native_bf16=native)
-    sched = trainer.StepScheduler(opt, "onecycle", 1e-2, 10, 2)  # torch's schedulers wrap the optimizer's step
+    opt = build_optimizer(model, "muon", 1e-2, 0.0, momentum=0.95, native_bf16=native)
+    sched = StepScheduler(opt, "onecycle", 1e-2, 10, 2)  # torch's schedulers wrap the optimizer's step
     x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 3, (8,))
     before = model.blocks[0].attn.qkv.weight.detach().clone()
     torch.nn.functional.cross_entropy(model(x), y).backward()
@@ -109,7 +110,7 @@ def test_muon_leaves_the_classifier_to_adamw_whatever_the_norm_bias_lr_scale(sca
     fallback marks too, or the classifier (``fc.*``) is orthogonalised. Read from Muon's own state after a step."""
     torch.manual_seed(0)
     model = create_model("resnet_fast", widths=[8, 16, 16], stem_width=8, num_classes=10)  # (10, 16): Muon-shaped
-    opt = trainer.build_optimizer(model, "muon", 1e-3, 5e-4, momentum=0.9, norm_bias_lr_scale=scale)
+    opt = build_optimizer(model, "muon", 1e-3, 5e-4, momentum=0.9, norm_bias_lr_scale=scale)
     torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.randint(0, 10, (4,))).backward()
     opt.step()
     routes = {n: opt.state[p]["use_muon"] for n, p in model.named_parameters() if p in opt.state}
@@ -138,10 +139,10 @@ def test_attn_lr_scale_moves_every_block_parameter_and_nothing_else(sched, attn,
     assert in_blocks and norm_biases and not in_blocks & norm_biases
     want = {id(p): attn if id(p) in in_blocks else norm_bias if id(p) in norm_biases else 1.0
             for p in model.parameters() if p.requires_grad}
-    opt = trainer.build_optimizer(model, "sgd", 0.1, 5e-4, norm_bias_lr_scale=norm_bias, attn_lr_scale=attn)
-    plain = trainer.build_optimizer(model, "sgd", 0.1, 5e-4)
+    opt = build_optimizer(model, "sgd", 0.1, 5e-4, norm_bias_lr_scale=norm_bias, attn_lr_scale=attn)
+    plain = build_optimizer(model, "sgd", 0.1, 5e-4)
     assert _decay_by_name(model, opt) == _decay_by_name(model, plain)
-    sched_ = trainer.StepScheduler(opt, sched, 0.1, total_steps=40, warmup_steps=8)
+    sched_ = StepScheduler(opt, sched, 0.1, total_steps=40, warmup_steps=8)
     for step in range(30):
         rest = [g["lr"] for g in opt.param_groups if all(want[id(p)] == 1.0 for p in g["params"])]
         assert rest and len(set(rest)) == 1 and rest[0] > 0
@@ -161,7 +162,7 @@ def test_attn_lr_scale_one_keeps_the_groups_a_checkpoint_was_saved_with(norm_bia
     from visattn.registry import backbone_modules
 
     model = _small_attn_model()
-    opt = trainer.build_optimizer(model, "sgd", 0.1, 5e-4, norm_bias_lr_scale=norm_bias, attn_lr_scale=1.0)
+    opt = build_optimizer(model, "sgd", 0.1, 5e-4, norm_bias_lr_scale=norm_bias, attn_lr_scale=1.0)
     got = [[id(p) for p in g["params"]] for g in opt.param_groups]
     if norm_bias == 1.0:
         ref = create_optimizer_v2(model, opt="sgd", lr=0.1, weight_decay=5e-4, momentum=0.9)

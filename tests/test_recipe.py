@@ -6,17 +6,18 @@ import pytest
 import torch
 from conftest import SMOKE
 
-from visattn import create_model, trainer
+from visattn import create_model
 from visattn.config import load_config
 from visattn.data import ImageSet, TensorLoader
 from visattn.errors import ConfigError
+from visattn.optim import Lookahead, StepScheduler, build_optimizer
 from visattn.rundir import load_checkpoint
 from visattn.trainer import run
 
 
 def test_lookahead_pulls_toward_the_slow_copy_on_a_cubic_schedule():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
-    la = trainer.Lookahead(model, total_steps=10, every=5, decay=0.95, power=3.0)
+    la = Lookahead(model, total_steps=10, every=5, decay=0.95, power=3.0)
     slow0 = [t.clone() for t in la.slow]
     with torch.no_grad():
         model[0].weight.add_(1.0)
@@ -38,7 +39,7 @@ def test_lookahead_pulls_toward_the_slow_copy_on_a_cubic_schedule():
 
 def test_lookahead_early_steps_barely_average():
     model = torch.nn.Linear(2, 2)
-    la = trainer.Lookahead(model, total_steps=1000, every=5)
+    la = Lookahead(model, total_steps=1000, every=5)
     with torch.no_grad():
         model.weight.fill_(1.0)
     la.step(5)  # progress 0.005: a ~ 1e-7, the fast weights are kept
@@ -127,11 +128,11 @@ def test_group_skip_refuses_what_it_cannot_build(units, value, message):
 
 def test_norm_biases_get_their_own_faster_group_and_schedule():
     m = create_model("resnet_fast", widths=[8, 16, 16], stem_width=8, bn_scale="frozen")
-    opt = trainer.build_optimizer(m, "sgd", 0.1, 5e-4, norm_bias_lr_scale=64)
+    opt = build_optimizer(m, "sgd", 0.1, 5e-4, norm_bias_lr_scale=64)
     bn_biases = {id(b.bias) for b in m.modules() if isinstance(b, torch.nn.BatchNorm2d)}
     fast = [g for g in opt.param_groups if g.get("lr_scale") == 64]
     assert len(fast) == 1 and {id(p) for p in fast[0]["params"]} == bn_biases
-    sched = trainer.StepScheduler(opt, "onecycle", 0.1, total_steps=100, warmup_steps=20, start_lr_ratio=0.2)
+    sched = StepScheduler(opt, "onecycle", 0.1, total_steps=100, warmup_steps=20, start_lr_ratio=0.2)
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.1 * 0.2 * g.get("lr_scale", 1) for g in opt.param_groups])
     for _ in range(20):
         sched.step()

@@ -162,7 +162,7 @@ def test_metrics_follow_the_checkpoint_after_a_crash(tmp_path, reference, damage
 
 
 def test_a_resumed_epochs_images_per_s_counts_only_the_images_it_timed():
-    from visattn.trainer import EpochStats, Stat
+    from visattn.step import EpochStats, Stat
 
     total, new = [0.0] * len(Stat), [0.0] * len(Stat)
     total[Stat.images], total[Stat.steps], total[Stat.finite_images] = 1000, 10, 1000

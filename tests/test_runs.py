@@ -33,6 +33,7 @@ from visattn.cli import main
 from visattn.config import load_config
 from visattn.data import load_splits
 from visattn.errors import ConfigError, DataError
+from visattn.hooks import register_hook
 from visattn.rundir import LOCK_NAME, RunLock, holds, load_checkpoint, metrics_line, remove_stale_temps, save_checkpoint
 from visattn.trainer import build, fit
 
@@ -87,7 +88,7 @@ def _data_cfg(tmp_path: Path, root: Path, *extra: str):
 
 PROBE = r'''
 import os, sys, time
-import visattn.trainer as trainer
+from visattn.hooks import register_hook
 from visattn.cli import main
 
 step_log, go = os.environ["PROBE_STEP_LOG"], os.environ["PROBE_GO"]
@@ -97,7 +98,7 @@ def waiting(run, step):
     deadline = time.monotonic() + 120
     while step == 1 and not os.path.exists(go) and time.monotonic() < deadline:
         time.sleep(0.01)  # hold the run (and its lock) open until the test says go
-trainer.register_hook("step_end", waiting)
+register_hook("step_end", waiting)
 sys.exit(main(sys.argv[1:]))
 '''
 
@@ -567,13 +568,12 @@ def test_metrics_line_is_strict_json_with_null_for_nonfinite():
 def test_nonfinite_eval_loss_is_written_as_null_and_fails_the_run_at_its_end(tmp_path, monkeypatch):
     """Before the end a non-finite validation loss is a null in its row (the epoch is never the best one) and the
     run goes on; the last one is the run's result: one error line, exit 3, and that epoch is not committed."""
-    import visattn.trainer as trainer
 
     def nan_in_eval(run) -> None:  # the evaluated model's (the EMA copy's) logits are NaN, training stays finite
         run.eval_model.register_forward_hook(lambda m, args, out: None if m.training else out * float("nan"))
 
     rd = tmp_path / "run"
-    remove = trainer.register_hook("fit_start", nan_in_eval)
+    remove = register_hook("fit_start", nan_in_eval)
     try:
         rc, out, err = _cli(_train(rd, "train.epochs=2", "log.tensorboard=false"))
     finally:
@@ -663,7 +663,6 @@ def test_a_mid_epoch_checkpoint_of_five_statistics_still_resumes(tmp_path):
 def test_a_few_nonfinite_losses_are_skipped_counted_and_the_run_goes_on(tmp_path, monkeypatch):
     """NaN losses injected at the 2nd, 3rd and 8th training steps: those steps are skipped and counted in the
     epoch line and the metrics row; the loss and accuracy are means over the finite steps; the run ends in 0."""
-    import visattn.trainer as trainer
 
     calls = []
 
@@ -674,7 +673,7 @@ def test_a_few_nonfinite_losses_are_skipped_counted_and_the_run_goes_on(tmp_path
         return logits * float("nan") if len(calls) in (2, 3, 8) else None
 
     rd = tmp_path / "run"
-    remove = trainer.register_hook("fit_start", lambda run: run.model.register_forward_hook(poisoned))
+    remove = register_hook("fit_start", lambda run: run.model.register_forward_hook(poisoned))
     try:
         rc, out, err = _cli(_train(rd, "train.epochs=2", "log.tensorboard=false"))
     finally:

@@ -14,7 +14,9 @@ from visattn import evaluate, trainer
 from visattn.config import load_config
 from visattn.evaluate import evaluate_checkpoint
 from visattn.models import create_model
+from visattn.optim import Optimization, StepScheduler, build_optimizer, make_scaler
 from visattn.rundir import load_checkpoint
+from visattn.step import StepPolicy, host_check_every
 from visattn.trainer import run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,14 +32,14 @@ def test_one_step_per_precision(precision, channels_last):
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
-    opt = trainer.build_optimizer(model, "sgd", 0.1, 5e-4)
-    sched = trainer.StepScheduler(opt, "onecycle", 0.1, 10, 2)
-    scaler = trainer.make_scaler(dev, precision)
+    opt = build_optimizer(model, "sgd", 0.1, 5e-4)
+    sched = StepScheduler(opt, "onecycle", 0.1, 10, 2)
+    scaler = make_scaler(dev, precision)
     assert (scaler is not None) == (precision == "fp16")
     before = [p.detach().clone() for p in model.parameters()]
     # fp16 starts at a loss scale of 65536: its first steps may overflow and be skipped (counted), never applied
-    stats, step, raw = trainer.train_one_epoch(model, [(x, y)] * 20, trainer.Optimization(opt, sched, scaler),
-                                              trainer.StepPolicy(dev, precision))
+    stats, step, raw = trainer.train_one_epoch(model, [(x, y)] * 20, Optimization(opt, sched, scaler),
+                                              StepPolicy(dev, precision))
     assert step == 20 and stats.nonfinite_steps == 0
     assert stats.skipped_steps < 20 and (precision == "fp16" or stats.skipped_steps == 0)
     assert torch.isfinite(torch.tensor(stats.loss)) and stats.loss > 0
@@ -57,21 +59,21 @@ def test_autocast_dtype_is_used_on_cpu():
 
 def test_nonfinite_steps_are_skipped_then_stop():
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
-    opt = trainer.build_optimizer(model, "sgd", 0.1, 0.0)
-    sched = trainer.StepScheduler(opt, "constant", 0.1, 10, 0)
+    opt = build_optimizer(model, "sgd", 0.1, 0.0)
+    sched = StepScheduler(opt, "constant", 0.1, 10, 0)
     x = torch.randn(4, 3, 2, 2)
     y = torch.tensor([0, 1, 2, 0])
     w0 = model[1].weight.detach().clone()
     bad = [(x * float("nan"), y)] * 2
-    policy = trainer.StepPolicy(torch.device("cpu"), "fp32", max_nonfinite_steps=5)
-    stats, _, _ = trainer.train_one_epoch(model, bad, trainer.Optimization(opt, sched), policy)
+    policy = StepPolicy(torch.device("cpu"), "fp32", max_nonfinite_steps=5)
+    stats, _, _ = trainer.train_one_epoch(model, bad, Optimization(opt, sched), policy)
     assert stats.nonfinite_steps == stats.steps == 2 and stats.nothing_learned
     assert math.isnan(stats.loss) and math.isnan(stats.acc)  # a mean over no finite step is not 0
     assert torch.equal(model[1].weight, w0)  # skipped: weights untouched
     from visattn.errors import TrainingError
 
     with pytest.raises(TrainingError, match="consecutive non-finite"):
-        trainer.train_one_epoch(model, bad * 3, trainer.Optimization(opt, sched), policy)
+        trainer.train_one_epoch(model, bad * 3, Optimization(opt, sched), policy)
 
 
 def _smoke_cfg(tmp_path, *extra):
@@ -199,13 +201,13 @@ def test_ema_decay_follows_the_step_count():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     ema = ModelEmaV3(model, decay=0.999, use_warmup=True)
-    sgd = trainer.build_optimizer(model, "sgd", 0.5, 0.0)
-    opt = trainer.Optimization(sgd, trainer.StepScheduler(sgd, "constant", 0.5, 10, 0), None, ema)
+    sgd = build_optimizer(model, "sgd", 0.5, 0.0)
+    opt = Optimization(sgd, StepScheduler(sgd, "constant", 0.5, 10, 0), None, ema)
     data = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 3
-    trainer.train_one_epoch(model, data[:1], opt, trainer.StepPolicy(torch.device("cpu"), "fp32"))
+    trainer.train_one_epoch(model, data[:1], opt, StepPolicy(torch.device("cpu"), "fp32"))
     assert torch.equal(ema.module.weight, model.weight)  # step 1: decay 0, a copy
     before = ema.module.weight.detach().clone()
-    _, step, _ = trainer.train_one_epoch(model, data[1:2], opt, trainer.StepPolicy(torch.device("cpu"), "fp32"),
+    _, step, _ = trainer.train_one_epoch(model, data[1:2], opt, StepPolicy(torch.device("cpu"), "fp32"),
                                         global_step=1)
     d = ema.get_decay(2)
     assert step == 2 and 0 < d < 0.999
@@ -215,6 +217,6 @@ def test_ema_decay_follows_the_step_count():
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "4"])
 def test_a_step_policys_host_reads_must_be_a_positive_int(bad):
     with pytest.raises(ValueError, match="host_every must be a positive int or None"):
-        trainer.StepPolicy(torch.device("cpu"), host_every=bad)
-    assert trainer.host_check_every(trainer.StepPolicy(torch.device("cpu"), host_every=3)) == 3
-    assert trainer.host_check_every(trainer.StepPolicy(torch.device("cpu"))) == 1
+        StepPolicy(torch.device("cpu"), host_every=bad)
+    assert host_check_every(StepPolicy(torch.device("cpu"), host_every=3)) == 3
+    assert host_check_every(StepPolicy(torch.device("cpu"))) == 1

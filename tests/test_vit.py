@@ -246,7 +246,7 @@ def test_whitened_tokenizer_whitens_the_patches_of_its_images():
 
 def test_frozen_whitened_tokenizer_keeps_its_whitening_filters_and_trains_the_rest():
     from visattn.models.cct import PartlyFrozenConv2d
-    from visattn.trainer import build_optimizer
+    from visattn.optim import build_optimizer
 
     torch.manual_seed(0)
     model = create_model("cct_2", tokenizer_init="whiten_frozen", tokenizer_norm="bn", **SHALLOW)

@@ -66,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
-        from .rundir import Interrupted
+        from .signals import Interrupted
         from .trainer import run
 
         try:

@@ -317,7 +317,7 @@ class DistillConfig(_Section):
 
     teacher: Optional[str] = None  # path to a visattn checkpoint (a run's last.pt); None: no distillation
     weight: float = Field(0.5, ge=0, le=1)
-    temperature: float = Field(1.0, gt=0, le=100)  # a run refuses one below MIN_TEMPERATURE (check_for_training)
+    temperature: float = Field(1.0, gt=0, le=100)  # a run refuses one below MIN_TEMPERATURE (run_checks.check_for_training)
     kind: Literal["soft", "hard"] = "soft"
 
 
@@ -403,39 +403,6 @@ class Config(_Section):
 
     def to_dict(self) -> Dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-def check_for_training(cfg: Config) -> None:
-    """What a run refuses before it builds anything, though each value is valid alone: a stored config (a
-    checkpoint's, read by evaluate and visualize) may hold them, so they are not the schema's. A warmup longer
-    than the run, a cutout hole larger than the images, reflect padding as wide as them, a distillation
-    temperature that switches the teacher off, a cutout that blanks every image under albumentations, data
-    workers the tensor loader never starts; one :class:`ConfigError` line each."""
-    w, e, sched = cfg.sched.warmup_epochs, cfg.train.epochs, cfg.sched.name
-    if sched != "constant" and w > e:
-        raise ConfigError(f"sched.warmup_epochs={w:g} is longer than the run (train.epochs={e}): the {sched} schedule "
-                          "cannot warm up and then decay within it; give a warmup of at most train.epochs")
-    aug, placed = cfg.data.augment, cfg.data.source == "placed"
-    size, key = (cfg.data.placed.canvas, "data.placed.canvas") if placed else (cfg.data.image_size, "data.image_size")
-    if aug.cutout > size:
-        raise ConfigError(f"data.augment.cutout={aug.cutout} is larger than the {size}x{size} images ({key}={size}): its "
-                          "hole would blank most or all of every image")
-    if aug.cutout >= size and cfg.data.loader == "albumentations":  # its hole lies wholly inside the image
-        raise ConfigError(f"data.augment.cutout={aug.cutout} with data.loader=albumentations blanks the whole of every "
-                          f"{size}x{size} image ({key}={size}): albumentations keeps the hole inside the image (the tensor "
-                          "loader clips a hole centred anywhere); give a smaller cutout")
-    if cfg.data.workers and cfg.data.loader == "tensor":
-        raise ConfigError(f"data.workers={cfg.data.workers} does nothing with data.loader=tensor (it augments whole "
-                          "batches on the device, in the training process); use data.loader=albumentations for "
-                          "worker processes, or data.workers=0")
-    if aug.crop_padding >= size and aug.padding_mode == "reflect":
-        raise ConfigError(f"data.augment.crop_padding={aug.crop_padding} with padding_mode=reflect needs images wider "
-                          f"than the padding ({key}={size}); use a smaller padding or padding_mode=constant")
-    t = cfg.train.distill.temperature
-    if t < MIN_TEMPERATURE:
-        raise ConfigError(f"train.distill.temperature={t:g} is below {MIN_TEMPERATURE:g}: the soft term is the KL "
-                          "divergence times temperature**2, which shrinks with the temperature below 1 (to 0 in fp32 "
-                          "near 1e-19), so a smaller one all but switches distillation off")
 
 
 # ----------------------------------------------------------------------------------------------- loading

@@ -12,48 +12,39 @@
   ``digest`` (:func:`state_digest`) and a ``format_version`` that :func:`load_checkpoint` checks, refusing a
   mismatch, a digest that is ``None``, not a string or removed, or non-finite ``model``/``ema`` weights (only a
   file from before digests, which holds no entry that came with them, loads without one, after the finite check).
-- **Exact resume**: :func:`rng_state`/:func:`set_rng_state`; ``metrics.jsonl`` rows past the checkpoint and a torn
-  last line are dropped (:func:`trim_metrics`), a damaged row is refused (:func:`metrics_rows`).
+- **Exact resume**: ``metrics.jsonl`` rows past the checkpoint and a torn last line are dropped
+  (:func:`trim_metrics`), a damaged row is refused (:func:`metrics_rows`); the random state a checkpoint holds
+  is :mod:`visattn.rng`'s.
 - **Non-finite values**: :func:`check_finite` names every NaN or inf in a number, tensor, module or nested row.
-- **Signals**: SIGTERM/SIGINT set a :class:`StopFlag`; the loop saves and raises :class:`Interrupted`.
-- **HParams**: each run folder is one row of TensorBoard's HParams dashboard (:func:`start_hparams`). The dashboard
-  reads a run's settings from the *first* session-start summary it meets, so they live in an event file of their
-  own, :data:`HPARAMS_FILE`, whose name sorts before the ``SummaryWriter``'s: it is replaced when a resumed run's
-  settings differ, so the row shows the settings the run last started with. Values are numbers or one-line text,
-  one type per key.
+
+Beside it: signals and the stop they cause in :mod:`visattn.signals`, the HParams file in :mod:`visattn.hparams`,
+results files and where they were made (``read_json``, ``write_atomic``, ``git_revision``...) in
+:mod:`visattn.results`.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
 import os
 import pickle
-import platform
-import random
 import re
 import shutil
-import signal
 import socket
 import stat
-import subprocess
 import sys
 import tempfile
 import time
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Tuple, Union
 
-import numpy as np
 import torch
 from torch import nn
 
-from .config import Config
-from .errors import CheckpointError, ConfigError, DataError
-from .models import model_defaults
+from .errors import CheckpointError, ConfigError
 from .registry import MODELS
+from .results import write_atomic
 
 try:
     import fcntl
@@ -318,7 +309,6 @@ def _has_rows(run_dir: Path) -> bool:
         return True  # unreadable: assume it holds rows, and refuse
 
 
-
 # ------------------------------------------------------------------------------------- checkpoints
 
 
@@ -523,7 +513,6 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else f"{text[:77]}..."
 
 
-
 # ------------------------------------------------------------------------------- non-finite values
 
 
@@ -552,7 +541,6 @@ def _leaves(x: Any, key: str) -> Iterator[Tuple[str, Any]]:
             yield from _leaves(v, f"{key}[{i}]")
     else:
         yield key, x
-
 
 
 # ------------------------------------------------------------------------------- metrics, run info
@@ -591,80 +579,9 @@ def metrics_rows(path: Path) -> List[Tuple[str, Dict[str, Any]]]:
     return out
 
 
-_REQUIRED = object()
-
-def read_json(path: Path, kind: type = dict, missing: Any = _REQUIRED) -> Any:
-    """The ``kind`` (dict or list) a JSON file holds (a results file, a run's ``run_info.json``); ``missing`` where
-    there is no file and it is given. A missing, unreadable, empty or malformed file is one :class:`DataError`
-    line naming it: a script that merges results never reads a damaged file as no results."""
-    path = Path(path)
-    if missing is not _REQUIRED and not path.exists():
-        return missing
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:120] if str(e) else ""
-        raise DataError(f"{path}: not a readable JSON file ({why or e.__class__.__name__})") from None
-    if not isinstance(data, kind):
-        raise DataError(f"{path}: holds a JSON {type(data).__name__}, not a {kind.__name__}")
-    return data
-
-
-def _row_value_fits(kind: str, v: Any) -> bool:
-    number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # a bool is not a number
-    return {"str": isinstance(v, str), "bool": isinstance(v, bool), "number": number,
-            "int": number and isinstance(v, int), "dict": isinstance(v, dict), "list": isinstance(v, list),
-            "interval": isinstance(v, list) and len(v) == 3 and all(_row_value_fits("number", x) for x in v)}[kind]
-
-
-_KIND_SAID = {"str": "a string", "bool": "true or false", "number": "a finite number", "int": "an integer",
-              "dict": "an object", "list": "a list", "interval": "[mean, lo, hi] of finite numbers"}
-
-
-def check_rows(path: Path, rows: Any, fields: Dict[str, str], only: Callable[[Dict[str, Any]], bool] = lambda r: True
-               ) -> List[Dict[str, Any]]:
-    """``rows`` (a results file's list of rows) when every row is a JSON object that holds ``fields`` (dotted key
-    -> ``str``, ``bool``, ``number``, ``int``, ``dict``, ``list`` or ``interval``; a trailing ``?``: may be absent or
-    null), for the rows ``only`` picks; else one :class:`DataError` line naming the file, the row and the key. A
-    bool is never a number and NaN never a result: a report never reads a damaged row as something else."""
-    if not isinstance(rows, list):
-        raise DataError(f"{path}: holds no list of rows")
-    for i, row in enumerate(rows, 1):
-        if not isinstance(row, dict):
-            raise DataError(f"{path}: row {i} is a JSON {type(row).__name__}, not an object")
-        if not only(row):
-            continue
-        for key, kind in fields.items():
-            v: Any = row
-            for part in key.split("."):
-                v = v.get(part) if isinstance(v, dict) else None
-            if v is None and kind.endswith("?"):
-                continue
-            if v is None or not _row_value_fits(kind.rstrip("?"), v):
-                got = "has no" if v is None else f"has {_said(v)} as its"
-                raise DataError(f"{path}: row {i} {got} {key!r}, which must be {_KIND_SAID[kind.rstrip('?')]} (a damaged "
-                                "or foreign results file?)")
-    return rows
-
-
-def _said(v: Any) -> str:
-    text = json.dumps(v) if isinstance(v, (bool, int, float, str)) else type(v).__name__
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
 def complete_rows(path: Path) -> List[Dict[str, Any]]:
     """The complete rows of a ``metrics.jsonl`` (:func:`metrics_rows`)."""
     return [row for _, row in metrics_rows(path)]
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path``'s text in one step (a temporary file beside it, then a rename): a kill mid-write leaves
-    the old file, never a torn one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def metrics_line(row: Dict[str, Any], say: Any = print) -> str:
@@ -696,325 +613,3 @@ def config_diff(a: Dict[str, Any], b: Dict[str, Any], prefix: str = "") -> List[
     return out
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says: what results files record."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_revision() -> str:
-    try:
-        here = Path(__file__).resolve().parent
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5)
-        if rev.returncode != 0:
-            return "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return rev.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def versions() -> Dict[str, str]:
-    import platform
-    from importlib import metadata
-
-    import timm
-    import torchvision
-
-    try:
-        own = metadata.version("visattn")
-    except metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
-        own = "unknown"
-    return {"visattn": own, "torch": str(torch.__version__), "torchvision": str(torchvision.__version__),
-            "timm": str(timm.__version__), "python": platform.python_version(), "numpy": str(np.__version__)}
-
-
-
-# ------------------------------------------------------------------------------------ rng, signals
-
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        if torch.cuda.is_available():
-            torch.backends.cudnn.benchmark = False
-            torch.backends.cudnn.deterministic = True
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    elif torch.cuda.is_available():
-        torch.backends.cudnn.benchmark = True
-
-
-@contextmanager
-def kept_determinism() -> Iterator[None]:
-    """Torch's deterministic-algorithm and cuDNN settings as they were on entry, put back on exit: a run with
-    ``deterministic=true`` called from a user's program leaves that program's settings as it found them."""
-    flags = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
-        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = flags[2], flags[3]
-
-
-def rng_state() -> Dict[str, Any]:
-    st = {"torch": torch.get_rng_state(), "python": _to_lists(random.getstate()),
-          "numpy": _numpy_state_to_plain(np.random.get_state())}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def set_rng_state(st: Dict[str, Any]) -> None:
-    torch.set_rng_state(st["torch"])
-    random.setstate(_to_tuples(st["python"]))
-    np.random.set_state(_numpy_state_from_plain(st["numpy"]))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
-def _to_lists(x: Any) -> Any:
-    return [_to_lists(v) for v in x] if isinstance(x, (tuple, list)) else x
-
-
-def _to_tuples(x: Any) -> Any:
-    return tuple(_to_tuples(v) for v in x) if isinstance(x, list) else x
-
-
-def _numpy_state_to_plain(st: tuple) -> Dict[str, Any]:
-    return {"name": st[0], "keys": torch.from_numpy(st[1].astype(np.int64)), "pos": int(st[2]),
-            "has_gauss": int(st[3]), "gauss": float(st[4])}
-
-
-def _numpy_state_from_plain(d: Dict[str, Any]) -> tuple:
-    return (d["name"], d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["gauss"])
-
-
-class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop finishes the current step, saves and exits."""
-
-    def __init__(self) -> None:
-        self.signum: Optional[int] = None
-
-    def __bool__(self) -> bool:
-        return self.signum is not None
-
-
-@contextmanager
-def graceful_signals(flag: StopFlag) -> Iterator[None]:
-    def handler(signum: int, frame: Any) -> None:
-        if flag.signum is not None and signum == signal.SIGINT:  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
-        flag.signum = signum
-        print(f"\nreceived {signal.Signals(signum).name}: finishing the current step, then saving", file=sys.stderr, flush=True)
-
-    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        for s in old:
-            signal.signal(s, handler)
-    except ValueError:  # not the main thread (e.g. called from a notebook worker): no handlers
-        old = {}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-class Interrupted(Exception):
-    """Training stopped on a signal, after saving unless ``saved`` is False (the weights were not finite, so the
-    folder keeps what it had: ``kept`` says what); ``exit_code`` is 128 + the signal number."""
-
-    def __init__(self, signum: int, path: Path, saved: bool = True, kept: str = ""):
-        name = signal.Signals(signum).name
-        what = f"state saved to {path}" if saved else f"the weights were not finite, so nothing was saved ({kept})"
-        super().__init__(f"stopped by {name}; {what} (resume with resume=auto)")
-        self.exit_code = 128 + signum
-
-
-
-# ----------------------------------------------------------------------------------------- hparams
-
-
-Scalar = Union[str, int, float]
-HPARAMS_FILE = "events.out.tfevents.0000000000.visattn-hparams"  # sorts before SummaryWriter's timestamped files
-METRIC_TAGS = ("hparams/best_val_acc", "hparams/final_val_acc", "hparams/images_per_s")
-# config keys the headline names stand for, and keys that say how a run was started, not what it is
-COVERED = ("model", "optim.name", "optim.lr", "train.batch_size", "train.epochs", "precision", "seed",
-           "resume", "resume_allow_changes", "run_dir")
-ATTENTION_KEYS = ("attention", "attn")  # the option that picks the attention: CNNs, transformers
-
-
-def text(value: Any) -> str:
-    """A config value as one line: ``[16, 32, 64]``, ``{init: identity}``, ``true``, ``none``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "none"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(text(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k}: {text(v)}" for k, v in value.items()) + "}"
-    return str(value)
-
-
-def flatten(tree: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    """Nested sections to dotted keys: ``{"optim": {"lr": 0.1}}`` -> ``{"optim.lr": 0.1}``."""
-    out: Dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _text_keys() -> frozenset:
-    """Keys whose default is None (``optim.grad_clip``, ``data.subset``...): always text, so one type per key."""
-    return frozenset(k for k, v in flatten(Config().to_dict()).items() if v is None or isinstance(v, (list, dict)))
-
-
-def scalar(key: str, value: Any) -> Scalar:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in _text_keys():
-        return value
-    return value if isinstance(value, str) else text(value)
-
-
-def model_hparams(cfg: Config) -> Dict[str, Scalar]:
-    """The model's name, attention (``model.attention``, or ``model.attn`` for the transformers), attention init
-    (``model.attn_kwargs.init``, else ``default``), placement (``model.attn_position``; ``n/a`` for a model
-    without it), its other options as one line (``model.options``: the same key for every model), and the
-    checkpoint it started from (``init_from``, ``none`` for a run from scratch)."""
-    opts = cfg.model.options()
-    defaults = model_defaults(cfg.model.name)
-    foreign = MODELS.namespace(cfg.model.name) is not None  # timm/<name>: blocks go in through insert_attention
-    attn_key = next((k for k in ATTENTION_KEYS if k in defaults or k in opts), None)
-    kwargs = dict(opts.get("attn_kwargs") or {})
-    init = kwargs.pop("init", "identity" if foreign else "default")  # insert_attention's default: identity
-    place = "attn_at" if foreign else "attn_position"
-    rest = {k: v for k, v in opts.items() if k not in (attn_key, "attn_kwargs", place)}
-    rest.update({f"attn_kwargs.{k}": v for k, v in kwargs.items()})
-    return {
-        "model": cfg.model.name,
-        "family": text(MODELS.meta(cfg.model.name).get("family")),  # cnn, transformer, or the package: timm, torchvision
-        "attention": text(opts.get(attn_key, defaults.get(attn_key))) if attn_key else "n/a",
-        "attn_init": text(init),
-        "attn_position": text(opts.get(place, defaults.get(place, "n/a")) or ("per family" if foreign else "n/a")),
-        "model.options": ", ".join(f"{k}={text(v)}" for k, v in sorted(rest.items())),
-        "init_from": text(cfg.model.init_from),  # the checkpoint the weights started from (model.init_from)
-    }
-
-
-def run_hparams(cfg: Config, precision: Optional[str] = None, parameters: Optional[int] = None,
-                world_size: int = 1) -> Dict[str, Scalar]:
-    """Every value the HParams table shows for a run: the headline settings, then the flat config.
-
-    ``precision`` is the one the run resolved (``auto`` -> ``bf16``...); ``parameters`` the model's size."""
-    hp: Dict[str, Scalar] = model_hparams(cfg)
-    hp.update({"optimizer": cfg.optim.name, "lr": cfg.optim.lr, "batch_size": cfg.train.batch_size,
-               "epochs": cfg.train.epochs, "precision": precision or cfg.precision, "seed": cfg.seed,
-               "parameters": parameters if parameters is not None else -1, "world_size": world_size})
-    for key, value in flatten(cfg.to_dict()).items():
-        if not any(key == c or key.startswith(c + ".") for c in COVERED):
-            hp[key] = scalar(key, value)
-    return hp
-
-
-def _summaries(hp: Dict[str, Scalar]) -> Tuple[Any, Any, Any]:
-    from torch.utils.tensorboard.summary import hparams
-
-    return hparams(hp, {tag: 0.0 for tag in METRIC_TAGS})  # (experiment, session start, session end)
-
-
-def _write(path: Path, summaries: List[Any], append: bool) -> None:
-    from tensorboard.compat.proto.event_pb2 import Event
-    from tensorboard.summary.writer.record_writer import RecordWriter
-
-    target = path if append else path.with_name(".visattn-hparams.tmp")
-    with open(target, "ab" if append else "wb") as f:
-        records = RecordWriter(f)
-        if not append:
-            records.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
-        for summary in summaries:
-            records.write(Event(wall_time=time.time(), step=0, summary=summary).SerializeToString())
-        f.flush()
-        os.fsync(f.fileno())
-    if not append:
-        os.replace(target, path)
-
-
-def logged_hparams(log_dir: Union[str, os.PathLike]) -> Tuple[Optional[Dict[str, Any]], bool]:
-    """What :data:`HPARAMS_FILE` in ``log_dir`` holds: (its session-start hparams or None, whether it has ended)."""
-    from google.protobuf import json_format
-    from google.protobuf.message import DecodeError
-    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
-    from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
-
-    path = Path(log_dir) / HPARAMS_FILE
-    if not path.is_file():
-        return None, False
-    found: Optional[Dict[str, Any]] = None
-    ended = False
-    try:
-        for event in LegacyEventFileLoader(str(path)).Load():
-            for value in event.summary.value:
-                data = HParamsPluginData.FromString(value.metadata.plugin_data.content)
-                if data.HasField("session_start_info"):
-                    found = {k: json_format.MessageToDict(v) for k, v in data.session_start_info.hparams.items()}
-                ended = ended or data.HasField("session_end_info")
-    except (OSError, ValueError, DecodeError):  # a torn or foreign file: written anew
-        return None, False
-    return found, ended
-
-
-def start_hparams(log_dir: Union[str, os.PathLike], hp: Dict[str, Scalar],
-                  say: Callable[..., None] = print) -> List[str]:
-    """Write the run's settings for the HParams dashboard (experiment + session start) into ``log_dir``.
-
-    A resumed run whose settings are those already logged, and not ended, keeps the file as it is (a running
-    TensorBoard keeps reading it); otherwise the file is replaced. Returns the settings that changed."""
-    path = Path(log_dir) / HPARAMS_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    exp, ssi, _ = _summaries(hp)
-    before, ended = logged_hparams(log_dir)
-    now = {k: float(v) if isinstance(v, (int, float)) else v for k, v in hp.items()}
-    if before == now and not ended:
-        return []
-    changed = [] if before is None else sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
-    _write(path, [exp, ssi], append=False)
-    if changed:
-        shown = ", ".join(f"{k} {_shown(before.get(k))} -> {_shown(now.get(k))}" for k in changed[:6])
-        say(f"hparams: settings changed since this run folder was last started ({shown}"
-            + (f", and {len(changed) - 6} more" if len(changed) > 6 else "")
-            + "); a TensorBoard already running shows them after a restart")
-    return changed
-
-
-def _shown(value: Any) -> str:
-    return str(int(value)) if isinstance(value, float) and value.is_integer() else text(value)
-
-
-def finish_hparams(log_dir: Union[str, os.PathLike]) -> None:
-    """Mark the run's HParams session ended with success (the run trained all its epochs)."""
-    path = Path(log_dir) / HPARAMS_FILE
-    if path.is_file():
-        _write(path, [_summaries({})[2]], append=True)
-
-
-def log_hparam_metrics(writer: Any, row: Dict[str, Any], step: int) -> None:
-    """The HParams metrics from an epoch's metrics row, as scalars under :data:`METRIC_TAGS`."""
-    values = {"hparams/best_val_acc": row.get("best_val_acc"), "hparams/final_val_acc": row.get("val_acc"),
-              "hparams/images_per_s": row.get("images_per_s")}
-    for tag, value in values.items():
-        if isinstance(value, (int, float)) and not check_finite(float(value)) and not (tag.endswith("acc") and value < 0):
-            writer.add_scalar(tag, value, step)
