@@ -418,6 +418,15 @@ def test_triplet_matches_the_authors_code(train, hw):
     same_function(ours, ref, torch.randn(3, 64, *hw), train=train)
 
 
+def test_triplet_and_ge_defaults():
+    tri = create_attention("triplet", 64)
+    for branch in (tri.cw, tri.hc, tri.hw):  # three branches, each a 7x7 conv without bias and a BN(momentum 0.01)
+        assert branch.conv.kernel_size == (7, 7) and branch.conv.bias is None and branch.bn.momentum == 0.01
+    assert create_attention("triplet", 64, no_spatial=True).hw is None
+    ge = create_attention("ge", 64)  # timm's get_attn("ge"): global extent, no gather parameters, the MLP
+    assert ge.extent == 0 and ge.gather is None and ge.mlp.fc1.out_channels == 4 and ge.mlp.fc1.bias is not None
+
+
 # ---- bam: the authors' BAM, and the paper's sum ----------------------------------------------------------------------
 
 
