@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
-from timm.layers import EcaModule, SEModule
+from timm.layers import CecaModule, EcaModule, EffectiveSEModule, SEModule
 from timm.layers import GlobalContext as TimmGlobalContext
-from timm.layers.cbam import CbamModule, SpatialAttn
-from timm.layers.coord_attn import CoordAttn
+from timm.layers.cbam import CbamModule, LightCbamModule, LightSpatialAttn, SpatialAttn
+from timm.layers.coord_attn import CoordAttn, SimpleCoordAttn, StripAttn
 from torch import nn
 
 from visattn.attention import (
@@ -275,6 +275,29 @@ PARITY = [
 ]
 
 
+# timm's variants of the same papers, as options of visattn's blocks (and timm's strip attention, a block of
+# its own): (id, name, options, timm module, relative tolerance); timm's LayerNorm eps where it differs is an
+# option here (norm_eps), so nothing is patched on timm's side
+_TIMM_GC = dict(rd_ratio=1 / 8, norm_eps=1e-6)
+PARITY_OPTIONS = [
+    ("se-effective", "se", dict(effective=True), lambda c: EffectiveSEModule(c), False),
+    ("eca-mlp", "eca", dict(use_mlp=True), lambda c: EcaModule(c, use_mlp=True), False),
+    ("eca-circular", "eca", dict(padding="circular"), lambda c: CecaModule(c), False),
+    ("eca-circular-k7", "eca", dict(padding="circular", kernel_size=7), lambda c: CecaModule(None, kernel_size=7), False),
+    ("cbam-light", "cbam", dict(light=True), lambda c: LightCbamModule(c), False),
+    ("spatial-light", "spatial", dict(light=True), lambda c: LightSpatialAttn(7), True),
+    ("gc-scale", "gc", dict(fusion="scale", **_TIMM_GC), lambda c: TimmGlobalContext(c), True),
+    ("gc-add", "gc", dict(fusion="add", **_TIMM_GC), lambda c: TimmGlobalContext(c, fuse_add=True, fuse_scale=False), True),
+    ("gc-both", "gc", dict(fusion="both", **_TIMM_GC), lambda c: TimmGlobalContext(c, fuse_add=True), True),
+    ("coord-nobias", "coord", dict(bias=False), lambda c: CoordAttn(c, rd_channels=coord_mip(c)), True),
+    ("coord-sum", "coord", dict(combine="sum", norm_layer=None, act_layer=nn.SiLU, mip=16),
+     lambda c: SimpleCoordAttn(c, rd_channels=16), True),
+    ("strip", "strip", {}, lambda c: StripAttn(c), True),
+    ("strip-noconv", "strip", dict(use_conv=False), lambda c: StripAttn(c, use_conv=False), True),
+    ("strip-k5-bias", "strip", dict(kernel_size=5, bias=True), lambda c: StripAttn(c, kernel_size=5, bias=True), True),
+]
+
+
 @pytest.mark.parametrize("name,make_timm,relative", PARITY, ids=[p[0] for p in PARITY])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 def test_matches_timm(name, make_timm, relative, train):
@@ -284,7 +307,25 @@ def test_matches_timm(name, make_timm, relative, train):
     for m in ref.modules():  # GCNet's code uses nn.LayerNorm's eps; timm's LayerNorm2d defaults to 1e-6
         if isinstance(m, nn.LayerNorm):
             m.eps = 1e-5
-    ours = create_attention(name, channels)
+    assert_matches_timm(create_attention(name, channels), ref, relative, train)
+
+
+@pytest.mark.parametrize("key,name,options,make_timm,relative", PARITY_OPTIONS, ids=[p[0] for p in PARITY_OPTIONS])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_option_matches_timm(key, name, options, make_timm, relative, train):
+    torch.manual_seed(1)
+    ref = randomize_(make_timm(64), seed=3)
+    # torch's nn.Hardsigmoid backward multiplies by 1/6 rounded to fp32 (3e-8 relative, in fp64 too); eSE's
+    # gate here is the exact clamp(z + 3, 0, 6) / 6, so gradients through it agree to that rounding
+    tol = 1e-7 if key == "se-effective" else 1e-10
+    assert_matches_timm(create_attention(name, 64, **options), ref, relative, train, grad_tol=tol)
+
+
+def assert_matches_timm(ours: nn.Module, ref: nn.Module, relative: bool, train: bool, grad_tol: float = 1e-10) -> None:
+    """``ours`` with ``ref``'s weights copied by order computes ``ref``'s outputs, input and parameter gradients
+    and BN statistics in float64 (to 1e-10, absolute or relative to the values' magnitude; gradients to
+    ``grad_tol``)."""
+    channels = 64
     load_by_order(ours, ref)
     ours.double().train(train)  # float64: a formula differs, not fp32 rounding in one kernel family or another
     ref.double().train(train)
@@ -295,15 +336,15 @@ def test_matches_timm(name, make_timm, relative, train):
     assert (ya - yb).abs().max().item() <= 1e-10 * (1 + yb.abs().max().item() if relative else 1)
     ya.backward(g)
     yb.backward(g)
-    assert (xa.grad - xb.grad).abs().max().item() <= 1e-10 * (1 + xb.grad.abs().max().item() if relative else 1)
+    assert (xa.grad - xb.grad).abs().max().item() <= grad_tol * (1 + xb.grad.abs().max().item() if relative else 1)
     for (pn, p), q in zip(ours.named_parameters(), ref.parameters()):
         scale = 1 + q.grad.abs().max().item()
-        assert (p.grad - q.grad.reshape(p.shape)).abs().max().item() <= 1e-10 * scale, pn
+        assert (p.grad - q.grad.reshape(p.shape)).abs().max().item() <= grad_tol * scale, pn
     for (bn, b), rb in zip(ours.named_buffers(), ref.buffers()):  # BN statistics updated exactly once
         torch.testing.assert_close(b, rb.reshape(b.shape), rtol=1e-10, atol=1e-12, msg=bn)
 
 
-@pytest.mark.parametrize("name", ["se", "eca", "spatial", "cbam", "coord", "gc"])
+@pytest.mark.parametrize("name", ["se", "eca", "spatial", "cbam", "coord", "gc", "strip"])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 def test_gradcheck_and_gradgradcheck(name, layout):
     """First and second derivatives against finite differences in float64 (the blocks are plain autograd;
@@ -434,6 +475,125 @@ def test_mhsa2d_defaults_and_any_size():
     x = torch.randn(2, C, 7, 5, requires_grad=True)
     small(x).sum().backward()
     assert torch.isfinite(x.grad).all() and small.rel_h.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("scale_pos", [False, True])
+def test_mhsa2d_attention_is_timms_bottleneck_attn(scale_pos):
+    """mhsa2d's attention output ``y`` is timm's BottleneckAttn ('bottleneck') with ``scale_pos_embed=scale_pos``,
+    on a non-square map with tables longer than it (timm's sized to the map: they are the centre rows here):
+    with ``proj`` the identity and no norm the block is ``x + y``. Outputs, input and parameter gradients in
+    float64."""
+    from timm.layers.bottleneck_attn import BottleneckAttn
+
+    C_, H, W, M = 32, 5, 7, 8
+    torch.manual_seed(0)
+    ref = BottleneckAttn(C_, feat_size=(H, W), num_heads=4, scale_pos_embed=scale_pos).double()
+    ours = create_attention("mhsa2d", C_, max_size=M, scale_pos=scale_pos, norm_layer=nn.Identity).double()
+    with torch.no_grad():
+        ours.qkv.weight.copy_(ref.qkv.weight.view(3 * C_, C_))
+        ours.rel_h.normal_()  # rows outside the map's offsets: unused, so anything
+        ours.rel_w.normal_()
+        ours.rel_h[M - H : M + H - 1] = ref.pos_embed.height_rel
+        ours.rel_w[M - W : M + W - 1] = ref.pos_embed.width_rel
+        ours.proj.weight.copy_(torch.eye(C_).view(C_, C_, 1, 1))
+        ours.proj.bias.zero_()
+    ours.proj.requires_grad_(False)
+    x = torch.randn(2, C_, H, W, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa) - xa, ref(xb)
+    torch.testing.assert_close(ya, yb, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(x)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours.qkv.weight.grad, ref.qkv.weight.grad.view(3 * C_, C_), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours.rel_h.grad[M - H : M + H - 1], ref.pos_embed.height_rel.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours.rel_w.grad[M - W : M + W - 1], ref.pos_embed.width_rel.grad, rtol=1e-10, atol=1e-10)
+    assert ours.rel_h.grad[: M - H].abs().sum() == 0  # offsets the map does not have get nothing
+    if not scale_pos:  # the two scalings are different functions: the option is not vacuous
+        other = create_attention("mhsa2d", C_, max_size=M, scale_pos=True, norm_layer=nn.Identity).double()
+        other.load_state_dict(ours.state_dict())
+        assert (other(x) - x - yb).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_nonlocal_is_timms_nonlocal_attn(train):
+    """timm's NonLocalAttn ('nl') is nonlocal at timm's width (C/8, divisor 8) with ``scale_by="channels"``:
+    its t, p, g convs are the rows of ``qkv``. Outputs, gradients and BN statistics in float64."""
+    from timm.layers import NonLocalAttn, make_divisible
+
+    C_ = 64
+    torch.manual_seed(0)
+    ref = randomize_(NonLocalAttn(C_), seed=5).double().train(train)
+    inter = ref.t.out_channels
+    assert inter == make_divisible(C_ / 8, 8)
+    ours = create_attention("nonlocal", C_, rd_channels=inter, scale_by="channels").double().train(train)
+    assert math.isclose(ours.scale, ref.scale)
+    with torch.no_grad():
+        ours.qkv.weight.copy_(torch.cat([ref.t.weight, ref.p.weight, ref.g.weight]).flatten(1))
+        ours.qkv.bias.copy_(torch.cat([ref.t.bias, ref.p.bias, ref.g.bias]))
+        ours.proj.load_state_dict(ref.z.state_dict())
+        ours.norm.load_state_dict(ref.norm.state_dict())
+    x = torch.randn(2, C_, 6, 5, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = ours(xa), ref(xb)
+    torch.testing.assert_close(ya, yb, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(x)
+    ya.backward(g)
+    yb.backward(g)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours.qkv.weight.grad, torch.cat([ref.t.weight.grad, ref.p.weight.grad,
+                                                                ref.g.weight.grad]).flatten(1), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours.proj.weight.grad, ref.z.weight.grad, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours.norm.running_var, ref.norm.running_var, rtol=1e-10, atol=1e-12)
+    assert create_attention("nonlocal", C_).scale == create_attention("nonlocal", C_, scale_by="inter").scale == 32**-0.5
+
+
+def test_timm_variant_defaults():
+    """The options' own defaults, as their sources have them."""
+    ese = create_attention("se", 64, effective=True)
+    assert ese.fc.in_channels == ese.fc.out_channels == 64 and ese.fc.bias is not None
+    assert not hasattr(ese, "fc1")
+    z = torch.linspace(-5, 5, 101)
+    assert torch.equal(ese.gate(z), nn.Hardsigmoid()(z))  # CenterMask's hard sigmoid, relu6(z + 3) / 6
+    assert isinstance(create_attention("se", 64).gate, nn.Sigmoid)
+    ecam = create_attention("eca", 64, use_mlp=True)
+    assert (ecam.conv.out_channels, ecam.conv.kernel_size, ecam.conv2.kernel_size) == (8, (1,), (3,))
+    assert isinstance(ecam.act, nn.ReLU) and ecam.conv.bias is not None and ecam.conv2.bias is not None
+    assert create_attention("eca", 64).padding == "zeros"
+    light = create_attention("cbam", 64, light=True)
+    assert light.spatial.conv.in_channels == 1 and light.channel.fc1.out_channels == 4
+    coord = create_attention("coord", 64)
+    assert coord.combine == "product" and coord.conv1.bias is not None  # the paper's code has biases
+    strip = create_attention("strip", 64)
+    assert strip.conv_h.kernel_size == (3, 1) and strip.conv_w.kernel_size == (1, 3)
+    assert strip.conv_h.groups == 64 and strip.conv_h.bias is None and isinstance(strip.gate, nn.Sigmoid)
+    assert create_attention("mhsa2d", 64).scale_pos is True
+
+
+@pytest.mark.parametrize("name,options,needles", [
+    ("se", dict(effective="yes"), ("effective", "True or False")),
+    ("se", dict(effective=True, rd_channels=4), ("rd_channels", "effective")),
+    ("eca", dict(padding="reflect"), ("padding", "circular")),
+    ("eca", dict(use_mlp=1), ("use_mlp",)),
+    ("cbam", dict(light="no"), ("light",)),
+    ("spatial", dict(light=None), ("light",)),
+    ("coord", dict(combine="mean"), ("combine", "product", "sum")),
+    ("coord", dict(bias=0), ("bias",)),
+    ("gc", dict(norm_eps=0.0), ("norm_eps",)),
+    ("strip", dict(use_conv=False, init="identity"), ("use_conv", "identity")),
+    ("strip", dict(kernel_size=4), ("kernel_size",)),
+    ("nonlocal", dict(scale_by="heads"), ("scale_by", "inter", "channels")),
+    ("mhsa2d", dict(scale_pos="yes"), ("scale_pos",)),
+])
+def test_variant_options_are_checked_in_one_line(name, options, needles):
+    _one_line_value_error(lambda: create_attention(name, 64, **options), *needles)
+
+
+def test_circular_eca_needs_enough_channels():
+    block = create_attention("eca", 64, padding="circular", kernel_size=7)
+    assert block(torch.randn(2, 3, 4, 4)).shape == (2, 3, 4, 4)  # 3 channels: wraps by 3
+    _one_line_value_error(lambda: block(torch.randn(2, 2, 4, 4)), "circular", "at least 3")
 
 
 def test_rel_pos_embed_indexes_offsets():

@@ -30,7 +30,7 @@ from timm.layers import Attention as TimmAttention
 from timm.layers import EcaModule, NonLocalAttn, SEModule
 from timm.layers import GlobalContext as TimmGlobalContext
 from timm.layers.cbam import CbamModule, SpatialAttn
-from timm.layers.coord_attn import CoordAttn
+from timm.layers.coord_attn import CoordAttn, StripAttn
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -279,6 +279,7 @@ REFERENCES = {
     "cbam": _timm_by_order(lambda b: CbamModule(C)),
     "spatial": _timm_by_order(lambda b: SpatialAttn(7)),
     "coord": _timm_by_order(lambda b: CoordAttn(C, rd_channels=coord_mip(C), bias=True)),
+    "strip": _timm_by_order(lambda b: StripAttn(C)),
     "gc": _timm_by_order(
         lambda b: TimmGlobalContext(C, fuse_add=True, fuse_scale=False, rd_channels=b.mlp_add[0].out_features)
     ),

@@ -11,6 +11,10 @@ from .tap import AttentionRecord, AttentionTap
 class NoAttention(nn.Identity):
     """Identity: the attention slot left empty."""
 
+    PAPER = ""  # not a mechanism
+    CHECKED_AGAINST = "the identity"
+    IDENTITY = "always the identity"
+
     def __init__(self, channels: int = 0, **kwargs: Any):
         super().__init__()
 
@@ -20,6 +24,7 @@ from . import channel, self_attn2d, spatial, token  # noqa: E402
 from . import token_more, token_window  # noqa: E402,F401  (talking_heads, class_attn, xca, attn_pool, window)
 from . import excite, excite_groups  # noqa: E402,F401  (ge, ela, fca, gct, srm; sge, simam, triplet, bam, shuffle)
 from .insert import AttnLayer, attn_layer, insert_attention  # noqa: E402
+from .timm_names import TIMM_ATTN, create_timm_attention  # noqa: E402,F401  (timm's get_attn names)
 
 __all__ = [
     "AttentionRecord", "AttentionTap", "AttnLayer", "NoAttention", "attention_info", "attention_options", "attn_layer",

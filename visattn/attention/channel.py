@@ -1,8 +1,10 @@
 """Channel attention: squeeze-and-excitation, efficient channel attention and global context.
 
-* ``se``: Hu, Shen, Sun, 2018, "Squeeze-and-Excitation Networks", arXiv 1709.01507.
+* ``se``: Hu, Shen, Sun, 2018, "Squeeze-and-Excitation Networks", arXiv 1709.01507; ``effective=True``: the
+  effective SE of Lee, Park, 2020, "CenterMask: Real-Time Anchor-Free Instance Segmentation", arXiv 1911.06667.
 * ``eca``: Wang, Wu, Zhu, Li, Zuo, Hu, 2020, "ECA-Net: Efficient Channel Attention for Deep Convolutional
-  Neural Networks", arXiv 1910.03151.
+  Neural Networks", arXiv 1910.03151; with timm's two variants of it as options (``padding="circular"``,
+  ``use_mlp=True``).
 * ``gc``: Cao, Xu, Lin, Wei, Hu, 2019, "GCNet: Non-local Networks Meet Squeeze-Excitation Networks and
   Beyond", arXiv 1904.11492.
 
@@ -34,7 +36,8 @@ from .functional import check_init, gate_gain, positive_int, zero_
 from .tap import AttentionTap
 
 __all__ = ["SqueezeExcite", "EfficientChannelAttention", "GlobalContext", "eca_kernel_size", "check_feature_map",
-           "check_norm_batch", "GC_MIN_HIDDEN", "mean_max", "gained", "IdentityGate", "BottleneckGate"]
+           "check_norm_batch", "GC_MIN_HIDDEN", "mean_max", "gained", "IdentityGate", "BottleneckGate", "check_bool",
+           "check_choice", "HardSigmoid"]
 
 
 def check_channels(channels: int) -> int:
@@ -87,7 +90,18 @@ def mean_over(x: torch.Tensor, dims: Tuple[int, ...], dtype: torch.dtype, keepdi
     a sum's backward is a broadcast view of the small gradient, where a mean's writes a full-size tensor, and in
     the contiguous layout even for a channels-last ``x`` (whose gradient then meets it in a mixed-layout add).
     Pooling this way keeps a block's backward in the input's layout and saves a pass over the map."""
-    return x.sum(dims, keepdim=keepdim, dtype=dtype) / pooled_count(x, dims)
+    return sum_in(x, dims, dtype, keepdim=keepdim) / pooled_count(x, dims)
+
+
+def sum_in(x: torch.Tensor, dims: Tuple[int, ...], dtype: torch.dtype, keepdim: bool = False) -> torch.Tensor:
+    """``x.sum(dims, dtype=dtype)``, fast for a bf16 ``x`` on the CPU. There, ``sum(dtype=torch.float32)`` first
+    copies the whole map to fp32 (20-60x slower than the sum itself, measured by ``bench/bf16_profile.py``), while
+    bf16's own sum accumulates in fp32 and rounds only the result: so a bf16 map is summed in bf16 and the small
+    result widened, which differs from the fp32 sum by that one rounding (2^-9 relative, bf16's own precision).
+    fp16 keeps the fp32 sum (its range would overflow), as do CUDA tensors (their reduction reads bf16 in place)."""
+    if x.dtype == torch.bfloat16 and dtype != x.dtype and x.device.type == "cpu":
+        return x.sum(dims, keepdim=keepdim).to(dtype)
+    return x.sum(dims, keepdim=keepdim, dtype=dtype)
 
 
 def pooled_count(x: torch.Tensor, dims: Tuple[int, ...]) -> int:
@@ -132,9 +146,12 @@ class _MeanMax(torch.autograd.Function):
         if g_top is None:
             return mean_part.expand_as(x), None, None
         mask = (x == keep(top.to(x.dtype))).to(x.dtype)  # 1 at every maximum, in x's layout
-        ties = mask.sum(dims, keepdim=True, dtype=compute_dtype(x))
+        ties = sum_in(mask, dims, compute_dtype(x), keepdim=True)
         share = (keep(g_top.to(x.dtype)) / ties).to(x.dtype)  # the max's gradient split evenly among its ties
-        grad = mask * share if mean_part is None else torch.addcmul(mean_part, mask, share)
+        if torch.is_grad_enabled():  # a double backward: out of place, so autograd keeps what it saves
+            grad = mask * share if mean_part is None else mask * share + mean_part
+        else:  # the mask is this function's own: scaled and shifted in place, in x's layout, no new map
+            grad = mask.mul_(share) if mean_part is None else mask.mul_(share).add_(mean_part)
         return grad, None, None
 
 
@@ -202,25 +219,86 @@ class BottleneckGate(IdentityGate, nn.Module):
         return self.fc2.weight, self.fc2.bias
 
 
+def check_bool(block: str, name: str, value: object) -> bool:
+    """``value`` if it is a bool, else a one-line ValueError naming ``block``'s option."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{block}: {name} must be True or False, got {value!r}")
+    return value
+
+
+def check_choice(block: str, name: str, value: object, choices: Tuple[str, ...]) -> str:
+    """``value`` if it is one of ``choices``, else a one-line ValueError naming ``block``'s option."""
+    if value not in choices:
+        raise ValueError(f"{block}: unknown {name} {value!r}; valid: {', '.join(choices)}")
+    return str(value)
+
+
+class HardSigmoid(nn.Module):
+    """``relu6(z + 3) / 6`` (``nn.Hardsigmoid``'s values) written as a clamp, whose backward has a derivative:
+    ``nn.Hardsigmoid``'s has none, so a block gated by it would refuse double backward."""
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return (z + 3.0).clamp(0.0, 6.0) / 6.0
+
+
 @register_attention("se", layout="feature", kind="channel")
-class SqueezeExcite(BottleneckGate):
+class SqueezeExcite(IdentityGate, nn.Module):
     """Squeeze-and-excitation (Hu, Shen, Sun, 2018, arXiv 1709.01507).
 
     Global average pool, bottleneck MLP ``C -> C * rd_ratio -> C`` (1x1 convs, ReLU; the paper's ratio is
     1/16), sigmoid gate per channel; names match timm's ``SEModule``. Tap: the ``(B, C)`` gate.
     ``init="identity"``: ``fc2`` starts at zero and the gate is ``2 * sigmoid``.
+
+    ``effective=True``: the effective SE (eSE) of CenterMask (Lee, Park, 2020, arXiv 1911.06667, section 3.2):
+    one 1x1 conv ``fc`` (``C -> C``, bias) in place of the bottleneck, so no channel information is lost to
+    the reduction, and a hard sigmoid gate (``relu6(z + 3) / 6``) unless ``gate_layer`` is given; equal to
+    timm's ``EffectiveSEModule`` ('ese'). It has no bottleneck, so ``rd_channels`` is refused with it (the
+    ``rd_*`` and ``act_layer`` options are unused). ``init="identity"``: ``fc`` starts at zero and the gate is
+    ``2 * hard_sigmoid``.
     """
 
+    PAPER = "Hu, Shen, Sun, 2018, Squeeze-and-Excitation Networks, arXiv 1709.01507"
+    CHECKED_AGAINST = ("timm SEModule; effective=True: timm EffectiveSEModule (float64, weights copied, "
+                       "outputs and input/parameter gradients)")
+    IDENTITY = "fc2 (fc with effective=True) zeroed, gate read as 2 * sigmoid (2 * hard sigmoid)"
+
     def __init__(self, channels: int, rd_ratio: float = 1.0 / 16, rd_channels: Optional[int] = None,
-                 rd_divisor: int = 1, act_layer: Type[nn.Module] = nn.ReLU, gate_layer: Type[nn.Module] = nn.Sigmoid,
-                 bias: bool = True, init: str = "default"):
-        super().__init__(channels, rd_ratio, rd_channels, rd_divisor, act_layer, gate_layer, bias, init)
+                 rd_divisor: int = 1, act_layer: Type[nn.Module] = nn.ReLU,
+                 gate_layer: Optional[Type[nn.Module]] = None, bias: bool = True, effective: bool = False,
+                 init: str = "default"):
+        super().__init__()
+        self.channels = check_channels(channels)
+        self.init = check_init(init)
+        self.effective = check_bool("se", "effective", effective)
+        if effective:
+            if rd_channels is not None:
+                raise ValueError("se: effective=True has no bottleneck (one C -> C conv), so rd_channels does not apply")
+            self.fc = nn.Conv2d(channels, channels, kernel_size=1, bias=bias)
+        else:
+            rd = reduced_channels(channels, rd_ratio, rd_channels, rd_divisor)
+            self.fc1 = nn.Conv2d(channels, rd, kernel_size=1, bias=bias)
+            self.act = act_layer()
+            self.fc2 = nn.Conv2d(rd, channels, kernel_size=1, bias=bias)
+        if gate_layer is None:
+            gate_layer = HardSigmoid if effective else nn.Sigmoid
+        self.setup_gate(gate_layer, init, "channel")
+
+    def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
+        last = self.fc if self.effective else self.fc2
+        return last.weight, last.bias
+
+    def excite(self, s: torch.Tensor) -> torch.Tensor:
+        """The gate's logits from the ``(B, C, 1, 1)`` squeezed vector."""
+        if self.effective:
+            return self.fc(s)
+        return self.fc2(self.act(self.fc1(s)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
+        weight = (self.fc if self.effective else self.fc1).weight
         with autocast_off(x):
-            s = mean_over(x, (2, 3), compute_dtype(x), keepdim=True).to(self.fc1.weight.dtype)  # squeeze
-            w = gained(self.gate(self.fc2(self.act(self.fc1(s)))), self.gain)  # (B, C, 1, 1) excitation
+            s = mean_over(x, (2, 3), compute_dtype(x), keepdim=True).to(weight.dtype)  # squeeze
+            w = gained(self.gate(self.excite(s)), self.gain)  # (B, C, 1, 1) excitation
         self.tap(w.flatten(1))
         return x * w.to(x.dtype)
 
@@ -244,6 +322,9 @@ def eca_kernel_size(channels: int, gamma: float = 2.0, b: float = 1.0) -> int:
     return max(t if t % 2 else t + 1, 3)
 
 
+ECA_PADDINGS = ("zeros", "circular")
+
+
 @register_attention("eca", layout="feature", kind="channel")
 class EfficientChannelAttention(IdentityGate, nn.Module):
     """Efficient channel attention (Wang et al., 2020, arXiv 1910.03151).
@@ -251,11 +332,30 @@ class EfficientChannelAttention(IdentityGate, nn.Module):
     Global average pool, a 1D convolution across neighbouring channels with a kernel size from ``log2(C)``
     (:func:`eca_kernel_size`) unless ``kernel_size`` is given, then a sigmoid gate; names and kernel sizes
     match timm's ``EcaModule``. Works for any channel count: ``channels`` only picks the kernel size. Tap: the
-    ``(B, C)`` gate. ``init="identity"``: the 1D conv starts at zero and the gate is ``2 * sigmoid``.
+    ``(B, C)`` gate. ``init="identity"``: the 1D conv (``conv2`` with ``use_mlp``) starts at zero and the gate
+    is ``2 * sigmoid``.
+
+    timm's two variants of the same mechanism, as options (neither is in the paper):
+
+    * ``padding="circular"``: the channel sequence wraps around (the first and last channels are neighbours)
+      instead of being zero-padded; timm's ``CecaModule`` ('ceca'). The input needs at least
+      ``(kernel_size - 1) / 2`` channels.
+    * ``use_mlp=True``: the 1D conv becomes a tiny MLP applied along the channel sequence, a pointwise conv
+      ``1 -> rd`` (bias), ``act_layer``, then the ``kernel_size`` conv ``rd -> 1`` (bias), with ``rd`` =
+      ``rd_channels`` or ``channels * rd_ratio`` rounded to ``rd_divisor`` (timm's ``make_divisible``); timm's
+      ``EcaModule(use_mlp=True)`` ('ecam'). The ``rd_*`` and ``act_layer`` options apply only with it.
     """
 
+    PAPER = ("Wang, Wu, Zhu, Li, Zuo, Hu, 2020, ECA-Net: Efficient Channel Attention for Deep Convolutional "
+             "Neural Networks, arXiv 1910.03151")
+    CHECKED_AGAINST = ("timm EcaModule; padding='circular': timm CecaModule; use_mlp=True: timm "
+                       "EcaModule(use_mlp=True) (float64, weights copied, outputs and gradients)")
+    IDENTITY = "the 1D conv (conv2 with use_mlp) zeroed, gate read as 2 * sigmoid"
+
     def __init__(self, channels: int, kernel_size: Optional[int] = None, gamma: float = 2.0, b: float = 1.0,
-                 gate_layer: Type[nn.Module] = nn.Sigmoid, init: str = "default"):
+                 gate_layer: Type[nn.Module] = nn.Sigmoid, padding: str = "zeros", use_mlp: bool = False,
+                 rd_ratio: float = 1.0 / 8, rd_channels: Optional[int] = None, rd_divisor: int = 8,
+                 act_layer: Type[nn.Module] = nn.ReLU, init: str = "default"):
         super().__init__()
         self.channels = check_channels(channels)
         if kernel_size is None:
@@ -263,17 +363,48 @@ class EfficientChannelAttention(IdentityGate, nn.Module):
         positive_int("kernel_size", kernel_size, odd=True)
         self.kernel_size = kernel_size
         self.init = check_init(init)
-        self.conv = nn.Conv1d(1, 1, kernel_size=kernel_size, padding=(kernel_size - 1) // 2, bias=False)
+        self.padding = check_choice("eca", "padding", padding, ECA_PADDINGS)
+        self.use_mlp = check_bool("eca", "use_mlp", use_mlp)
+        self.pad = (kernel_size - 1) // 2
+        conv_pad = 0 if padding == "circular" else self.pad  # circular: padded by hand in forward
+        if use_mlp:
+            if rd_channels is None:
+                if not rd_ratio > 0:
+                    raise ValueError(f"eca: rd_ratio must be > 0, got {rd_ratio!r}")
+                rd_channels = make_divisible(channels * rd_ratio, positive_int("rd_divisor", rd_divisor))
+            positive_int("rd_channels", rd_channels)
+            self.conv = nn.Conv1d(1, rd_channels, kernel_size=1, bias=True)
+            self.act = act_layer()
+            self.conv2 = nn.Conv1d(rd_channels, 1, kernel_size=kernel_size, padding=conv_pad, bias=True)
+        else:
+            self.conv = nn.Conv1d(1, 1, kernel_size=kernel_size, padding=conv_pad, bias=False)
         self.setup_gate(gate_layer, init, "channel")
 
     def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
-        return (self.conv.weight,)
+        return (self.conv2.weight, self.conv2.bias) if self.use_mlp else (self.conv.weight,)
+
+    def wrap(self, s: torch.Tensor) -> torch.Tensor:
+        """``(B, k, C)`` -> ``(B, k, C + 2 * pad)``: circular padding along the channels (concatenated slices,
+        which every exporter takes), or ``s`` as it is for zero padding (the conv pads)."""
+        if self.padding != "circular" or self.pad == 0:
+            return s
+        if s.shape[-1] < self.pad:
+            raise ValueError(f"eca: padding='circular' with kernel_size={self.kernel_size} needs at least {self.pad} "
+                             f"channels, got {s.shape[-1]}")
+        return torch.cat([s[..., -self.pad:], s, s[..., : self.pad]], dim=-1)
+
+    def logits(self, s: torch.Tensor) -> torch.Tensor:
+        """``(B, C)`` pooled channels -> ``(B, C)`` gate logits: the 1D conv (or MLP) along the channels."""
+        y = s[:, None, :]
+        if self.use_mlp:
+            return self.conv2(self.wrap(self.act(self.conv(y))))[:, 0]
+        return self.conv(self.wrap(y))[:, 0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x)  # any channel count
         with autocast_off(x):
             s = mean_over(x, (2, 3), compute_dtype(x)).to(self.conv.weight.dtype)  # (B, C)
-            w = gained(self.gate(self.conv(s[:, None, :])[:, 0]), self.gain)  # channels as a 1D sequence: (B, C)
+            w = gained(self.gate(self.logits(s)), self.gain)  # channels as a 1D sequence: (B, C)
         self.tap(w)
         return x * w.to(x.dtype)[:, :, None, None]
 
@@ -316,11 +447,23 @@ class GlobalContext(nn.Module):
     branch's last layer starts at zero as in the paper's code, so ``fusion="add"`` starts as the identity in
     either ``init``; ``init="identity"`` also zeroes the scale branch's last layer and reads its gate as
     ``2 * sigmoid``. Tap (kind ``"spatial"``): the context softmax as a ``(B, 1, H, W)`` map.
+
+    timm's ``GlobalContext`` defaults to the scale fusion ('gc' in ``timm.layers.get_attn``: ``fusion="scale"``
+    here, with ``rd_ratio=1/8`` and ``norm_eps=1e-6`` for its ``LayerNorm2d``) and names the add fusion 'gca'
+    (``fusion="add"``); ``norm_eps`` is the transform's LayerNorm epsilon (1e-5, ``nn.LayerNorm``'s, as the
+    paper's code).
     """
+
+    PAPER = ("Cao, Xu, Lin, Wei, Hu, 2019, GCNet: Non-local Networks Meet Squeeze-Excitation Networks and Beyond, "
+             "arXiv 1904.11492")
+    CHECKED_AGAINST = ("timm GlobalContext, fuse_add (fusion='add', the default), fuse_scale (fusion='scale') and "
+                       "both (float64, weights copied, outputs and gradients)")
+    IDENTITY = ("the add branch's last layer zeroed in either init (the paper's code); init='identity' also zeroes "
+                "the scale branch's last layer, its gate read as 2 * sigmoid")
 
     def __init__(self, channels: int, rd_ratio: float = 1.0 / 16, rd_channels: Optional[int] = None,
                  rd_divisor: int = 1, fusion: str = "add", act_layer: Type[nn.Module] = nn.ReLU,
-                 gate_layer: Type[nn.Module] = nn.Sigmoid, init: str = "default"):
+                 gate_layer: Type[nn.Module] = nn.Sigmoid, norm_eps: float = 1e-5, init: str = "default"):
         super().__init__()
         self.channels = check_channels(channels)
         self.init = check_init(init)
@@ -335,11 +478,13 @@ class GlobalContext(nn.Module):
                 "context path learns nothing; use rd_channels >= 3",
                 stacklevel=2,
             )
+        if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not 0 < norm_eps < 1:
+            raise ValueError(f"gc: norm_eps must be a number in (0, 1), got {norm_eps!r}")
         self.fusion = fusion
         self.conv_attn = nn.Conv2d(channels, 1, kernel_size=1)  # context scores, one per position
 
         def transform() -> nn.Sequential:
-            return nn.Sequential(nn.Linear(channels, rd), nn.LayerNorm(rd), act_layer(), nn.Linear(rd, channels))
+            return nn.Sequential(nn.Linear(channels, rd), nn.LayerNorm(rd, eps=norm_eps), act_layer(), nn.Linear(rd, channels))
 
         self.mlp_add = transform() if fusion in ("add", "both") else None
         self.mlp_scale = transform() if fusion in ("scale", "both") else None

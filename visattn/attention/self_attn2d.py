@@ -94,6 +94,9 @@ class ResidualSelfAttention2d(nn.Module):
         return x + self.norm(self.proj(_to_map(y, x)))
 
 
+SCALE_BY = ("inter", "channels")
+
+
 @register_attention("nonlocal", layout="feature", kind="token")
 class NonLocal2d(ResidualSelfAttention2d):
     """Non-local block, embedded Gaussian (Wang, Girshick, Gupta, He, 2018, arXiv 1711.07971).
@@ -101,21 +104,33 @@ class NonLocal2d(ResidualSelfAttention2d):
     ``theta``, ``phi``, ``g``: 1x1 convs ``C -> C * rd_ratio`` (the paper halves the width), one linear map
     ``qkv`` over the position tokens; ``softmax(theta^T phi)`` weights ``g``; ``z = BN(W_z y) + x`` with the
     BN scale zero-initialised, so the block starts as the identity. ``use_scale`` divides the logits by
-    ``sqrt(C * rd_ratio)`` as the paper's code does.
+    ``sqrt(C * rd_ratio)`` as the paper's code does (``scale_by="inter"``); ``scale_by="channels"`` divides
+    them by ``sqrt(C)`` instead, as the BAT authors' code and timm's ``NonLocalAttn`` ('nl') do.
+
+    timm's ``NonLocalAttn`` is this block with ``rd_channels=make_divisible(C / 8, 8)`` and
+    ``scale_by="channels"``: the same function (its ``t``, ``p``, ``g`` convs are the rows of ``qkv`` here).
 
     Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
     ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
     """
 
+    PAPER = "Wang, Girshick, Gupta, He, 2018, Non-local Neural Networks, arXiv 1711.07971"
+    CHECKED_AGAINST = ("timm NonLocalAttn (t, p, g stacked into qkv; scale_by='channels' as timm), and double "
+                       "backward against it (float64)")
+    IDENTITY = "x + BN(W_z y) with the BN scale and shift zero in either init (the output conv without a norm)"
+
     def __init__(self, channels: int, rd_ratio: float = 1.0 / 2, rd_channels: Optional[int] = None,
-                 use_scale: bool = True, norm_layer: Type[nn.Module] = nn.BatchNorm2d, init: str = "default"):
+                 use_scale: bool = True, scale_by: str = "inter", norm_layer: Type[nn.Module] = nn.BatchNorm2d,
+                 init: str = "default"):
         super().__init__()
         check_channels(channels)
         self.init = check_init(init)
+        if scale_by not in SCALE_BY:
+            raise ValueError(f"nonlocal: unknown scale_by {scale_by!r}; valid: {', '.join(SCALE_BY)}")
         inter = reduced_channels(channels, rd_ratio, rd_channels, 1)
         self.channels = channels
         self.inter_channels = inter
-        self.scale = inter**-0.5 if use_scale else 1.0
+        self.scale = (inter if scale_by == "inter" else channels) ** -0.5 if use_scale else 1.0
         self.qkv = nn.Linear(channels, 3 * inter)  # theta, phi, g stacked, applied per position
         self.proj = nn.Conv2d(inter, channels, kernel_size=1)  # W_z
         self.norm = norm_layer(channels)
@@ -164,15 +179,31 @@ class MHSA2d(ResidualSelfAttention2d):
     resampled table. Wrapped as ``x + BN(proj(y))`` with the BN scale
     zero-initialised, so the block starts as the identity.
 
+    ``scale_pos``: whether ``1/sqrt(d)`` scales the relative logits too, ``scale * (q k^T + q r^T)`` (the
+    BoTNet authors' reference gist scales ``q`` before both; the default), or only the content logits,
+    ``scale * q k^T + q r^T`` (timm's ``BottleneckAttn`` default, ``scale_pos_embed=False``). ``y`` is
+    timm's ``BottleneckAttn`` output ('bottleneck': its ``scale_pos_embed`` is ``scale_pos`` here, its
+    ``height_rel`` / ``width_rel`` the centre rows of ``rel_h`` / ``rel_w``); timm's module is that
+    attention alone, a convolution replacement with a fixed ``feat_size`` and no residual, projection or norm.
+
     Double backward (gradient penalties): the fused SDPA kernels have none; run the block under
     ``torch.nn.attention.sdpa_kernel(SDPBackend.MATH)``.
     """
 
+    PAPER = ("Srinivas, Lin, Parmar, Shlens, Abbeel, Vaswani, 2021, Bottleneck Transformers for Visual "
+             "Recognition, arXiv 2101.11605")
+    CHECKED_AGAINST = ("timm BottleneckAttn as y (scale_pos both ways, rel tables centred), and an explicit "
+                       "per-pair reference for double backward (float64)")
+    IDENTITY = "x + BN(proj(y)) with the BN scale and shift zero in either init (the projection without a norm)"
+
     def __init__(self, channels: int, num_heads: int = 4, qkv_bias: bool = False, max_size: int = 32,
-                 norm_layer: Type[nn.Module] = nn.BatchNorm2d, init: str = "default"):
+                 scale_pos: bool = True, norm_layer: Type[nn.Module] = nn.BatchNorm2d, init: str = "default"):
         super().__init__()
         check_channels(channels)
         self.init = check_init(init)
+        if not isinstance(scale_pos, bool):
+            raise ValueError(f"mhsa2d: scale_pos must be True or False, got {scale_pos!r}")
+        self.scale_pos = scale_pos
         positive_int("num_heads", num_heads, divides=channels)
         positive_int("max_size", max_size)
         self.channels = channels
@@ -205,6 +236,8 @@ class MHSA2d(ResidualSelfAttention2d):
         # batched matmuls broadcast over (B, n) (an einsum here lowers to a view ONNX export cannot take)
         lh = qg @ e_h.transpose(1, 2)  # (B, n, H, W, d) @ (H, d, H) -> (B, n, H, W, H): key row
         lw = (qg.transpose(2, 3) @ e_w.transpose(1, 2)).transpose(2, 3)  # (B, n, H, W, W): key column
+        if not self.scale_pos:  # the attention scales every logit: undo it on the relative ones
+            lh, lw = lh / self.scale, lw / self.scale
         pad = -(d + H + W) % 8
         eye_h = torch.eye(H, dtype=q.dtype, device=q.device)
         eye_w = torch.eye(W, dtype=q.dtype, device=q.device)

@@ -6,6 +6,8 @@
   the spatial gate.
 * ``coord``: coordinate attention (Hou, Zhou, Feng, 2021, "Coordinate Attention for Efficient Mobile
   Network Design", arXiv 2103.02907).
+* ``strip``: timm's strip attention, a minimal form of strip pooling (Hou, Zhang, Cheng, Feng, 2020, "Strip
+  Pooling: Rethinking Spatial Pooling for Scene Parsing", arXiv 2003.13328).
 
 Plain differentiable PyTorch, like :mod:`~visattn.attention.channel`. Unlike timm's ``CbamModule``, CBAM runs
 the shared MLP once on the stacked avg/max vectors (``fc2`` once, on the sum of the hidden vectors: it is
@@ -28,17 +30,22 @@ from .channel import (
     BottleneckGate,
     IdentityGate,
     autocast_off,
+    check_bool,
     check_channels,
+    check_choice,
     check_feature_map,
     check_norm_batch,
     compute_dtype,
     gained,
+    is_channels_last,
     mean_max,
     mean_over,
 )
 from .functional import check_init, positive_int
 
-__all__ = ["ChannelGate", "SpatialGate", "CBAM", "CoordAttention", "coord_mip"]
+__all__ = ["ChannelGate", "SpatialGate", "CBAM", "CoordAttention", "StripAttention", "coord_mip"]
+
+CBAM_PAPER = "Woo, Park, Lee, Kweon, 2018, CBAM: Convolutional Block Attention Module, arXiv 1807.06521"
 
 
 class ChannelGate(BottleneckGate):
@@ -47,13 +54,18 @@ class ChannelGate(BottleneckGate):
 
     def __init__(self, channels: int, rd_ratio: float = 1.0 / 16, rd_channels: Optional[int] = None,
                  rd_divisor: int = 1, act_layer: Type[nn.Module] = nn.ReLU, gate_layer: Type[nn.Module] = nn.Sigmoid,
-                 mlp_bias: bool = False, init: str = "default"):
+                 mlp_bias: bool = False, init: str = "default", light: bool = False):
         super().__init__(channels, rd_ratio, rd_channels, rd_divisor, act_layer, gate_layer, mlp_bias, init)
+        self.light = check_bool("cbam", "light", light)
 
     def channel_weights(self, x: torch.Tensor) -> torch.Tensor:
         """The ``(B, C)`` gate of ``x`` (in the parameters' dtype; call with autocast off)."""
         B, C = x.shape[:2]
         acc = compute_dtype(x)
+        if self.light:  # timm's LightChannelAttn: the MLP once, on the average of the two pooled vectors
+            avg, top = mean_max(x, (2, 3), acc)
+            s = (0.5 * avg + 0.5 * top).to(self.fc1.weight.dtype)[:, :, None, None]
+            return self.tap(gained(self.gate(self.fc2(self.act(self.fc1(s))).flatten(1)), self.gain))
         pooled = torch.stack(mean_max(x, (2, 3), acc))  # (2, B, C): avg, max
         s = pooled.to(self.fc1.weight.dtype).reshape(2 * B, C, 1, 1)
         h = self.act(self.fc1(s)).view(2, B, -1, 1, 1).sum(0)  # shared MLP run once on both vectors
@@ -78,14 +90,20 @@ class SpatialGate(IdentityGate, nn.Module):
     shift (or the conv, without a norm) start at zero and the gate is ``2 * sigmoid``.
     """
 
+    PAPER = CBAM_PAPER
+    CHECKED_AGAINST = ("timm SpatialAttn; light=True: timm LightSpatialAttn (float64, weights copied, outputs and "
+                       "gradients)")
+    IDENTITY = "the BN's scale and shift (the conv without a norm) zeroed, gate read as 2 * sigmoid"
+
     def __init__(self, channels: int, kernel_size: int = 7, gate_layer: Type[nn.Module] = nn.Sigmoid,
-                 norm_layer: Optional[Type[nn.Module]] = nn.BatchNorm2d, init: str = "default"):
+                 norm_layer: Optional[Type[nn.Module]] = nn.BatchNorm2d, light: bool = False, init: str = "default"):
         super().__init__()
         check_channels(channels)
         positive_int("kernel_size", kernel_size, odd=True)
         self.kernel_size = kernel_size
         self.init = check_init(init)
-        self.conv = nn.Conv2d(2, 1, kernel_size, padding=kernel_size // 2, bias=False)
+        self.light = check_bool("spatial", "light", light)
+        self.conv = nn.Conv2d(1 if light else 2, 1, kernel_size, padding=kernel_size // 2, bias=False)
         self.bn = norm_layer(1) if norm_layer is not None else nn.Identity()
         self.setup_gate(gate_layer, init, "spatial")
 
@@ -97,9 +115,13 @@ class SpatialGate(IdentityGate, nn.Module):
     def spatial_weights(self, x: torch.Tensor) -> torch.Tensor:
         """The ``(B, 1, H, W)`` gate of ``x`` (in the parameters' dtype; call with autocast off)."""
         acc = compute_dtype(x)
-        # channel mean and max stacked last, (B, H, W, 2), seen as (B, 2, H, W): channels-last is the layout
-        # in which oneDNN runs the 2-channel 7x7 conv (forward + backward) an order of magnitude faster on CPU
-        maps = torch.stack(mean_max(x, (1,), acc), dim=-1).permute(0, 3, 1, 2)
+        if self.light:  # timm's LightSpatialAttn: one map, the average of the channel mean and max
+            avg, top = mean_max(x, (1,), acc)
+            maps = (0.5 * avg + 0.5 * top)[:, None]  # (B, 1, H, W)
+        else:
+            # channel mean and max stacked last, (B, H, W, 2), seen as (B, 2, H, W): channels-last is the layout
+            # in which oneDNN runs the 2-channel 7x7 conv (forward + backward) an order of magnitude faster on CPU
+            maps = torch.stack(mean_max(x, (1,), acc), dim=-1).permute(0, 3, 1, 2)
         z = self.bn(self.conv(maps.to(self.conv.weight.dtype)))  # (B, 1, H, W)
         return self.tap(gained(self.gate(z), self.gain))
 
@@ -119,15 +141,27 @@ class CBAM(nn.Module):
     ``CbamModule`` with the same weights (its ``spatial.conv.conv`` is ``spatial.conv`` here). Two taps:
     ``channel.tap`` (the ``(B, C)`` gate) and ``spatial.tap`` (the ``(B, 1, H, W)`` gate); forward hooks on
     the sub-gates do not fire. ``init`` goes to both gates.
+
+    ``light=True``: timm's light CBAM (``LightCbamModule``, 'lcbam'; not in the paper): each gate pools the
+    average of the mean and the max (``0.5 * avg + 0.5 * max``) instead of using both, so the channel MLP
+    runs once and the spatial conv takes one map (``1 -> 1``, k x k).
     """
+
+    PAPER = CBAM_PAPER
+    CHECKED_AGAINST = ("timm CbamModule; light=True: timm LightCbamModule (float64, weights copied, outputs, "
+                       "gradients and BN statistics)")
+    IDENTITY = ("both gates' last layers zeroed (channel fc2; spatial BN scale and shift), each gate read as "
+                "2 * sigmoid")
 
     def __init__(self, channels: int, rd_ratio: float = 1.0 / 16, rd_channels: Optional[int] = None,
                  rd_divisor: int = 1, spatial_kernel_size: int = 7, act_layer: Type[nn.Module] = nn.ReLU,
-                 gate_layer: Type[nn.Module] = nn.Sigmoid, mlp_bias: bool = False, init: str = "default"):
+                 gate_layer: Type[nn.Module] = nn.Sigmoid, mlp_bias: bool = False, light: bool = False,
+                 init: str = "default"):
         super().__init__()
         self.init = check_init(init)
-        self.channel = ChannelGate(channels, rd_ratio, rd_channels, rd_divisor, act_layer, gate_layer, mlp_bias, init)
-        self.spatial = SpatialGate(channels, spatial_kernel_size, gate_layer, init=init)
+        self.channel = ChannelGate(channels, rd_ratio, rd_channels, rd_divisor, act_layer, gate_layer, mlp_bias, init,
+                                   light=check_bool("cbam", "light", light))
+        self.spatial = SpatialGate(channels, spatial_kernel_size, gate_layer, light=light, init=init)
 
     def zero_init_last(self) -> None:
         """Both gates' (timm's hook; see :meth:`SpatialGate.zero_init_last`)."""
@@ -150,6 +184,9 @@ def coord_mip(channels: int, reduction: int = 32) -> int:
     return max(8, channels // reduction)
 
 
+COORD_COMBINES = ("product", "sum")
+
+
 @register_attention("coord", layout="feature", kind="spatial")
 class CoordAttention(IdentityGate, nn.Module):
     """Coordinate attention (Hou, Zhou, Feng, 2021, arXiv 2103.02907).
@@ -159,13 +196,25 @@ class CoordAttention(IdentityGate, nn.Module):
     ``a_h (B, C, H, 1)`` and ``a_w (B, C, 1, W)``; ``out = x * a_h * a_w``. Tap (kind ``"spatial"``): the
     channel mean of ``a_h * a_w``, ``(B, 1, H, W)``, on recording passes only. ``init="identity"``: ``conv_h``
     and ``conv_w`` start at zero and both gates are ``2 * sigmoid`` (the 0-4 product saturates the tap's 0-2
-    ``"gain"`` scale).
+    ``"gain"`` scale). ``bias``: the three 1x1 convs' biases (the paper's code has them; timm's ``CoordAttn``
+    defaults to none).
+
+    ``combine="sum"``: timm's simple coordinate attention (``SimpleCoordAttn``, 'scoord'; not in the paper):
+    one gate of the summed logits, ``out = x * sigmoid(l_h + l_w)`` (the tap: its channel mean), with timm's
+    other choices as the options ``norm_layer=None``, ``act_layer=nn.SiLU`` and ``mip`` (its width,
+    ``make_divisible(C / 6, 8)``); ``init="identity"`` then zeroes the same convs and reads the one gate as
+    ``2 * sigmoid``.
     """
+
+    PAPER = "Hou, Zhou, Feng, 2021, Coordinate Attention for Efficient Mobile Network Design, arXiv 2103.02907"
+    CHECKED_AGAINST = ("timm CoordAttn (bias=True and bias=False); combine='sum': timm SimpleCoordAttn (float64, "
+                       "weights copied, outputs and gradients)")
+    IDENTITY = "conv_h and conv_w zeroed, each gate read as 2 * sigmoid"
 
     def __init__(self, channels: int, reduction: int = 32, mip: Optional[int] = None,
                  act_layer: Type[nn.Module] = nn.Hardswish,  # the paper's h_swish
                  norm_layer: Optional[Type[nn.Module]] = nn.BatchNorm2d, gate_layer: Type[nn.Module] = nn.Sigmoid,
-                 init: str = "default"):
+                 bias: bool = True, combine: str = "product", init: str = "default"):
         super().__init__()
         self.channels = check_channels(channels)
         self.init = check_init(init)
@@ -173,12 +222,14 @@ class CoordAttention(IdentityGate, nn.Module):
         if mip is None:
             mip = coord_mip(channels, reduction)
         positive_int("mip", mip)
+        check_bool("coord", "bias", bias)
+        self.combine = check_choice("coord", "combine", combine, COORD_COMBINES)
         self.mip = mip
-        self.conv1 = nn.Conv2d(channels, mip, kernel_size=1)
+        self.conv1 = nn.Conv2d(channels, mip, kernel_size=1, bias=bias)
         self.bn1 = norm_layer(mip) if norm_layer is not None else nn.Identity()
         self.act = act_layer()
-        self.conv_h = nn.Conv2d(mip, channels, kernel_size=1)
-        self.conv_w = nn.Conv2d(mip, channels, kernel_size=1)
+        self.conv_h = nn.Conv2d(mip, channels, kernel_size=1, bias=bias)
+        self.conv_w = nn.Conv2d(mip, channels, kernel_size=1, bias=bias)
         self.setup_gate(gate_layer, init, "spatial")
 
     def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
@@ -189,11 +240,74 @@ class CoordAttention(IdentityGate, nn.Module):
         B, C, H, W = x.shape
         # both strips side by side as one (B, C, H + W, 1) map, so conv1 and BN see them together
         strips = torch.cat([mean_over(x, (3,), x.dtype), mean_over(x, (2,), x.dtype)], dim=2)[..., None]
+        if is_channels_last(x):  # the gates then share x's layout, channels innermost: x * a_h * a_w vectorises
+            strips = strips.contiguous(memory_format=torch.channels_last)  # (a small map: the copy is cheap)
         y = self.act(self.bn1(self.conv1(strips)))  # (B, mip, H + W, 1)
         y_h, y_w = y.split([H, W], dim=2)
+        if self.combine == "sum":  # one gate of the summed logits: (B, C, H, W)
+            a = gained(self.gate(self.conv_h(y_h) + self.conv_w(y_w).transpose(2, 3)), self.gain)
+            if self.tap.active:
+                self.tap(a.float().mean(1, keepdim=True))
+            return x * a
         a_h = gained(self.gate(self.conv_h(y_h)), self.gain)  # (B, C, H, 1)
         a_w = gained(self.gate(self.conv_w(y_w)), self.gain).transpose(2, 3)  # (B, C, 1, W)
         if self.tap.active:
             # mean over channels of the outer product a_h * a_w: (B, 1, H, W)
             self.tap((a_h.float() * a_w.float()).mean(1, keepdim=True))
         return x * a_h * a_w
+
+
+@register_attention("strip", layout="feature", kind="spatial")
+class StripAttention(IdentityGate, nn.Module):
+    """Strip attention: timm's ``StripAttn`` ('strip'), a minimal form of the strip pooling module of Hou,
+    Zhang, Cheng, Feng, 2020, "Strip Pooling: Rethinking Spatial Pooling for Scene Parsing", arXiv 2003.13328.
+
+    Each channel is averaged along each axis (the strips ``(B, C, H, 1)`` and ``(B, C, 1, W)``), each strip
+    goes through a depthwise 1D conv (``kernel_size`` 3, no bias: ``conv_h`` along H, ``conv_w`` along W),
+    and the broadcast sum, gated by a sigmoid, multiplies the input: ``out = x * sigmoid(s_h + s_w)``. The
+    paper's module (its SPBlock) uses full ``C -> C`` 1D convs with BN, a ReLU after the sum and a 1x1 conv
+    before the sigmoid; timm's (this block) keeps only the strips, the depthwise convs and the gate.
+    ``use_conv=False`` drops the convs (the gate of the raw strip means). Pooled strips and gate are in fp32
+    (the convs in their parameters' dtype). Tap (kind ``"spatial"``): the channel mean of the gate,
+    ``(B, 1, H, W)``, on recording passes only. ``init="identity"``: ``conv_h`` and ``conv_w`` start at zero
+    and the gate is ``2 * sigmoid`` (so it needs ``use_conv=True``).
+    """
+
+    PAPER = ("Hou, Zhang, Cheng, Feng, 2020, Strip Pooling: Rethinking Spatial Pooling for Scene Parsing, "
+             "arXiv 2003.13328 (timm's minimal StripAttn form)")
+    CHECKED_AGAINST = "timm StripAttn, with and without use_conv (float64, weights copied, outputs and gradients)"
+    IDENTITY = "conv_h and conv_w zeroed, gate read as 2 * sigmoid"
+
+    def __init__(self, channels: int, kernel_size: int = 3, bias: bool = False, use_conv: bool = True,
+                 gate_layer: Type[nn.Module] = nn.Sigmoid, init: str = "default"):
+        super().__init__()
+        self.channels = check_channels(channels)
+        positive_int("kernel_size", kernel_size, odd=True)
+        check_bool("strip", "bias", bias)
+        self.use_conv = check_bool("strip", "use_conv", use_conv)
+        self.init = check_init(init)
+        if init == "identity" and not use_conv:
+            raise ValueError("strip: init='identity' needs use_conv=True (without the convs there is no layer to zero)")
+        k, p = kernel_size, kernel_size // 2
+        self.conv_h = nn.Conv2d(channels, channels, (k, 1), padding=(p, 0), groups=channels, bias=bias) if use_conv else None
+        self.conv_w = nn.Conv2d(channels, channels, (1, k), padding=(0, p), groups=channels, bias=bias) if use_conv else None
+        self.setup_gate(gate_layer, init, "spatial")
+
+    def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
+        if self.conv_h is None:
+            return ()
+        return self.conv_h.weight, self.conv_h.bias, self.conv_w.weight, self.conv_w.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        check_feature_map(self, x, self.channels)
+        with autocast_off(x):
+            acc = compute_dtype(x)
+            s_h = mean_over(x, (3,), acc, keepdim=True)  # (B, C, H, 1)
+            s_w = mean_over(x, (2,), acc, keepdim=True)  # (B, C, 1, W)
+            if self.conv_h is not None:
+                dtype = self.conv_h.weight.dtype
+                s_h, s_w = self.conv_h(s_h.to(dtype)), self.conv_w(s_w.to(dtype))
+            a = gained(self.gate(s_h + s_w), self.gain)  # (B, C, H, W)
+        if self.tap.active:
+            self.tap(a.float().mean(1, keepdim=True))
+        return x * a.to(x.dtype)

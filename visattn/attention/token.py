@@ -168,6 +168,12 @@ class MultiHeadSelfAttention(nn.Module):
     """
 
 
+    PAPER = ("Vaswani, Shazeer, Parmar, Uszkoreit, Jones, Gomez, Kaiser, Polosukhin, 2017, Attention Is All You "
+             "Need, arXiv 1706.03762")
+    CHECKED_AGAINST = ("timm Attention (state dict loaded strictly; qk_norm too), explicit softmax(q k^T) for "
+                       "double backward (float64)")
+    IDENTITY = "no init option: the ViT initialisation (truncated normal 0.02, zero biases)"
+
     fast_path = True  # False (per block): the baseline fused path, functional.sdpa on a permuted split of qkv
     sdpa_cpu = "fp32"
 
@@ -382,6 +388,10 @@ class LocalitySelfAttention(MultiHeadSelfAttention):
     ``mhsa``. Double backward: as for ``mhsa``, under ``sdpa_kernel(SDPBackend.MATH)``.
     """
 
+    PAPER = "Lee, Lee, Song, 2021, Vision Transformer for Small-Size Datasets, arXiv 2112.13492"
+    CHECKED_AGAINST = "an explicit reference of the paper's equations (diagonal mask, learned temperature), float64"
+    IDENTITY = "no init option: the ViT initialisation, temperature sqrt(head_dim)"
+
 
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, hard: Hard = None, grid: Grid = None, num_prefix_tokens: int = 0,
@@ -434,6 +444,11 @@ class SequencePooling(nn.Module):
     tokens, and the output is ``sum_n w_n x_n``. The tap (kind ``"pool"``) carries ``w``, ``(B, N)``, with
     ``tap_grid`` and ``num_prefix_tokens`` as for the attention blocks. The softmax is taken in fp32.
     """
+
+    PAPER = ("Hassani, Walton, Shah, Abuduweili, Li, Shi, 2021, Escaping the Big Data Paradigm with Compact "
+             "Transformers, arXiv 2104.05704")
+    CHECKED_AGAINST = "an explicit reference of the paper's equation (softmax-weighted token sum), float64"
+    IDENTITY = "no init option (a pooling head, not a same-shape block): the ViT initialisation"
 
 
     def __init__(self, dim: int, grid: Grid = None, num_prefix_tokens: int = 0):
