@@ -1,0 +1,98 @@
+"""The blocks' bf16 fast paths compute what the plain ones do (issue 94).
+
+On the CPU a bf16 map is pooled with bf16's own sum (fp32 accumulation, one rounding of the result:
+:func:`visattn.attention.channel.sum_in`) instead of ``sum(dtype=torch.float32)``, which first copies the whole map
+to fp32; CBAM's pooling backward scales its tie mask in place; coordinate attention's gates take the map's
+channels-last layout. Each block's output and gradients under bf16 autocast are compared with the same block whose
+pooling takes the plain fp32 path, to bf16's tolerance, and fp32 is unchanged bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import visattn.attention.channel as channel
+from visattn import create_attention, list_attention
+
+
+def plain_sum_in(x, dims, dtype, keepdim=False):
+    return x.sum(dims, keepdim=keepdim, dtype=dtype)
+
+
+# every feature-map block that pools through visattn.attention.channel (those that do not are unaffected and
+# compare equal trivially); BatchNorm blocks need a batch > 1, so the batch is 4
+BLOCKS = [n for n in list_attention("feature") if n != "none"]
+
+
+def run(name: str, x: torch.Tensor, g: torch.Tensor, dtype):
+    torch.manual_seed(0)
+    block = create_attention(name, x.shape[1]).train()
+    with torch.no_grad():  # a random block (not its identity start), so every path carries signal
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    leaf = x.detach().clone().requires_grad_()
+    if dtype is None:
+        y = block(leaf)
+    else:
+        with torch.autocast("cpu", dtype=dtype):
+            y = block(leaf.to(dtype))
+    y.float().backward(g)
+    grads = [p.grad.clone() for p in block.parameters() if p.grad is not None]
+    return y.float().detach(), leaf.grad.clone(), grads
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_bf16_fast_path_equals_the_plain_path(name, monkeypatch):
+    torch.manual_seed(1)
+    x = torch.randn(4, 32, 6, 5).contiguous(memory_format=torch.channels_last)
+    g = torch.randn(4, 32, 6, 5)
+    fast = run(name, x, g, torch.bfloat16)
+    monkeypatch.setattr(channel, "sum_in", plain_sum_in)
+    plain = run(name, x, g, torch.bfloat16)
+    scale = lambda t: 1 + t.abs().max().item()  # noqa: E731
+    # bf16 keeps 8 bits: one rounding of a pooled statistic moves a gate by at most a few bf16 ulps, and the
+    # block's output and gradients with it (2^-6 of the largest value covers a handful of ulps through the gate)
+    tol = 2 ** -6
+    assert (fast[0] - plain[0]).abs().max().item() <= tol * scale(plain[0]), "output"
+    assert (fast[1] - plain[1]).abs().max().item() <= tol * scale(plain[1]), "input gradient"
+    for a, b in zip(fast[2], plain[2]):
+        assert (a - b).abs().max().item() <= 4 * tol * scale(b), "parameter gradient"
+
+
+@pytest.mark.parametrize("name", ["se", "eca", "spatial", "cbam", "coord", "gc"])
+def test_fp32_is_unchanged_by_the_bf16_paths(name, monkeypatch):
+    torch.manual_seed(2)
+    x = torch.randn(4, 32, 6, 5).contiguous(memory_format=torch.channels_last)
+    g = torch.randn(4, 32, 6, 5)
+    fast = run(name, x, g, None)
+    monkeypatch.setattr(channel, "sum_in", plain_sum_in)
+    plain = run(name, x, g, None)
+    for a, b in zip([fast[0], fast[1], *fast[2]], [plain[0], plain[1], *plain[2]]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_sum_in_is_bf16s_sum_rounded_once():
+    """The fast sum is the fp32 sum rounded to bf16 once, not a bf16 running sum (which would stall at 256)."""
+    x = torch.ones(4, 65536, dtype=torch.bfloat16)
+    assert channel.sum_in(x, (1,), torch.float32).tolist() == [65536.0] * 4
+    y = torch.randn(8, 300, 7).bfloat16()
+    exact = y.double().sum(1)
+    got = channel.sum_in(y, (1,), torch.float32)
+    assert got.dtype == torch.float32
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
+    assert torch.equal(channel.sum_in(y.float(), (1,), torch.float32), y.float().sum(1))  # fp32: the plain sum
+
+
+@pytest.mark.parametrize("grad_mode", [False, True])
+def test_mean_max_backward_in_place_equals_out_of_place(grad_mode):
+    """CBAM's pooling backward scales its tie mask in place unless a double backward needs the graph: both give
+    autograd's gradient of mean and amax (ties split evenly), in the map's layout."""
+    torch.manual_seed(3)
+    x = torch.randint(-2, 3, (2, 8, 5, 4)).float().contiguous(memory_format=torch.channels_last)  # many ties
+    gm, gt = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
+    a = x.clone().requires_grad_()
+    mean, top = channel.mean_max(a, (1,), torch.float32)
+    (grad,) = torch.autograd.grad((mean * gm).sum() + (top * gt).sum(), a, create_graph=grad_mode)
+    b = x.clone().requires_grad_()
+    ((b.mean(1) * gm).sum() + (b.amax(1) * gt).sum()).backward()
+    torch.testing.assert_close(grad, b.grad)
+    assert grad.is_contiguous(memory_format=torch.channels_last)
