@@ -113,11 +113,16 @@ def test_compile_fullgraph(name):
     assert_all_close(g, g_ref)
 
 
+# a training-mode BatchNorm over pooled (B=2) vectors is ~ d / sqrt(d^2 + eps): its gradient amplifies rounding
+# (sk's fp32 input gradient is 1e-3 off its fp64 one, whatever the compiler); these compare in eval mode
+POOLED_BN = {"sk"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", BLOCKS)
 def test_compile_inductor(name):
     """The default backend (Inductor, C++ codegen on CPU): same forward and backward as eager."""
-    block = build(name).train()
+    block = build(name).train(name not in POOLED_BN)
     ref = copy.deepcopy(block)
     compiled = torch.compile(block, fullgraph=True)
     x = sample(name)
@@ -296,6 +301,9 @@ REFERENCES.update(TOKEN_REFERENCES)
 from test_catalogue_gates import GATE_REFERENCES  # noqa: E402  (issue 90's gate blocks)
 
 REFERENCES.update(GATE_REFERENCES)
+from test_catalogue_conv import CONV_REFERENCES  # noqa: E402  (sk, splat, halo, lambda, bat, psa, criss_cross, danet, a2)
+
+REFERENCES.update(CONV_REFERENCES)
 
 
 def test_every_block_has_a_double_backward_reference():

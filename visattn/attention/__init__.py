@@ -23,6 +23,7 @@ class NoAttention(nn.Identity):
 from . import channel, self_attn2d, spatial, token  # noqa: E402
 from . import token_more, token_window  # noqa: E402,F401  (talking_heads, class_attn, xca, attn_pool, window)
 from . import excite, excite_groups  # noqa: E402,F401  (ge, ela, fca, gct, srm; sge, simam, triplet, bam, shuffle)
+from . import convlike, global_attn  # noqa: E402,F401  (sk, splat, halo, lambda, bat; psa, criss_cross, danet, a2)
 from .insert import AttnLayer, attn_layer, insert_attention  # noqa: E402
 from .timm_names import TIMM_ATTN, create_timm_attention  # noqa: E402,F401  (timm's get_attn names)
 
