@@ -115,7 +115,7 @@ def test_compile_fullgraph(name):
 
 # a training-mode BatchNorm over pooled (B=2) vectors is ~ d / sqrt(d^2 + eps): its gradient amplifies rounding
 # (sk's fp32 input gradient is 1e-3 off its fp64 one, whatever the compiler); these compare in eval mode
-POOLED_BN = {"sk"}
+POOLED_BN = {"sk", "srm"}  # srm: its cfc gradient 8e-4 off in train mode (5e-5 of its largest)
 
 
 @pytest.mark.slow
