@@ -192,7 +192,7 @@ def test_variant_identity_init(name, options):
 
 
 @pytest.mark.parametrize("name,options", VARIANTS, ids=IDS)
-def test_variant_compiles_fullgraph_and_double_backward(name, options):
+def test_variant_compiles_fullgraph_exports_and_double_backward(name, options):
     torch._dynamo.reset()
     torch.manual_seed(0)
     block = randomize_(create_attention(name, 8, **options)).train()
@@ -200,6 +200,8 @@ def test_variant_compiles_fullgraph_and_double_backward(name, options):
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), block(x), rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
+    exported = torch.export.export(block.eval(), (x,))
+    torch.testing.assert_close(exported.module()(x), block(x), rtol=1e-5, atol=1e-5)
     block = block.double().eval()
     xd = torch.randn(2, 8, 4, 3, dtype=torch.float64, requires_grad=True)
     with sdpa_kernel(SDPBackend.MATH):
