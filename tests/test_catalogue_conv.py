@@ -156,8 +156,8 @@ def test_bat_on_any_map_is_the_transform_of_the_zero_padded_map(hw):
 
 
 def psa_reference(block, x: torch.Tensor) -> torch.Tensor:
-    """PSA written from the paper: Eq. 1 (channel-only), Eq. 2 (spatial-only), Eq. 3 (parallel), Eq. 4
-    (sequential); ``variant="code"``: the authors' ``PSA_p`` / ``PSA_s`` (no LayerNorm; the spatial softmax
+    """PSA written from the paper's Sec. 3: the channel-only and spatial-only branches, their parallel and
+    sequential compositions; ``variant="code"``: the authors' ``PSA_p`` / ``PSA_s`` (no LayerNorm; the spatial softmax
     over the positions of the logits)."""
     code = block.variant == "code"
 
@@ -415,13 +415,18 @@ def test_default_init_is_not_the_identity_and_zero_init_last_restores_it(name):
 
 def test_sk_and_splat_train_on_batch_one():
     """The BatchNorm over pooled statistics normalises a batch of one with its running statistics."""
-    for name, opts in (("sk", {}), ("splat", dict(norm_layer=nn.BatchNorm2d))):
+    for name, opts, pooled in (("sk", {}, "bn"), ("splat", dict(norm_layer=nn.BatchNorm2d), "bn1")):
         block = randomize_(create_attention(name, 16, **opts)).train()
         before = [b.clone() for b in block.buffers()]
+        kept = [b.clone() for b in getattr(block, pooled).buffers()]
         x = torch.randn(1, 16, 5, 4, requires_grad=True)
-        block(x).sum().backward()
+        y = block(x)
+        y.sum().backward()
         assert torch.isfinite(x.grad).all()
         assert any(not torch.equal(a, b) for a, b in zip(before, block.buffers()))  # the map's BN still updates
+        assert all(torch.equal(a, b) for a, b in zip(kept, getattr(block, pooled).buffers()))  # the pooled one not
+        getattr(block, pooled).eval()
+        torch.testing.assert_close(block(x), y)  # it normalised with its running statistics
 
 
 @pytest.mark.parametrize("name,options,needle", [

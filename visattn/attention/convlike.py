@@ -486,8 +486,8 @@ class BilinearAttnTransform(ResidualScale):
     gives one map, max-pooled into ``block_size`` row and column bins, from which ``conv_p`` / ``conv_q`` make
     ``b x b`` sigmoid matrices normalised to rows (P) and columns (Q) summing to one; spread over the map
     (``kron(., I_t)``), they transform each group's channels bilinearly, ``Y = P X Q``; then 1x1 conv + BN + ReLU,
-    ``conv2`` back to ``C`` (conv + BN + ReLU), and the residual. Defaults (timm's and the authors' code): block 7,
-    2 groups, ``rd = C / 4`` rounded to 8. Equal to timm's ``BatNonLocalAttn`` on maps divisible by the block
+    ``conv2`` back to ``C`` (conv + BN + ReLU), and the residual. Defaults: timm's (adapted from the authors'
+    code): block 7, 2 groups, ``rd = C / 4`` rounded to 8. Equal to timm's ``BatNonLocalAttn`` on maps divisible by the block
     size; on others the bins are ``adaptive_max_pool``'s and the transform is the one on the zero-padded map,
     cropped (:func:`spread`). Deviations: ``drop_rate`` (the Dropout2d before the residual) defaults to 0, not
     0.2, so that training is deterministic; and ``x + scale * BAT(x)`` (module docstring: 1 by default, 0 for

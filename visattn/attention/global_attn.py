@@ -59,11 +59,12 @@ def like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 class PolarizedSelfAttention(nn.Module):
     """Polarized self-attention (Liu et al., 2021, arXiv 2107.00782).
 
-    Channel-only branch (the paper's Eq. 1): ``A_ch = sigmoid(LN(W_z((W_v x) softmax_N(W_q x))))``, ``W_q: C -> 1``,
-    ``W_v: C -> C/2``, ``W_z: C/2 -> C`` (1x1 convs), a softmax over the ``N`` positions, a LayerNorm over the
-    channels. Spatial-only branch (Eq. 2): ``A_sp = sigmoid(softmax_C(GAP(W_q' x)) . W_v' x)``, ``W_q', W_v': C ->
-    C/2``, a softmax over the channels of the pooled queries, one logit per position. ``layout="parallel"``
-    (Eq. 3): ``x * A_ch + x * A_sp``; ``"sequential"`` (Eq. 4): ``x' = x * A_ch``, then ``x' * A_sp(x')``.
+    From the paper's Sec. 3 (its equations for each branch and composition). Channel-only branch:
+    ``A_ch = sigmoid(LN(W_z((W_v x) softmax_N(W_q x))))``, ``W_q: C -> 1``, ``W_v: C -> C/2``, ``W_z: C/2 -> C``
+    (1x1 convs), a softmax over the ``N`` positions, a LayerNorm over the channels. Spatial-only branch:
+    ``A_sp = sigmoid(softmax_C(GAP(W_q' x)) . W_v' x)``, ``W_q', W_v': C -> C/2``, a softmax over the channels of
+    the pooled queries, one logit per position. ``layout="parallel"`` composition: ``x * A_ch + x * A_sp``;
+    ``"sequential"``: ``x' = x * A_ch``, then ``x' * A_sp(x')``.
 
     **Paper and authors' code disagree** (DeLightCMU/PSA, ``PSA_p`` / ``PSA_s``): the code has no LayerNorm in the
     channel branch, and in the spatial branch no softmax over the pooled queries but a softmax over the
@@ -79,8 +80,8 @@ class PolarizedSelfAttention(nn.Module):
 
     PAPER = ("Liu, Shao, Zhang, Liang, Zhao, 2021, Polarized Self-Attention: Towards High-quality Pixel-wise "
              "Regression, arXiv 2107.00782")
-    CHECKED_AGAINST = ("the paper's Eqs. 1-4 (variant='paper', default) and the authors' PSA_p / PSA_s code "
-                       "(variant='code'), written in the test; parallel and sequential; float64")
+    CHECKED_AGAINST = ("the paper's branch and composition equations (variant='paper', default) and the authors' "
+                       "PSA_p / PSA_s code (variant='code'), written in the test; parallel and sequential; float64")
     IDENTITY = ("the logits' last layer (LayerNorm scale and shift, or W_z for the code; the spatial W_v): gates "
                 "at 0.5, read as 2 * gate when sequential")
 
