@@ -300,7 +300,7 @@ def test_a_resnet34_weights_file_given_to_resnet18_is_one_line_naming_the_file(t
     ([*RESNET, "model.kwargs.drop_path_rate=.nan"], "kwargs.drop_path_rate must be a finite number"),
     ([*RESNET, "model.kwargs.drop_path_rate=2"], "kwargs.drop_path_rate must be in [0, 1)"),
     ([*RESNET, "model.kwargs.zero_init=true"], "unexpected keyword argument 'zero_init'"),
-    ([*RESNET, "model.kwargs.channels=[-8,8,16,16]"], "model.kwargs: timm/resnet18 refused"),
+    ([*RESNET, "model.kwargs.channels=[-8,8,16,16]"], "option kwargs.channels[0] must be at least 1, got -8"),
     ([*RESNET, "model.kwargs.num_classes=5"], "the class count comes from the data"),
     ([*RESNET, "model.pretrained=true"], "download the weights once"),
     ([*RESNET, "model.kwargs.pretrained=true"], "download the weights once"),

@@ -4,16 +4,26 @@ lose; (b) builder options typed from both the builder function's and the built c
 (c) cross-field checks in one place; (d) the rest. A refusal is one line naming the problem."""
 from __future__ import annotations
 
+import copy
+import shutil
 import zipfile
 from pathlib import Path
 from typing import List
 
 import numpy as np
+import pytest
+import torch
+from conftest import SMOKE, folder_digest, run_cli
 from test_data import _cfg as _data_cfg
 from test_data import _write_folder
 
+import visattn
+from visattn.config import load_config
 from visattn.data import ImageSet, load_splits
 from visattn.data.cache import cached_read
+from visattn.errors import CheckpointError
+from visattn.evaluate import main as evaluate_main
+from visattn.rundir import DIGEST_KEY, load_checkpoint
 
 
 def _quiet(*a, **k) -> None:
@@ -68,3 +78,190 @@ def test_a2_a_cache_whose_arrays_do_not_match_its_digest_is_rebuilt(tmp_path):
     assert len(warned) == 1 and "do not match the digest" in warned[0] and "rebuilding it" in warned[0]
     with zipfile.ZipFile(cache) as z:  # the rebuilt file carries a digest again
         assert "digest.npy" in z.namelist()
+
+
+# ---- (b) builder options: typed from the builder function's and the class's signatures, with ranges ---------------
+
+
+S = ["--config", str(SMOKE), "train.epochs=1", "data.synthetic_size=200", "data.val_size=50", "log.progress=false",
+     "device=cpu", "train.batch_size=40", "log.tensorboard=false", "log.maps_every=0", "precision=fp32"]
+TVM = ["model.name=torchvision/mobilenet_v3_small", "model.attention=none"]
+TMB = ["model.name=timm/mobilenetv3_small_050", "model.cifar_stem=true", "model.attention=none"]
+T = ["model.name=timm/resnet18", "model.cifar_stem=true", "model.attention=none"]
+
+
+def refused(tmp_path: Path, *argv: str) -> str:
+    """``train.py`` in-process on a new run folder: exit 2, one ``error:`` line and no traceback, the folder not
+    created; returns the line."""
+    rd = tmp_path / "run"
+    proc = run_cli([*S, f"run_dir={rd}", *argv])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not rd.exists()
+    return errors[0]
+
+
+@pytest.mark.parametrize("option, said", [
+    ("model.kwargs.width_mult=-1", "option kwargs.width_mult must be above 0, got -1"),
+    ("model.kwargs.width_mult=true", "model.kwargs.width_mult must be a number, not true (a bool; torchvision's "
+                                     "mobilenet_v3_small takes width_mult: float)"),
+    ("model.kwargs.width_mult='0.5'", "model.kwargs.width_mult must be a number, not '0.5'"),
+    ("model.kwargs.reduced_tail='no'", "model.kwargs.reduced_tail must be true or false, not 'no'"),
+])
+def test_b5_options_of_torchvisions_builder_function_are_typed_and_ranged(tmp_path, option, said):
+    assert said in refused(tmp_path, *TVM, option)
+
+
+def test_b5_timms_depth_multiplier_is_ranged_and_a_valid_multiplier_still_builds(tmp_path):
+    assert "option kwargs.depth_multiplier must be above 0, got -1" in \
+        refused(tmp_path, *TMB, "model.kwargs.depth_multiplier=-1")
+    from visattn.models.foreign import build_foreign
+
+    def params(**kw):
+        return sum(p.numel() for p in build_foreign("torchvision", "mobilenet_v3_small", kwargs=kw).parameters())
+    assert params(width_mult=0.5) < params() < params(width_mult=1.5)  # taken, and meaning what it says
+    assert params(reduced_tail=True) < params(reduced_tail=False)
+
+
+def test_b7_bn_momentum_zero_is_refused_for_visattns_models_as_for_package_models(tmp_path):
+    assert "bn_momentum must be a number in (0, 1]" in refused(tmp_path, "model.bn_momentum=0")
+    assert "bn_momentum' of model 'resnet_fast' must be a number" in refused(tmp_path, "model.bn_momentum=true")
+    assert "'bn_momentum'" in refused(tmp_path, *T, "model.bn_momentum=0")
+    model = visattn.create_model("resnet_fast", bn_momentum=0.4)  # airbench's: taken
+    assert {m.momentum for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)} == {0.4}
+
+
+def test_b8_head_init_zero_refuses_a_classifier_behind_a_relu(tmp_path):
+    line = refused(tmp_path, "model.name=torchvision/squeezenet1_1", "model.attention=none", "model.head_init=zero")
+    assert "model.head_init=zero: the classifier of torchvision/squeezenet1_1 (classifier.1) gets no gradient at " \
+           "zero (after it: ReLU" in line
+
+
+def test_b8_head_init_zero_covers_every_head_get_classifier_returns_and_each_learns():
+    from visattn.models.foreign import build_foreign
+
+    model = build_foreign("timm", "levit_128s", 10, head_init="zero")
+    heads = {n: p for n, p in model.named_parameters() if n.startswith(("head.linear", "head_dist.linear"))}
+    assert len(heads) == 4 and all(float(p.detach().abs().sum()) == 0 for p in heads.values())
+    model.eval()
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(2, 3, 224, 224)), torch.tensor([0, 1]))
+    loss.backward()
+    assert all(float(p.grad.abs().sum()) > 0 for p in heads.values())
+
+
+def test_b9_a_channel_list_shorter_than_the_stages_is_one_line_before_any_data(tmp_path):
+    line = refused(tmp_path, *T, "model.kwargs.channels=[8,16,32]")
+    assert "timm/resnet18 builds with these options, but its forward fails (AttributeError" in line
+    load_config(SMOKE, [*S[2:], *T, "model.kwargs.channels=[8,16,32,64]"])  # four stages: fine
+
+
+@pytest.mark.parametrize("name", ["timm/resnet18.x:y", "timm/resnet18.nosuchtag", "timm/resnet18."])
+def test_b10_a_bad_pretrained_tag_is_a_model_name_problem(tmp_path, name):
+    line = refused(tmp_path, f"model.name={name}")
+    assert f"unknown timm model {name.removeprefix('timm/')!r}: resnet18 has no pretrained tag" in line
+    assert "kwargs" not in line
+
+
+def test_b10_a_known_tag_is_taken():
+    from visattn.models.foreign import resolve
+
+    assert resolve("timm", "resnet18.a1_in1k") == "resnet18.a1_in1k"
+
+
+def test_b11_a_safetensors_file_named_pth_is_read_as_safetensors_and_pickles_get_a_plain_line(tmp_path):
+    import pickle
+
+    from safetensors.torch import save_file
+
+    from visattn.models.foreign import read_weights
+
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    save_file(state, tmp_path / "w.pth")
+    assert torch.equal(read_weights(tmp_path / "w.pth")["w"], state["w"])
+    (tmp_path / "plain.pth").write_bytes(pickle.dumps({"w": [1, 2]}))
+    with pytest.raises(ValueError) as e:
+        read_weights(tmp_path / "plain.pth")
+    assert "is a pickle that torch.save does not write" in str(e.value) and " is it " not in str(e.value)
+    torch.save({"w": Evil()}, tmp_path / "evil.pth")
+    with pytest.raises(ValueError, match=r"'.*evil.pth' holds pickled objects other than tensors \(.*print\); it was not"):
+        read_weights(tmp_path / "evil.pth")
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+# ---- (a) 1: a checkpoint without a digest loads only if provably older than digests ------------------------------
+
+
+PRE_DIGEST = Path(__file__).parent / "data" / "pre_digest" / "best.pt"
+
+
+def test_a1_a_checkpoint_from_before_digests_loads_and_is_still_checked_for_finite_weights(tmp_path):
+    state = load_checkpoint(PRE_DIGEST)
+    assert state["epoch"] == 1 and "format_version" not in state
+    state["model"] = {k: v * float("nan") if v.is_floating_point() else v for k, v in state["model"].items()}
+    torch.save(state, tmp_path / "nan.pt")
+    with pytest.raises(CheckpointError, match="non-finite"):
+        load_checkpoint(tmp_path / "nan.pt")
+
+
+def _stripped(finished_run: Path, tmp_path: Path) -> Path:
+    """Issue 92's case 1: today's best.pt without its digest, format_version, teacher_digest, model.init_from and
+    data.placed, its fc.weight zeroed."""
+    state = torch.load(finished_run / "best.pt", weights_only=True)
+    for key in (DIGEST_KEY, "format_version", "teacher_digest"):
+        state.pop(key, None)
+    state["config"]["model"].pop("init_from", None)
+    state["config"]["data"].pop("placed", None)
+    state["model"]["fc.weight"].zero_()
+    torch.save(state, tmp_path / "stripped.pt")
+    return tmp_path / "stripped.pt"
+
+
+def test_a1_todays_checkpoint_stripped_of_its_digest_and_markers_is_refused_everywhere(tmp_path, finished_run):
+    path = _stripped(finished_run, tmp_path)
+    with pytest.raises(CheckpointError, match="its digest entry was removed .*which no visattn before digests wrote"):
+        load_checkpoint(path)
+    ev = run_cli(["--checkpoint", str(path), "--data", "synthetic", "--device", "cpu"], tool=evaluate_main)
+    assert ev.returncode == 2 and len(ev.stderr.strip().splitlines()) == 1 and "digest entry was removed" in ev.stderr
+    assert "digest entry was removed" in refused(tmp_path, f"model.init_from={path}")
+    assert "digest entry was removed" in refused(tmp_path, "train.distill.teacher=" + str(path))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(finished_run, resumed, ignore=shutil.ignore_patterns(".visattn-run.lock"))
+    shutil.copy(path, resumed / "last.pt")
+    before = folder_digest(resumed)
+    proc = run_cli([*S, f"run_dir={resumed}", "resume=auto", "train.epochs=2"])
+    assert proc.returncode == 2 and "digest entry was removed" in proc.stderr and folder_digest(resumed) == before
+
+
+def test_a1_each_entry_and_config_key_of_today_is_a_digest_era_marker(tmp_path, finished_run):
+    """Whatever a stripper leaves of today's writer shows it: a top-level entry, or any config key, that no visattn
+    before digests wrote; an old file with one such key added is refused too."""
+    old = torch.load(PRE_DIGEST, weights_only=True)
+    for where, edit in (("an entry", lambda s: s.update(epoch_loss=1.0)),
+                        ("a config key", lambda s: s["config"]["log"].update(maps_dpi=3)),
+                        ("a nested config key", lambda s: s["config"]["data"]["augment"].update(mixup=0.2))):
+        s = copy.deepcopy(old)
+        edit(s)
+        torch.save(s, tmp_path / "x.pt")
+        with pytest.raises(CheckpointError, match="digest entry was removed"):
+            load_checkpoint(tmp_path / "x.pt")
+
+
+def test_a1_an_old_files_git_entry_naming_a_revision_after_digests_is_a_marker(tmp_path):
+    import subprocess
+
+    revs = [subprocess.run(["git", "rev-parse", r], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
+            for r in ("HEAD", "0c428f2^")]
+    if not all(revs):
+        pytest.skip("no git history here")
+    old = torch.load(PRE_DIGEST, weights_only=True)
+    for rev, loads in ((revs[0], False), (revs[0] + "-dirty", False), (revs[1], True)):
+        torch.save({**old, "git": rev}, tmp_path / "g.pt")
+        if loads:
+            assert load_checkpoint(tmp_path / "g.pt")["epoch"] == 1
+        else:
+            with pytest.raises(CheckpointError, match=r"git entry \(revision .*came after digests"):
+                load_checkpoint(tmp_path / "g.pt")

@@ -15,16 +15,12 @@ commands report as a config error.
 """
 from __future__ import annotations
 
-import collections.abc
 import difflib
 import functools
-import inspect
 import math
 import os
 import pickle
 import re
-import typing
-import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -33,8 +29,8 @@ import torch
 from torch import nn
 
 from ..attention import insert_attention
-from ..attention.insert import SUPPORTED_FAMILIES
 from ..registry import MODELS
+from .builder_options import check_kwargs, package_model, shown
 
 PACKAGES = ("timm", "torchvision")
 # builder options visattn sets itself, or that would download: refused in model.kwargs with the reason
@@ -79,13 +75,28 @@ def resolve(package: str, arch: str) -> str:
     classifiers, every = _names(package)
     base = arch.partition(".")[0] if package == "timm" else arch  # timm/resnet18.a1_in1k: a pretrained tag
     if base in classifiers:
-        return arch
+        return _check_tag(arch) if package == "timm" and "." in arch else arch
     if base in every:
         raise ValueError(f"{package}/{arch} is not a classifier (a detection, segmentation or video model); "
                          f"classifiers are e.g. {', '.join(difflib.get_close_matches(base, classifiers, n=3, cutoff=0))}")
     near = difflib.get_close_matches(base, classifiers, n=4, cutoff=0.5)
     hint = f"nearest: {', '.join(near)}" if near else f"{len(classifiers):,} names, e.g. {', '.join(classifiers[:3])}"
     raise ValueError(f"unknown {package} model {arch!r} ({hint}; the installed {package} lists them)")
+
+
+def _check_tag(arch: str) -> str:
+    """``arch`` (``NAME.TAG``) where timm knows the pretrained tag ``TAG`` for ``NAME``, else a ValueError about the
+    model name (the tag only picks the pretrained config: nothing is downloaded)."""
+    import timm
+
+    base, _, tag = arch.partition(".")
+    tags = [n.partition(".")[2] for n in timm.list_pretrained(f"{base}.*") if n.partition(".")[0] == base]
+    if tag in tags:
+        return arch
+    known = f"its tags are {', '.join(tags[:4])}{', ...' if len(tags) > 4 else ''}" if tags else "it has no tags"
+    near = difflib.get_close_matches(tag, tags, n=1)
+    raise ValueError(f"unknown timm model {arch!r}: {base} has no pretrained tag {tag!r} "
+                     f"({f'did you mean {near[0]!r}? ' if near else ''}{known}; or give {base} alone)")
 
 
 # ---- options ---------------------------------------------------------------------------------------------
@@ -125,137 +136,10 @@ def check_options(package: str, arch: str, options: Dict[str, Any]) -> None:
         raise ValueError("model.pretrained_file: an empty path")
     if options.get("head_init") is not None and options["head_init"] not in HEAD_INITS:
         raise ValueError(f"option 'head_init' of model {package}/{arch} must be one of {', '.join(HEAD_INITS)} (unset: "
-                         f"the package's own init), not {_shown(options['head_init'])}")
+                         f"the package's own init), not {shown(options['head_init'])}")
     if isinstance(options.get("kwargs"), dict):
         check_kwargs(package, arch, options["kwargs"])
 
-
-# a builder option that is a probability (dropout, drop path, drop block, stochastic depth, patch dropout): any
-# key of model.kwargs whose name holds "drop", or ends in "_prob" / starts with "stochastic_depth", given a number
-RATE_LIKE = re.compile(r"drop|_prob$|^prob$|^stochastic_depth")
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _shown(v: Any) -> str:
-    text = "true" if v is True else "false" if v is False else repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-@functools.lru_cache(maxsize=64)
-def _class_params(package: str, arch: str) -> Tuple[Tuple[str, Any, Any], ...]:
-    """(name, annotation, default) of the keyword options of the class ``package`` builds for ``arch`` (found by
-    building it once with no options on the meta device: no memory, no weights); () where that fails."""
-    try:
-        with torch.device("meta"), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cls = type(_package_model(package, arch, 10, {}))
-        sig = inspect.signature(cls.__init__)
-        try:
-            hints = typing.get_type_hints(cls.__init__)
-        except Exception:  # noqa: BLE001 - an annotation that does not resolve: take them as written
-            hints = {}
-    except Exception:  # noqa: BLE001 - a builder that cannot run on the meta device: no types to check against
-        return ()
-    return tuple((p.name, hints.get(p.name, p.annotation), p.default) for p in sig.parameters.values()
-                 if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self")
-
-
-Misfit = Optional[Tuple[str, str, Any]]  # (where under the key: "" or "[i]", what it must be, the value there)
-
-
-def _misfit(annotation: Any, value: Any) -> Misfit:
-    """Why ``value`` is not of ``annotation``'s type (None where it is, or where the annotation says nothing a
-    config value could be checked against: a callable, a module class): a bool is never a number, a string
-    never a bool or a number, a list's items are checked one by one."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if annotation is inspect.Parameter.empty or annotation is Any:
-        return None
-    if origin is Union or type(annotation).__name__ == "UnionType":
-        if value is None and type(None) in args:
-            return None
-        whys = [_misfit(a, value) for a in args if a is not type(None)]
-        return None if not whys or not all(whys) else whys[0]
-    if origin is typing.Literal:
-        ok = any(value == a and type(value) is type(a) for a in args)
-        return None if ok else ("", "must be one of " + ", ".join(map(repr, args)), value)
-    if annotation is bool:
-        return None if isinstance(value, bool) else ("", "must be true or false", value)
-    if annotation is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else ("", "must be an integer", value)
-    if annotation is float:
-        return None if _is_number(value) else ("", "must be a number", value)
-    if annotation is str:
-        return None if isinstance(value, str) else ("", "must be a string", value)
-    if origin in (list, tuple, collections.abc.Sequence):
-        if not isinstance(value, (list, tuple)):
-            return ("", "must be a list", value)
-        each = args[:1] if (origin is not tuple or (len(args) == 2 and args[1] is Ellipsis)) else args
-        if origin is tuple and args and args[-1] is not Ellipsis and len(args) != len(value):
-            return ("", f"must be a list of {len(args)} values", value)
-        for i, v in enumerate(value):
-            why = _misfit(each[min(i, len(each) - 1)], v) if each else None
-            if why:
-                return (f"[{i}]{why[0]}", why[1], why[2])
-        return None
-    if origin in (dict, collections.abc.Mapping) or annotation is dict:
-        return None if isinstance(value, dict) else ("", "must be a mapping", value)
-    return None
-
-
-def _by_default(default: Any) -> Any:
-    """The type an unannotated option takes, from its default (bool, int, float, or a list of ints)."""
-    if isinstance(default, bool):
-        return bool
-    if isinstance(default, (int, float)):
-        return float if isinstance(default, float) else int
-    if isinstance(default, (list, tuple)) and default and all(_is_number(v) for v in default):
-        return Tuple[float if any(isinstance(v, float) for v in default) else int, ...]
-    return inspect.Parameter.empty
-
-
-def check_kwargs(package: str, arch: str, kwargs: Dict[str, Any]) -> None:
-    """Every key of ``model.kwargs`` against the type the builder's class gives it (its annotation, else its
-    default: a bool where a number belongs is refused, and a string where a bool belongs), and every rate-like
-    key (:data:`RATE_LIKE`: dropout, drop path, drop block, stochastic depth probabilities) in [0, 1), lists of
-    them included; a ValueError naming the key."""
-    params = {name: (a, d) for name, a, d in _class_params(package, arch)} if kwargs else {}
-    for key, value in kwargs.items():
-        where = f"model.kwargs.{key}"
-        if key in params:
-            annotation, default = params[key]
-            if annotation is inspect.Parameter.empty:
-                annotation = _by_default(default)
-            if value is None and default is not None and annotation in (bool, int, float):
-                raise ValueError(f"{where} must be {'true or false' if annotation is bool else 'a number'}, not null")
-            why = _misfit(annotation, value)
-            if why:
-                at, must, got = why
-                kind = "a bool" if isinstance(got, bool) else f"a {type(got).__name__}"
-                raise ValueError(f"{where}{at} {must}, not {_shown(got)} ({kind}; {package}'s {arch} takes "
-                                 f"{key}: {_type_text(annotation)})")
-        if RATE_LIKE.search(str(key)) and value is not None:
-            _check_rate(where, value)
-
-
-def _type_text(annotation: Any) -> str:
-    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
-    return text.replace("typing.", "")
-
-
-def _check_rate(where: str, value: Any) -> None:
-    """A probability: a number in [0, 1), or a list of them (per-block rates); never a bool or a string."""
-    items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
-    for i, v in items:
-        key = where if i is None else f"{where}[{i}]"
-        if isinstance(v, bool) or isinstance(v, str):
-            raise ValueError(f"{key} is a probability: it must be a number in [0, 1), not {_shown(v)}"
-                             + (" (true would be taken as 1.0)" if v is True else ""))
-        if _is_number(v) and math.isfinite(v) and not 0 <= v < 1:
-            raise ValueError(f"option {key.removeprefix('model.')} must be in [0, 1), got {v} (a probability: "
-                             "1 drops everything)")
 
 
 # ---- the CIFAR stem --------------------------------------------------------------------------------------
@@ -354,20 +238,27 @@ def read_weights_entry(path: Union[str, os.PathLike]) -> Tuple[Dict[str, torch.T
         raise ValueError(f"{what} is {p.stat().st_size / 2**30:.1f} GiB; the limit is {MAX_WEIGHTS_BYTES // 2**30} GiB")
     try:
         with open(p, "rb") as f:
-            head = f.read(8)
-        if p.suffix == ".safetensors":
+            head = f.read(9)
+        size = p.stat().st_size
+        # a safetensors file: 8 bytes of header length, then the JSON header, whatever the file is named
+        is_safetensors = len(head) == 9 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little") <= size - 8
+        if p.suffix == ".safetensors" and not is_safetensors:
             torch_file = head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"  # a torch.save zip, a legacy pickle
-            if torch_file and int.from_bytes(head, "little") > p.stat().st_size:  # no header length fits the file
+            if torch_file:
                 raise ValueError(f"{what} is a PyTorch (torch.save) file, not a safetensors file: name it .pth")
+        if is_safetensors or p.suffix == ".safetensors":
             from safetensors.torch import load_file
 
             state: Any = load_file(str(p))
         else:
             state = torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        why = "it holds pickled objects other than tensors (not loaded: that could run code)" \
-            if "weights_only" in str(e) or "Unsupported global" in str(e) else "corrupt"
-        raise ValueError(f"{what} is {why}") from None
+        text = str(e)
+        glob = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        why = (f"holds pickled objects other than tensors ({glob.group(1)}); it was not loaded: that could run code"
+               if glob else "is a pickle that torch.save does not write (not a PyTorch or safetensors weights file)"
+               if "Unsupported operand" in text or "weights_only" in text else "is corrupt")
+        raise ValueError(f"{what} {why}") from None
     except ValueError as e:
         if str(e).startswith(what):
             raise
@@ -398,8 +289,10 @@ def _classifier_names(model: nn.Module, num_classes: int) -> List[str]:
     with ``num_classes`` outputs (torchvision's ``fc``, ``classifier.3``, ``heads.head``...)."""
     get = getattr(model, "get_classifier", None)
     target = get() if callable(get) else None
-    if isinstance(target, nn.Module) and not isinstance(target, nn.Identity):
-        return [n for n, m in model.named_modules() if m is target]
+    heads = [t for t in (target if isinstance(target, (tuple, list)) else (target,))  # levit: (head, head_dist)
+             if isinstance(t, nn.Module) and not isinstance(t, nn.Identity)]
+    if heads:
+        return [n for n, m in model.named_modules() if any(m is t for t in heads)]
     last = [n for n, m in model.named_modules() if (isinstance(m, nn.Linear) and m.out_features == num_classes)
             or (isinstance(m, nn.Conv2d) and m.out_channels == num_classes)]
     return last[-1:]
@@ -420,6 +313,75 @@ def zero_classifier(model: nn.Module, num_classes: int, name: str) -> List[str]:
         for p in params:
             p.zero_()
     return names
+
+
+def probe_size(model: nn.Module, kwargs: Dict[str, Any], cifar_stem: bool) -> int:
+    """The side of a square input the built model takes: 32 with a CIFAR stem, else ``img_size`` from the
+    options or the package's pretrained config, else 224."""
+    size = kwargs.get("img_size")
+    size = size[-1] if isinstance(size, (list, tuple)) and size else size
+    cfg = getattr(model, "pretrained_cfg", None)
+    if cifar_stem:
+        return 32
+    if isinstance(size, int) and not isinstance(size, bool):
+        return size
+    return int(cfg["input_size"][-1]) if isinstance(cfg, dict) and cfg.get("input_size") else 224
+
+
+def check_learns_from_zero(model: nn.Module, names: Sequence[str], size: int, name: str) -> None:
+    """A ValueError where the zeroed classifier ``names`` gets no gradient from a cross-entropy loss on a probe
+    batch (eval mode, a seeded generator, so no RNG or statistic of the run moves): something after it is flat
+    at zero (torchvision's SqueezeNet: a ReLU after its classifier conv), so it would never leave zero. Nothing
+    is said where the probe cannot run (the meta device, an input the model refuses)."""
+    modules = dict(model.named_modules())
+    params = [p for n in names for p in modules[n].parameters() if p.requires_grad]
+    if not params or any(p.is_meta for p in params):
+        return
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0)).to(params[0])
+    training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            out = model(x)
+            out = (out[0] if isinstance(out, (tuple, list)) else out).float()
+            loss = nn.functional.cross_entropy(out, torch.arange(2, device=out.device) % out.shape[-1])
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+    except (RuntimeError, ValueError, TypeError, AssertionError, AttributeError, IndexError):
+        return
+    finally:
+        model.train(training)
+    if any(g is not None and bool(g.abs().sum() > 0) for g in grads):
+        return
+    parent_name, _, last = names[-1].rpartition(".")
+    children = list(modules[parent_name].named_children()) if isinstance(modules[parent_name], nn.Sequential) else []
+    keys = [k for k, _ in children]
+    after = [type(m).__name__ for _, m in children[keys.index(last) + 1:]] if last in keys else []
+    tail = f" (after it: {', '.join(after)})" if after else ""
+    raise ValueError(f"model.head_init=zero: the classifier of {name} ({', '.join(names)}) gets no gradient at zero"
+                     f"{tail}, so it would never leave zero; leave model.head_init unset for this model")
+
+
+def check_forward_runs(model: nn.Module, size: int, name: str) -> None:
+    """On the meta device (a config's check: no memory, no values), one input through the built model: a model
+    whose options build but do not fit together (timm's ResNet with 3 ``channels`` for its 4 stages has no
+    ``layer4``) fails here in one line, not at the first image. Errors that depend on the input's size are
+    left to the run's check on its own images."""
+    if not all(p.is_meta for p in model.parameters()):
+        return
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, 3, size, size, device="meta"))
+    except (AttributeError, KeyError, IndexError, NameError) as e:
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        raise ValueError(f"model.kwargs: {name} builds with these options, but its forward fails ({type(e).__name__}"
+                         f"{': ' + why if why else ''}): the options do not fit together (a list of another length "
+                         "than the model's stages?)") from None
+    except Exception:  # noqa: BLE001 - a size the model refuses, an op without a meta kernel: the run's check
+        pass
+    finally:
+        model.train(training)
 
 
 def wide_head_note(model: nn.Module, num_classes: int, ratio: float = 3.0) -> Optional[str]:
@@ -507,20 +469,10 @@ def load_pretrained(model: nn.Module, path: str, num_classes: int) -> Dict[str, 
 # ---- the builder -----------------------------------------------------------------------------------------
 
 
-def _package_model(package: str, arch: str, num_classes: int, kwargs: Dict[str, Any]) -> nn.Module:
-    if package == "timm":
-        import timm
-
-        return timm.create_model(arch, pretrained=False, num_classes=num_classes, **kwargs)
-    import torchvision.models as tvm
-
-    return tvm.get_model(arch, weights=None, num_classes=num_classes, **kwargs)
-
-
 def _build(package: str, arch: str, num_classes: int, kwargs: Dict[str, Any]) -> nn.Module:
     """The package's model; options it does not take, or rejects, are one line naming ``model.kwargs``."""
     try:
-        model = _package_model(package, arch, num_classes, kwargs)
+        model = package_model(package, arch, num_classes, kwargs)
     except (TypeError, ValueError, AssertionError, RuntimeError, KeyError, IndexError, ZeroDivisionError,
             OverflowError, AttributeError) as e:
         why = str(e).strip().splitlines()[0][:200] if str(e).strip() else e.__class__.__name__
@@ -528,7 +480,7 @@ def _build(package: str, arch: str, num_classes: int, kwargs: Dict[str, Any]) ->
             import inspect
 
             with torch.device("meta"):
-                plain = _package_model(package, arch, num_classes, {})
+                plain = package_model(package, arch, num_classes, {})
             took = [p for p in inspect.signature(type(plain).__init__).parameters if p not in ("self", "args", "kwargs")]
             why = f"{why}; {type(plain).__name__} takes {', '.join(k for k in took if k not in RESERVED)}"
         raise ValueError(f"model.kwargs: {package}/{arch} refused {kwargs} ({why})") from None
@@ -558,17 +510,20 @@ def build_foreign(package: str, arch: str, num_classes: int = 10, *, attention: 
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.momentum = float(bn_momentum)
+    size = probe_size(model, dict(kwargs or {}), cifar_stem)
+    check_forward_runs(model, size, f"{package}/{arch}")
     if head_init == "zero":
-        zero_classifier(model, num_classes, f"{package}/{arch}")
+        check_learns_from_zero(model, zero_classifier(model, num_classes, f"{package}/{arch}"), size, f"{package}/{arch}")
     model.pretrained_origin = load_pretrained(model, pretrained_file, num_classes) if pretrained_file else None
     if attention != "none":
         try:
             insert_attention(model, attention, at=attn_at, **dict(attn_kwargs or {}))
         except (ValueError, TypeError) as e:
             if attn_at is None and "found no residual blocks" in str(e):
-                e = ValueError(f"insert_attention has no rule for {type(model).__name__} (it has one for "
-                               f"{SUPPORTED_FAMILIES}); name the modules to follow with model.attn_at=[NAME, ...] "
-                               "(patterns of model.named_modules(), each a conv or norm of (B, C, H, W) output)")
+                e = ValueError(f"insert_attention found no residual branch or SE slot in {type(model).__name__} "
+                               "(docs/models.md lists what takes a block); name the modules to follow with "
+                               "model.attn_at=[NAME, ...] (patterns of model.named_modules(), each a conv or norm "
+                               "of (B, C, H, W) output)")
             raise ValueError(f"model.attention={attention} in {package}/{arch}: {e}") from None
     elif attn_kwargs or attn_at:
         raise ValueError(f"model.attn_kwargs / attn_at are set but model.attention is none ({package}/{arch})")

@@ -219,6 +219,7 @@ class FastResNet(nn.Module):
         _check_counts("units", units, 0, 64)
         _check_counts("stem_width", stem_width, 1, one=True)
         _check_fast_options(widths, units, stem, block, bn_scale, conv_init, attn_position, group_skip)
+        _check_momentum(bn_momentum)
         names = _per_stage(attention, len(widths))
         kw = dict(attn_kwargs or {})
         if stem == "whiten":
@@ -269,6 +270,15 @@ def _check_fast_options(widths: Sequence[int], units: Sequence[int], stem: str, 
         raise ValueError(f"group_skip must be true or false, not {group_skip!r}")
     if group_skip and 0 in units:
         raise ValueError("group_skip needs at least one unit in every group (units has a 0)")
+
+
+def _check_momentum(momentum: Any) -> None:
+    """BatchNorm's running-statistics momentum (Ioffe & Szegedy 2015, "Batch Normalization", arXiv 1502.03167):
+    in (0, 1], as package models take it. At 0 the statistics evaluation uses never move from their start (mean
+    0, variance 1) however long the run trains, so 0 is refused rather than taken."""
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 < momentum <= 1:
+        raise ValueError(f"bn_momentum must be a number in (0, 1] (BatchNorm's running-statistics momentum; at 0 the "
+                         f"statistics evaluation uses never move), not {momentum!r}")
 
 
 def _configure_norms(model: nn.Module, momentum: float, eps: float, frozen_scale: bool) -> None:
