@@ -32,6 +32,7 @@ import re
 import shutil
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
 import time
@@ -328,6 +329,25 @@ DIGEST_ERA_CONFIG = (("model", "init_from"), ("data", "placed"))  # config keys 
 # model is rebuilt from it)
 FOREIGN_PREFIXES = ("timm/", "torchvision/")
 FOREIGN_OPTIONS = ("pretrained_file", "cifar_stem", "attn_at", "kwargs")
+# what every visattn before digests (issue 60, commit DIGEST_COMMIT) wrote, read from the git history: the union
+# of its checkpoints' entries, and of its config's keys section by section (the model section: every option of
+# its models). A file without a digest loads only where it holds nothing else, and its git entry does not name a
+# revision at or after DIGEST_COMMIT: anything else is what a writer of digests wrote, so the digest was lost
+DIGEST_COMMIT = "0c428f2"
+PRE_DIGEST_ENTRIES = frozenset("best_acc classes config ema epoch epoch_stats eval_split git loader lookahead model "
+                               "optimizer rng scaler scheduler seed step versions".split())
+PRE_DIGEST_CONFIG = {
+    "": frozenset("channels_last compile data deterministic device eval log model name optim precision resume resume_allow_changes run_dir sched seed sync_bn train".split()),
+    "data": frozenset("augment cache_dir download image_size loader max_image_pixels mean on_bad_image root source split_seed std subset synthetic_size use_test_split val_size workers".split()),
+    "data.augment": frozenset("crop_padding cutout extra hflip hflip_mode padding_mode".split()),
+    "eval": frozenset("batch_size every tta".split()),
+    "log": frozenset("faithfulness gradient_maps head_maps map_norm map_scale maps_every probe_size progress tensorboard".split()),
+    "model": frozenset("act attention attn attn_drop_rate attn_kwargs attn_position block bn_eps bn_momentum bn_scale cin conv_channels conv_init cout depth dim drop drop_path drop_path_rate drop_rate eps grid_size group_skip head_scale img_size in_channels in_chans init kernel_size layer_scale layers mlp_ratio n_conv_layers n_frozen name norm num_classes num_heads out_channels padding patch patch_size pool pool_kernel pools position post_act skip spt stem stem_width stride tokenizer tokenizer_act tokenizer_init tokenizer_norm units whiten_bias_epochs width widths".split()),
+    "optim": frozenset("betas grad_clip lr momentum name nesterov no_decay_norm_bias norm_bias_lr_scale weight_decay".split()),
+    "sched": frozenset("anneal min_lr_ratio name start_lr_ratio warmup_epochs".split()),
+    "train": frozenset("batch_size check_every ckpt_every_steps distill ema_decay ema_warmup epochs label_smoothing lookahead_decay lookahead_every lookahead_power max_nonfinite_steps max_steps".split()),
+    "train.distill": frozenset("kind teacher temperature weight".split()),
+}
 
 
 def state_digest(state: Dict[str, Any]) -> str:
@@ -505,7 +525,41 @@ def _digest_era(state: Dict[str, Any]) -> str:
         held_opt = next((k for k in FOREIGN_OPTIONS if k in model), None)
         if held_opt is not None:
             return f"config (it holds model.{held_opt}, an option of the package models, which came with digests)"
-    return ""
+    newer = sorted(str(k) for k in state if k not in PRE_DIGEST_ENTRIES)
+    if newer:
+        return f"{newer[0]} entry (one that no visattn before digests wrote)"
+    key = _newer_config_key(config) if isinstance(config, dict) else None
+    if key is not None:
+        return f"config (it holds {key}, which no visattn before digests wrote)"
+    return _git_after_digests(state.get("git"))
+
+
+def _newer_config_key(config: Dict[str, Any], path: str = "") -> Optional[str]:
+    """The first key of a stored ``config`` that no visattn before digests had (:data:`PRE_DIGEST_CONFIG`)."""
+    for k, v in config.items():
+        where = f"{path}.{k}" if path else str(k)
+        if k not in PRE_DIGEST_CONFIG[path]:
+            return where
+        if isinstance(v, dict) and where in PRE_DIGEST_CONFIG:
+            found = _newer_config_key(v, where)
+            if found is not None:
+                return found
+    return None
+
+
+def _git_after_digests(rev: Any) -> str:
+    """A note where ``rev`` (a checkpoint's git entry) names a revision this checkout knows at or after
+    :data:`DIGEST_COMMIT` ("" where it does not, or where no git can tell)."""
+    rev = rev.removesuffix("-dirty") if isinstance(rev, str) else ""
+    if not re.fullmatch(r"[0-9a-f]{7,40}", rev):
+        return ""
+    try:
+        here = Path(__file__).resolve().parent
+        done = subprocess.run(["git", "merge-base", "--is-ancestor", DIGEST_COMMIT, rev], cwd=here, capture_output=True,
+                              timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"git entry (revision {rev[:12]}, which came after digests)" if done.returncode == 0 else ""
 
 
 def _short(value: Any) -> str:
