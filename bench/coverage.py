@@ -12,8 +12,9 @@ model's forward, :mod:`visattn.attention.structure`), then
 * ``rule``: ``"family"`` where every site is a family rule's, ``"structure"`` where some are the structural rule's.
 
 ``python -m bench.coverage --write`` writes ``bench/results/coverage.json`` (with the command, git revision and
-timm / torchvision versions) and the table in docs/models.md between its markers; ``--table`` prints the table
-from the results file; ``--only NAME ...`` runs some rows (printed, nothing written).
+timm / torchvision versions), the table in docs/models.md between its markers and the README's claim ("blocks go
+into N of M architectures"); ``--table`` prints the table from the results file, ``--docs`` rewrites the table
+and the claim from it; ``--only NAME ...`` runs some rows (printed, nothing written).
 """
 from __future__ import annotations
 
@@ -172,14 +173,27 @@ def claim(data: Dict[str, Any]) -> str:
     return f"blocks go into {placed} of {len(rows)} architectures"
 
 
+def write_docs(data: Dict[str, Any]) -> None:
+    """The docs table and the README's claim, from a results file's contents."""
+    import re
+
+    splice(DOC, BEGIN, END, table(data))
+    text = README.read_text()
+    new = re.sub(r"blocks go into \d+ of \d+ architectures", claim(data), text)
+    if new != text:
+        README.write_text(new)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = parser(__doc__.split("\n\n")[0], threads=True)
     ap.add_argument("--write", action="store_true", help="write the results file and the docs table")
     ap.add_argument("--table", action="store_true", help="print the table from the results file")
+    ap.add_argument("--docs", action="store_true", help="rewrite the docs table and README claim from the results file")
     ap.add_argument("--only", nargs="+", default=None, help="these architectures only (printed)")
     args = ap.parse_args(argv)
-    if args.table:
-        print(table(json.loads(RESULTS.read_text())))
+    if args.table or args.docs:
+        data = json.loads(RESULTS.read_text())
+        write_docs(data) if args.docs else print(table(data))
         return 0
     import timm
     import torchvision
@@ -193,7 +207,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.write and not args.only:
         data = {**provenance(), "timm": timm.__version__, "torchvision": torchvision.__version__, "rows": rows}
         RESULTS.write_text(json.dumps(data, indent=1) + "\n")
-        splice(DOC, BEGIN, END, table(data))
+        write_docs(data)
         print(claim(data))
     return 0
 

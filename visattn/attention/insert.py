@@ -3,9 +3,9 @@
 * :func:`attn_layer`: a callable for timm ResNet's ``attn_layer`` slot
   (``timm.create_model("resnet18", block_args=dict(attn_layer=attn_layer("cbam")))``); timm calls it as
   ``attn_layer(channels, device=..., dtype=...)`` and applies the block after the branch's last BN.
-* :func:`insert_attention`: one block per residual block of a built torchvision or timm model, after the
-  residual branch's last norm, before the add; the model's own SE modules are kept (``replace_se=True``
-  replaces them). ``at=`` puts one after each named module of any model. The slot per family is tabled in
+* :func:`insert_attention`: one block per residual block of a built CNN, found in its forward
+  (:mod:`visattn.attention.structure`), after the residual branch's last norm, before the add; the model's own
+  SE modules are kept (``replace_se=True`` replaces them). ``at=`` puts one after each named module of any model. The slot per family is tabled in
   docs/blocks.md; ConvNeXt's only norm sits mid-branch, channels-last, so there the block goes at the end of
   the branch, before the layer scale.
 """
@@ -380,7 +380,7 @@ def _family_types() -> tuple:
             tv_regnet.ResBottleneckBlock, tv_efficientnet.MBConv, tv_efficientnet.FusedMBConv,
             tv_mobilenetv3.InvertedResidual, tv_mobilenetv2.InvertedResidual, tm_regnet.Bottleneck,
             tm_eff.InvertedResidual, tm_eff.DepthwiseSeparableConv, tm_eff.EdgeResidual, tv_convnext.CNBlock,
-            tm_convnext.ConvNeXtBlock)
+            tm_convnext.ConvNeXtBlock, tm_eff.ConvBnAct)  # ConvBnAct: EfficientNetV2's stage 0, no site (as before)
 
 
 def structural_sites(model: nn.Module, tr: Optional[structure.Trace] = None) -> List[Site]:
@@ -489,13 +489,19 @@ def _visattn_classes() -> tuple:
 
 def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], None] = None,
                      replace_se: bool = False, rule: str = "auto", **kwargs: Any) -> int:
-    """Put block ``name`` (built with ``kwargs``) into a torchvision or timm CNN, or after the modules ``at``
-    names in any model; returns how many were put.
+    """Put block ``name`` (built with ``kwargs``) into any residual CNN, or after the modules ``at`` names in
+    any model; returns how many were put.
 
-    Supported: torchvision and timm ResNet, RegNet (X and Y), ConvNeXt, EfficientNet and MobileNetV3: one
-    block per residual block, after the branch's last norm, before the add (the slot per family: docs/blocks.md;
-    parameter names are kept except in torchvision ResNets, whose last BN becomes ``bnX.norm``, so load
-    pretrained weights first). The model's own SE modules are kept, trained weights and all; the block follows.
+    The sites are found in the model's own forward (:mod:`visattn.attention.structure`): one block per residual
+    branch, after its last norm, before the add, and in inverted residuals with a skip at the family's SE slot;
+    a model with neither (VGG, DenseNet, a plain ViT) is refused in one line. In the blocks of the families with
+    a rule of their own (torchvision and timm ResNet, RegNet, ConvNeXt, EfficientNet, MobileNetV2/V3) the
+    sites are the same and that rule installs them (the slot per family: docs/blocks.md; parameter names are
+    kept except in torchvision ResNets, whose last BN becomes ``bnX.norm``, so load pretrained weights first);
+    elsewhere the module a block follows becomes ``AttnAfter`` with its parameter names kept. A model that does
+    not run on the probe image gets the family rules, with one warning line. ``rule``: ``"auto"`` (that),
+    ``"structure"`` (the found sites alone, every one as ``AttnAfter``) or ``"family"`` (the family rules
+    alone). The model's own SE modules are kept, trained weights and all; the block follows.
 
     Blocks are built with ``init="identity"`` unless ``kwargs`` say otherwise, so a trained network computes
     exactly what it did before (bit-identical in eval mode) and training moves the blocks from there.

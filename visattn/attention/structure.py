@@ -12,6 +12,8 @@ input itself or a short projection (at most one convolution). The papers' placem
   activations, dropouts, drop paths, layer scales and layout permutes, and stops at the first norm (or
   convolution / linear layer, where there is none); a gate module found there (the model's own SE) is kept and
   the block follows it;
+* a residual inside another's branch (a re-parameterisation sum inside a RepGhost module) is left to the outer
+  one where that has a site;
 * in an **inverted residual** (a branch whose last pointwise projection reads an expanded width, or follows a
   depthwise convolution: MobileNetV2, Sandler et al. 2018, arXiv:1801.04381; MobileNetV3, Howard et al. 2019,
   arXiv:1905.02244; EfficientNet, Tan & Le 2019, arXiv:1905.11946), **at the SE slot**: the projection's
@@ -128,7 +130,7 @@ class _Recorder(TorchFunctionMode):
         if not keys:
             return
         index = tr.tick()
-        width = outs[0].shape[1] if outs[0].dim() > 1 else 1
+        width = max(outs[0].shape[1], outs[0].shape[-1]) if outs[0].dim() > 1 else 1  # channels first or last
         ev = Event(index, name, acts, keys,
                    small=all(t.numel() <= width for t, k in before if k not in tr.producer))
         if name in _CONVS or name == "linear":
@@ -220,6 +222,8 @@ class StructSite:
     channels_last: bool
     kind: str
     anchor: str
+    add: int = field(default=-1, repr=False, compare=False)  # the event that joins branch and skip
+    branch: frozenset = field(default=frozenset(), repr=False, compare=False)  # the branch's events
 
 
 def _meet(tr: Trace, p: Key, q: Key) -> Tuple[Optional[Key], set, set]:
@@ -267,6 +271,15 @@ def _is_conv_module(m: nn.Module) -> bool:
                                                       and not list(m.children()) or type(m).__name__ == "MixedConv2d")
 
 
+def _module_width(m: nn.Module) -> Optional[int]:
+    """The channels a conv, norm or linear layer outputs (its last dimension for a layer norm or linear)."""
+    for attr in ("out_channels", "num_features", "num_channels", "out_features"):
+        if isinstance(getattr(m, attr, None), int):
+            return getattr(m, attr)
+    shape = getattr(m, "normalized_shape", None)
+    return int(shape[-1]) if isinstance(shape, (tuple, list)) and shape else None
+
+
 def _module_kind(call: Call, tr: Trace, width: int) -> str:
     m = call.module
     if _is_norm_module(m) or _is_conv_module(m):
@@ -306,13 +319,15 @@ def _branch_end(tr: Trace, key: Key, start: Key) -> Optional[Tuple[Key, bool, st
         calls = [c for c in tr.by_output.get(key, []) if c.in_key not in (key, start) and c.start > tr.order(start)]
         norm = next((c for c in calls if _is_norm_module(c.module) or _is_conv_module(c.module)), None)
         if norm is not None:  # a norm with its activation inside (timm's BatchNormAct2d): after both
-            return key, last, norm.path
+            return (key, last, norm.path) if _module_width(norm.module) in (width, None) else None
         for call in sorted(tr.by_output.get(key, []), key=lambda c: -c.start):
             if call.in_key == key:
                 continue  # an identity: the next module out
             if call.in_key == start or call.start < tr.order(start):
                 break  # a container of the whole branch: look at the ops
             kind = _module_kind(call, tr, width)
+            if kind == "anchor" and _module_width(call.module) not in (width, None):
+                return None  # not channels-first (a (B, T, N, C) transformer's tokens): no site
             if kind in ("anchor", "gate"):
                 return key, last, call.path
             if kind in ("free", "scale") and call.in_key in tr.tensors \
@@ -357,11 +372,9 @@ def _slot_input(tr: Trace, branch: List[Event], width: int, start_width: int) ->
 
 
 def _install_path(tr: Trace, key: Key, start: Key) -> Optional[str]:
-    calls = [c for c in tr.by_output.get(key, []) if c.path and c.start > tr.order(start) and c.in_key != start]
-    if not calls:
-        return None
-    call = max(calls, key=lambda c: c.start)
-    return call.path if tr.count.get(call.path, 0) == 1 else None
+    calls = [c for c in tr.by_output.get(key, []) if c.path and c.start > tr.order(start) and c.in_key != start
+             and tr.count.get(c.path, 0) == 1]  # a module called twice (a shared dropout) is no slot
+    return max(calls, key=lambda c: c.start).path if calls else None
 
 
 def _site_of_add(tr: Trace, ev: Event) -> Optional[StructSite]:
@@ -382,7 +395,8 @@ def _site_of_add(tr: Trace, ev: Event) -> Optional[StructSite]:
     if slot is not None:
         path = _install_path(tr, slot, start)
         t = tr.tensors[slot]
-        return StructSite(path, t.shape[1], False, "se-slot", path) if path and t.dim() == 4 else None
+        return StructSite(path, t.shape[1], False, "se-slot", path, ev.index, frozenset(e.index for e in branch)) \
+            if path and t.dim() == 4 else None
     end = _branch_end(tr, p, start)
     if end is None:
         return None
@@ -391,7 +405,8 @@ def _site_of_add(tr: Trace, ev: Event) -> Optional[StructSite]:
     if path is None:
         return None
     t = tr.tensors[key]
-    return StructSite(path, t.shape[-1] if last else t.shape[1], last, "branch", anchor)
+    return StructSite(path, t.shape[-1] if last else t.shape[1], last, "branch", anchor, ev.index,
+                      frozenset(e.index for e in branch))
 
 
 def _site_of_cat(tr: Trace, ev: Event) -> Optional[StructSite]:
@@ -417,7 +432,8 @@ def _site_of_cat(tr: Trace, ev: Event) -> Optional[StructSite]:
     if path is None:
         return None
     t = tr.tensors[end[0]]
-    return StructSite(path, t.shape[-1] if end[1] else t.shape[1], end[1], "branch", end[2])
+    return StructSite(path, t.shape[-1] if end[1] else t.shape[1], end[1], "branch", end[2], ev.index,
+                      frozenset(tr.producer[k] for k in side_p if tr.producer.get(k, -1) >= 0))
 
 
 def find_sites(model: nn.Module, tr: Optional[Trace] = None) -> List[StructSite]:
@@ -436,4 +452,6 @@ def find_sites(model: nn.Module, tr: Optional[Trace] = None) -> List[StructSite]
         if site is not None and site.path not in seen:
             seen.add(site.path)
             sites.append(site)
-    return sites
+    # a residual inside another's branch (RepGhost's re-parameterisation sums inside its ghost modules) is left
+    # to the outer one, where that has a site
+    return [s for s in sites if not any(s.add in o.branch for o in sites if o is not s)]
