@@ -124,7 +124,7 @@ class SelectiveKernel(ResidualScale):
 
     PAPER = "Li, Wang, Hu, Yang, 2019, Selective Kernel Networks, arXiv 1903.06586"
     CHECKED_AGAINST = "timm SelectiveKernel (weights copied, float64, outputs and gradients; x + SK(x) at scale 1)"
-    IDENTITY = "the residual scale (" + REZERO + ")"
+    IDENTITY = REZERO
 
     def __init__(self, channels: int, kernel_size: Sequence[int] = (3, 5), dilation: int = 1, groups: int = 1,
                  rd_ratio: float = 1.0 / 16, rd_channels: Optional[int] = None, rd_divisor: int = 8,
@@ -203,7 +203,7 @@ class SplitAttention(ResidualScale):
     PAPER = ("Zhang, Wu, Zhang, Zhu, Lin, Zhang, Sun, He, Mueller, Manmatha, Li, Smola, 2020, ResNeSt: "
              "Split-Attention Networks, arXiv 2004.08955")
     CHECKED_AGAINST = "timm SplitAttn, without and with BatchNorm (weights copied, float64, outputs and gradients; x + SplAt(x))"
-    IDENTITY = "the residual scale (" + REZERO + ")"
+    IDENTITY = REZERO
 
     def __init__(self, channels: int, kernel_size: int = 3, dilation: int = 1, radix: int = 2, cardinality: int = 1,
                  rd_ratio: float = 0.25, rd_channels: Optional[int] = None, rd_divisor: int = 8, min_rd: int = 32,
@@ -323,7 +323,7 @@ class HaloAttention(ResidualScale):
              "Parameter Efficient Visual Backbones, arXiv 2103.12731")
     CHECKED_AGAINST = ("timm HaloAttn (weights copied, float64, outputs and gradients; x + halo(x)), on divisible "
                        "maps and on zero-padded ones")
-    IDENTITY = "the residual scale (" + REZERO + ")"
+    IDENTITY = REZERO
 
     def __init__(self, channels: int, num_heads: int = 8, dim_head: Optional[int] = None, block_size: int = 8,
                  halo_size: int = 3, qk_ratio: float = 1.0, qkv_bias: bool = False, init: str = "default"):
@@ -408,7 +408,7 @@ class LambdaLayer(ResidualScale):
 
     PAPER = "Bello, 2021, LambdaNetworks: Modeling Long-Range Interactions Without Attention, arXiv 2102.08602"
     CHECKED_AGAINST = "timm LambdaLayer with r set (weights copied, float64, outputs and gradients; x + lambda(x))"
-    IDENTITY = "the residual scale (" + REZERO + ")"
+    IDENTITY = REZERO
 
     def __init__(self, channels: int, num_heads: int = 4, dim_head: int = 16, r: int = 9, qkv_bias: bool = False,
                  init: str = "default"):
