@@ -107,6 +107,10 @@ def test_matches_timm(key, name, options, make, whole, train):
         return x + scale * (ref(x) - x if whole else ref(x))
 
     assert_same(ours, reference, x, list(ours.parameters()), [scale, *ref.parameters()])
+    ours_buffers, ref_buffers = list(ours.named_buffers()), list(ref.buffers())
+    assert len(ours_buffers) == len(ref_buffers)
+    for (bn, b), rb in zip(ours_buffers, ref_buffers):  # BatchNorm statistics updated exactly once, alike
+        torch.testing.assert_close(b, rb.reshape(b.shape), rtol=1e-10, atol=1e-12, msg=bn)
 
 
 def test_halo_on_any_map_is_timms_on_the_zero_padded_map():
