@@ -96,3 +96,13 @@ def test_the_gpu_recipe_is_the_cpu_recipe_at_airbench94s_setting_for_11_epochs()
     assert cpu["train.epochs"] == 10 and gpu["train.epochs"] == 11
     assert gpu["compile"] and gpu["train.batch_size"] == 1024
     assert gpu["model.attention"] == "none" and gpu["train.ema_decay"] is None
+
+
+def test_every_feature_block_has_its_attention_config():
+    """A block registered is a row of the attention table and the speed table: its config must exist (a few
+    lines over ``resnet_fast_none.yaml``, as the tests above check)."""
+    from visattn import list_attention
+
+    have = {p.stem.removeprefix("resnet_fast_") for p in ATTENTION_CONFIGS}
+    missing = sorted(set(list_attention("feature")) - have)
+    assert not missing, f"blocks without configs/attention/resnet_fast_<block>.yaml: {missing}"
