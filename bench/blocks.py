@@ -6,13 +6,16 @@ and against its own earlier implementation, in one process; or (``--vs-timm``) e
     python -m bench.blocks --quick                        # a dry run: one repeat of one step, eager (batch 16 on a CPU)
     python -m bench.blocks --vs-timm --repeats 7 --threads 2 [--precision bf16] [--no-compile]   # against timm's
 
-**The recipe step** (the default). For ``none`` and every block, the network of
+**The recipe step** (the default). For ``none`` and every registered feature-map block (:data:`BLOCKS`, from
+``visattn.list_attention("feature")``; ``--only`` picks some), the network of
 ``configs/attention/resnet_fast_<block>.yaml`` (the CPU recipe's: ``resnet_fast`` 64-256-256, the block in each
 group at ``unit_bn``, ``init: identity``) runs whole training steps (autocast forward, label-smoothed loss,
 backward, SGD step) at the recipe's batch of 512, channels-last, on batches already in memory: eager, and under
-``torch.compile`` (Inductor). Every block runs twice, as the working tree has it ("after") and as revision
-``--before`` had it ("before": that revision's ``visattn/attention`` block files loaded into a throwaway package,
-the model's blocks swapped for them with the same weights). Repeats are interleaved (every variant once per repeat,
+``torch.compile`` (Inductor). Every block runs as the working tree has it ("after") and, where revision
+``--before`` registered it, as that revision had it ("before": that revision's ``visattn/attention`` block files
+loaded into a throwaway package, the model's blocks swapped for them with the same weights; a block registered
+since is measured "after" only, its "before" null in the JSON). The issue's :data:`TARGETS` cover the eight
+blocks of issue 70; the others have none. Repeats are interleaved (every variant once per repeat,
 the order reversed every other repeat) and each variant's median is taken; a block's ratio is its images/s over
 ``none``'s in the same kind of step, so every ratio, before and after, comes from this one process.
 **FLOP ceiling**: each network's FLOP per step (``torch.utils.flop_counter``: convolutions and matmuls, the CPU
@@ -73,12 +76,16 @@ try:  # coordinate attention arrived in timm 1.0.16 (timm/layers/coord_attn.py)
 except ImportError:  # pragma: no cover - older timm
     CoordAttn = None
 
-BLOCKS = ("se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
 BASELINE = "none"
 BEFORE = "4470a3c"  # the blocks as they were before their speed work (issue 70): its first commit's parent
-# the issue's targets for the whole step's speed against none's, eager and compiled (set for bf16 on a CPU)
+# the issue's targets for the whole step's speed against none's, eager and compiled (set for bf16 on a CPU); the
+# blocks registered since have none (the JSON's "targets" and "met" leave them out)
 TARGETS = {"se": 0.97, "eca": 0.97, "gc": 0.97, "spatial": 0.95, "cbam": 0.95, "coord": 0.95, "nonlocal": 0.90,
            "mhsa2d": 0.75}
+# every registered feature-map block (each has configs/attention/resnet_fast_<block>.yaml): the targets' eight
+# first, in their order, then the others by name
+BLOCKS = tuple([b for b in TARGETS if b in visattn.list_attention("feature")]
+               + [b for b in visattn.list_attention("feature") if b not in TARGETS and b != BASELINE])
 IMPLS = ("before", "after")
 SPEED = ROOT / "bench" / "results" / "block_speed.json"  # the committed measurement: the attention summary's cost
 QUICK_CPU_BATCH = 16
@@ -119,6 +126,23 @@ def before_source(rev: str, name: str) -> str:
     return got.stdout
 
 
+def before_files(rev: str) -> List[str]:
+    """The module names (``channel``, ...) of the ``visattn/attention`` files at ``rev`` (a git revision, or a
+    folder of its files as :func:`before_source` takes)."""
+    folder = Path(rev)
+    if folder.is_dir():
+        return sorted(f.stem for f in folder.glob("*.py"))
+    got = subprocess.run(["git", "ls-tree", "--name-only", rev, "visattn/attention/"], cwd=ROOT, capture_output=True,
+                         text=True)
+    if got.returncode:
+        said = got.stderr.strip().splitlines() or [f"git ls-tree exited {got.returncode}"]
+        raise SystemExit(f"blocks.py: --before {rev}: {said[-1]}")
+    return sorted(Path(f).stem for f in got.stdout.split() if f.endswith(".py"))
+
+
+REGISTERS = re.compile(r"""^@register_attention\(\s*["'](\w+)["']""", re.M)  # a block file's registrations
+
+
 def before_label(rev: str) -> str:
     """What the JSON calls the "before" blocks: the revision, also for a folder of its files (its REVISION)."""
     stamp = Path(rev) / "REVISION"
@@ -127,8 +151,10 @@ def before_label(rev: str) -> str:
 
 def load_before(rev: str) -> Dict[str, type]:
     """The block classes of ``visattn/attention`` at ``rev`` (:func:`before_source`), by registered name:
-    ``channel.py``, ``spatial.py``, ``self_attn2d.py`` and the sibling modules they import, written into a
-    throwaway package whose ``registry`` only collects the classes; its other ``..`` imports are today's modules."""
+    ``channel.py``, ``spatial.py``, ``self_attn2d.py`` (the blocks' first files: a revision or folder without
+    them is refused), every other file of ``rev`` that registers one of :data:`BLOCKS`, and the sibling modules
+    they import, written into a throwaway package whose ``registry`` only collects the classes; its other ``..``
+    imports are today's modules. A block ``rev`` did not register is absent (measured "after" only)."""
     tmp = Path(tempfile.mkdtemp(prefix="visattn-before-"))
     atexit.register(shutil.rmtree, tmp, True)
     package = f"visattn_before_{len(LOADED)}_{tmp.name.rpartition('-')[2]}"  # unique even if this file loads twice
@@ -138,7 +164,10 @@ def load_before(rev: str) -> Dict[str, type]:
     (pkg / "__init__.py").write_text("")
     (pkg / "attention" / "__init__.py").write_text("")
     (pkg / "registry.py").write_text(COLLECT)
-    todo, done = ["channel", "spatial", "self_attn2d"], []
+    todo, done = ["self_attn2d", "spatial", "channel"], []
+    for name in before_files(rev):  # the files that registered a block measured here (they may have moved)
+        if name not in todo and set(REGISTERS.findall(before_source(rev, name))) & set(BLOCKS):
+            todo.insert(0, name)
     while todo:
         name = todo.pop()
         text = before_source(rev, name)
@@ -206,14 +235,15 @@ Key = Tuple[str, ...]  # ("step", block, impl, "eager" | "compiled") or ("alone"
 
 
 def build_recipe(args: argparse.Namespace, before: Dict[str, type]):
-    """The models of every config (``after``; ``before`` with the old blocks swapped in), the batches, the
-    precision, the block options and the three feature-map shapes the blocks see."""
+    """The models of every config (``after``; ``before`` with the old blocks swapped in, for the blocks that
+    ``before`` has), the batches, the precision, each block's options and the three feature-map shapes the
+    blocks see."""
     from bench.speed import build
 
     device = torch.device(args.device)
     precision = evaluate.resolve_precision(args.precision, device)
     models: Dict[Tuple[str, str], nn.Module] = {}
-    kwargs: dict = {}
+    kwargs: Dict[str, dict] = {}
     for block in (BASELINE, *args.only):
         config = ROOT / "configs" / "attention" / f"resnet_fast_{block}.yaml"
         setup = build(str(config), args.batch, args.steps, precision)
@@ -223,9 +253,10 @@ def build_recipe(args: argparse.Namespace, before: Dict[str, type]):
             shapes = list(dict.fromkeys(block_inputs(model, batches[0][0]).values()))
             models[block, "-"] = model
             continue
-        kwargs = load_config(config).model.options()["attn_kwargs"]
+        kwargs[block] = load_config(config).model.options()["attn_kwargs"]
         models[block, "after"] = model
-        models[block, "before"] = swap_blocks(model, block, before[block], kwargs, batches[0][0])
+        if block in before:  # a block registered since that revision has no "before"
+            models[block, "before"] = swap_blocks(model, block, before[block], kwargs[block], batches[0][0])
     return models, batches, precision, kwargs, shapes
 
 
@@ -255,19 +286,23 @@ def step_variants(models, batches, precision: str, compile_: bool) -> List[Tuple
     return out
 
 
-def alone_variants(blocks: Sequence[str], before: Dict[str, type], kwargs: dict, shapes, device: str,
+def alone_variants(blocks: Sequence[str], before: Dict[str, type], kwargs: Dict[str, dict], shapes, device: str,
                    precision: str) -> List[Tuple[Key, Callable[[], None]]]:
-    """One callable per (block, implementation, feature map): forward + backward of the block alone."""
+    """One callable per (block, implementation, feature map): forward + backward of the block alone ("before"
+    only for the blocks ``before`` has); ``kwargs``: each block's options."""
     out = []
     for block in blocks:
         for shape in shapes:
             torch.manual_seed(0)
-            after = visattn.create_attention(block, shape[1], **kwargs)
-            old = before[block](shape[1], **kwargs)
-            old.load_state_dict(after.state_dict())
+            after = visattn.create_attention(block, shape[1], **kwargs[block])
+            impls = [("after", after)]
+            if block in before:
+                old = before[block](shape[1], **kwargs[block])
+                old.load_state_dict(after.state_dict())
+                impls.insert(0, ("before", old))
             x = torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last).requires_grad_()
             g = torch.randn_like(x)
-            for impl, m in (("before", old), ("after", after)):
+            for impl, m in impls:
                 m = m.to(device).to(memory_format=torch.channels_last).train()
                 out.append((("alone", block, impl, "x".join(map(str, shape))), _fwd_bwd(m, x, g, precision)))
     return out
@@ -290,20 +325,24 @@ def results(times: Dict[Key, List[float]], warm: Dict[Key, float], blocks: Seque
     blocks alone in ms, the issue's targets and whether the "after" ratio meets each, the machine, and every
     timed call's seconds with each variant's warm-up (compilation) seconds. With ``flop`` (each config's FLOP per
     step), ``gflop`` and each block's ``flop_ceiling``: ``none``'s FLOP over the block network's, the whole-step
-    ratio the block would reach if its added FLOP ran as fast as the rest of the step (no overhead at all)."""
+    ratio the block would reach if its added FLOP ran as fast as the rest of the step (no overhead at all).
+    A block without an earlier implementation has ``"before": null`` in its ratios and times; one without a
+    target (:data:`TARGETS`) is absent from ``targets`` and ``met``."""
     med = {k: statistics.median(v) for k, v in times.items()}
     ips = {k[1:]: images / t for k, t in med.items() if k[0] == "step"}
     kinds = [k for k in ("eager", "compiled") if (BASELINE, "-", k) in ips]
     rows = [{"config": f"configs/attention/resnet_fast_{b}.yaml", "block": b, "path": impl, "step": kind,
              "images_per_s": v, "ratio": v / ips[BASELINE, "-", kind], "precision": meta["precision"],
              "batch_size": meta["batch_size"]} for (b, impl, kind), v in ips.items()]
-    ratios = {b: {k: {i: ips[b, i, k] / ips[BASELINE, "-", k] for i in IMPLS} for k in kinds} for b in blocks}
-    alone: Dict[str, Dict[str, Dict[str, float]]] = {}
+    ratios = {b: {k: {i: ips[b, i, k] / ips[BASELINE, "-", k] if (b, i, k) in ips else None for i in IMPLS}
+                  for k in kinds} for b in blocks}
+    alone: Dict[str, Dict[str, Dict[str, Optional[float]]]] = {}
     for (what, b, impl, shape), t in med.items():
         if what == "alone":
-            alone.setdefault(b, {}).setdefault(shape, {})[impl] = 1e3 * t
-    return {**meta, "note": note(meta), "targets": {b: TARGETS[b] for b in blocks}, "ratios": ratios,
-            "met": {b: {k: ratios[b][k]["after"] >= TARGETS[b] for k in kinds} for b in blocks},
+            alone.setdefault(b, {}).setdefault(shape, dict.fromkeys(IMPLS))[impl] = 1e3 * t
+    aimed = [b for b in blocks if b in TARGETS]
+    return {**meta, "note": note(meta), "targets": {b: TARGETS[b] for b in aimed}, "ratios": ratios,
+            "met": {b: {k: ratios[b][k]["after"] >= TARGETS[b] for k in kinds} for b in aimed},
             **({"gflop": {b: round(f / 1e9, 2) for b, f in flop.items()},
                 "flop_ceiling": {b: flop[BASELINE] / flop[b] for b in blocks}} if flop else {}),
             "alone_ms": alone, "rows": rows, "seconds": {"/".join(k): [round(t, 4) for t in v] for k, v in times.items()},
@@ -351,7 +390,9 @@ def tables(data: dict) -> str:
     """The measurement as markdown: a line on the machine and the note, then one row per block: its whole-step ratios to
     ``none`` (before and after, eager and compiled) against its target and its FLOP ceiling (the ratio with no
     overhead at all: ``none``'s FLOP per step over the block network's), and the block alone (forward + backward ms
-    summed over the three feature maps, before -> after; each map's figure is in the JSON)."""
+    summed over the three feature maps, before -> after; each map's figure is in the JSON). A block measured
+    "after" only (registered since the "before" revision) shows "—" for before, and one without a target "—"
+    for its target and whether it is met."""
     none = {r["step"]: r["images_per_s"] for r in data["rows"] if r["block"] == BASELINE}
     kinds = [k for k in ("eager", "compiled") if k in none]
     where = data["cpu"] if data["device"] == "cpu" else data["kernels"]
@@ -366,11 +407,17 @@ def tables(data: dict) -> str:
     def ceiling(b: str) -> str:  # absent from measurements made before it was counted
         return f"{data['flop_ceiling'][b]:.3f}" if "flop_ceiling" in data else "-"
 
+    def num(x: Optional[float], form: str) -> str:  # "before": null, a block without a target: a dash
+        return "—" if x is None else format(x, form)
+
+    def total(times: Sequence[Optional[float]]) -> Optional[float]:
+        return None if any(t is None for t in times) else sum(times)
+
     for b, r in data["ratios"].items():
-        met = " / ".join("yes" if data["met"][b][k] else "no" for k in kinds)
-        alone = [sum(t[i] for t in data["alone_ms"].get(b, {}).values()) for i in IMPLS]
-        lines.append(f"| `{b}` | " + " | ".join(f"{r[k][i]:.3f}" for k in kinds for i in IMPLS)
-                     + f" | {data['targets'][b]:.2f} | {ceiling(b)} | {met} | {alone[0]:.0f} -> {alone[1]:.0f} |")
+        met = " / ".join("yes" if data["met"][b][k] else "no" for k in kinds) if b in data["met"] else "—"
+        alone = [num(total([t[i] for t in data["alone_ms"].get(b, {}).values()]), ".0f") for i in IMPLS]
+        lines.append(f"| `{b}` | " + " | ".join(num(r[k][i], ".3f") for k in kinds for i in IMPLS)
+                     + f" | {num(data['targets'].get(b), '.2f')} | {ceiling(b)} | {met} | {alone[0]} -> {alone[1]} |")
     return "\n".join(lines)
 
 
@@ -395,6 +442,8 @@ def read_table(path: Path) -> str:
         if isinstance(x, dict):
             for k, v in x.items():
                 numbers(v, f"{key}.{k}")
+        elif x is None and key.endswith(".before") and key.split(".")[0] in ("ratios", "alone_ms"):
+            return  # a block registered since the "before" revision
         elif isinstance(x, bool) or not isinstance(x, (int, float)) or x != x or x in (float("inf"), float("-inf")):
             raise DataError(f"{path}: {key} is {json.dumps(x)[:40]}, not a finite number (a damaged or foreign "
                             "measurement?)")
