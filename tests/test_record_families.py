@@ -25,7 +25,12 @@ from torch import nn
 from visattn.maps import read_maps, record_attention, spatial_heatmap
 from visattn.maps.families import Capture, sdpa_weights, unrecordable
 
-torch.set_grad_enabled(False)
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    """Parameters are planted in place; a test that needs gradients turns them on itself."""
+    with torch.no_grad():
+        yield
 
 
 def recorded(model, x):
@@ -379,3 +384,43 @@ def test_mobilevit_v2_context_scores_are_pooling_weights_on_the_patch_grid():
     for r in records:
         torch.testing.assert_close(r.weights.sum(-1), torch.ones(2))
         assert r.grid[0] * r.grid[1] == r.weights.shape[-1]
+
+
+def test_a_gradient_recording_places_the_window_relevance_like_the_weights():
+    torch.manual_seed(0)
+    model = WINDOWED["swin"][0]().eval()
+    from visattn.maps import probe_pass
+
+    rec, _ = probe_pass(model, torch.randn(2, 3, 64, 64))
+    assert rec.records and all(r.relevance is not None and r.via == "placed" for r in rec.records)
+    for r in rec.records:
+        assert r.relevance.shape == r.weights.shape
+        assert (r.relevance[r.weights == 0] == 0).all()  # no relevance between windows
+
+
+class Tags:
+    def __init__(self):
+        self.tags = []
+
+    def add_image(self, tag, img, step, dataformats=None):
+        self.tags.append(tag)
+
+    add_histogram = add_text = add_scalar = lambda self, tag, *a, **k: self.tags.append(tag)
+
+
+@pytest.mark.parametrize("name, expect", [
+    ("swin_tiny_patch4_window7_224", {"maps/layers.0.blocks.1", "matrix/layers.0.blocks.1", "maps/rollout",
+                                      "maps/rollout_grad"}),
+    ("xcit_nano_12_p16_224", {"matrix/blocks.0.attn", "maps/cls_attn_blocks.1.attn"}),
+    ("coat_lite_tiny", {"maps/serial_blocks1.0.factoratt_crpe"}),
+])
+def test_the_tensorboard_cards_take_the_family_records(name, expect):
+    from visattn.maps import log_attention_maps
+
+    torch.manual_seed(0)
+    model = timm.create_model(name, img_size=64, num_classes=10)
+    w = Tags()
+    with torch.enable_grad():
+        summary = log_attention_maps(w, model, torch.randn(2, 3, 64, 64), torch.tensor([0, 1]), 0)
+    assert expect <= set(summary["images"]) and not summary["skipped"]
+    assert not any(t.startswith("maps/blocks.0.attn") for t in summary["images"]) or "xcit" not in name

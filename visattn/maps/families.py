@@ -247,7 +247,9 @@ def _stacked(site: Site, capture: Capture) -> torch.Tensor:
     if all(t.dim() == 3 for t in found) and len({t.shape for t in found}) == 1:
         return torch.stack(found, 1)
     w = found[-1]
-    return w.reshape(-1, *w.shape[-3:]) if w.dim() >= 4 else w[:, None]
+    if w.dim() == 4:
+        return w  # the tensor the model used (a gradient recording differentiates it)
+    return w.reshape(-1, *w.shape[-3:]) if w.dim() > 4 else w[:, None]
 
 
 def _image_hw(x: torch.Tensor, channels_last: bool) -> Tuple[int, Tuple[int, int]]:
@@ -262,7 +264,11 @@ def _windows(channels_last: bool, run: Callable[[nn.Module, torch.Tensor], Any],
         pos = site.context.get(key)
         if pos is None:
             pos = site.context[key] = positions(site.module, run, hw, channels_last, w.shape[-1], attn)
-        return [(scatter_windows(w, pos, hw[0] * hw[1]), hw, 0)]
+        placed = scatter_windows(w, pos, hw[0] * hw[1])
+        used = capture.last_dim()[-1]  # what the model multiplied its values by (w, or what w reshapes)
+        if used.requires_grad and used.numel() == w.numel():  # a gradient recording: its relevance, placed alike
+            placed.visattn_placed = (used, lambda t: scatter_windows(t.reshape(w.shape), pos, hw[0] * hw[1]))
+        return [(placed, hw, 0)]
 
     return place
 
@@ -307,8 +313,10 @@ def _coat(site: Site, args: tuple, kwargs: dict, capture: Capture) -> List[Emit]
 def _mobilevit(site: Site, args: tuple, kwargs: dict, capture: Capture) -> List[Emit]:
     w = _stacked(site, capture)  # (B * P, heads, N, N)
     p = site.context["patch_area"]
-    w = w.reshape(w.shape[0] // p, p, *w.shape[1:]).mean(1)
-    return [(w, _grid(None, w.shape[-1]), 0)]
+    mean = w.reshape(w.shape[0] // p, p, *w.shape[1:]).mean(1)
+    if w.requires_grad:
+        mean.visattn_placed = (w, lambda t: t.reshape(t.shape[0] // p, p, *t.shape[1:]).mean(1))
+    return [(mean, _grid(None, mean.shape[-1]), 0)]
 
 
 def _mobilevit2(site: Site, args: tuple, kwargs: dict, capture: Capture) -> List[Emit]:
@@ -453,18 +461,26 @@ def _wrapped(site: Site) -> Callable[..., Any]:
 
 
 @contextmanager
-def recording(model: nn.Module) -> Iterator[List[Site]]:
+def recording(model: nn.Module, unfused: bool = False) -> Iterator[List[Site]]:
     """For the ``with`` block, every family module of ``model`` runs through its recording wrapper (it records
-    only while its tap has a sink); every ``forward`` is restored on exit."""
+    only while its tap has a sink); every ``forward`` is restored on exit. ``unfused`` (a gradient recording):
+    modules with a ``fused_attn`` switch take their explicit softmax path meanwhile, so the recorded weights
+    are the ones the output is computed from (and carry its gradient)."""
     found = sites(model)
-    saved = []
+    saved, switched = [], []
     try:
         for s in found:
             saved.append((s.module, "forward" in s.module.__dict__, s.module.__dict__.get("forward")))
             s.failed = False
             s.module.forward = _wrapped(s)
+            for m in s.module.modules() if unfused else ():
+                if getattr(m, "fused_attn", False) is True:
+                    switched.append(m)
+                    m.fused_attn = False
         yield found
     finally:
+        for m in switched:
+            m.fused_attn = True
         for module, had, old in saved:
             if had:
                 module.forward = old

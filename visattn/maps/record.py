@@ -175,6 +175,9 @@ class AttentionRecorder:
             rel = (lv.output.detach().float() * g.float()).sum(1, keepdim=True)
         elif via == "view":
             rel = t.float() * g.contiguous().reshape(t.shape).float()
+        elif via == "placed":  # weights placed from the ones the model used (windows): place their relevance
+            used, place = lv.tensor.visattn_placed
+            rel = place(used.detach().float() * g.float())
         else:
             rel = t.float() * g.float()
         rel = rel.to(device=self.device or rel.device, copy=True)
@@ -236,6 +239,9 @@ def _routes(lv: _Live) -> List[Tuple[str, torch.Tensor]]:
     if (kind_of(lv.record.kind).output_route and o is not None and o.requires_grad and t.dim() == 4 and t.shape[1] == 1
             and o.shape[0] == t.shape[0] and o.shape[-2:] == t.shape[-2:]):
         out.append(("output", o))
+    placed = getattr(t, "visattn_placed", None)  # (weights the model used, how they were placed): families
+    if placed is not None and placed[0].requires_grad:
+        out.append(("placed", placed[0]))
     return out
 
 
@@ -306,7 +312,7 @@ def record_attention(model: nn.Module, max_passes: Optional[int] = DEFAULT_MAX_P
     try:
         if gradients:
             handles += _keep_hooks(base, taps, recorder)
-        with (tap_sinks(model, recorder, taps), _eager(), families.recording(base),
+        with (tap_sinks(model, recorder, taps), _eager(), families.recording(base, unfused=gradients),
               (own_attention(base) if gradients else nullcontext())):
             yield recorder
     finally:
