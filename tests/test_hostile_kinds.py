@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SMOKE, folder_digest, run_cli
+from PIL import Image
 from test_data import _cfg as _data_cfg
 from test_data import _write_folder
 
@@ -21,8 +22,9 @@ import visattn
 from visattn.config import load_config
 from visattn.data import ImageSet, load_splits
 from visattn.data.cache import cached_read
-from visattn.errors import CheckpointError
+from visattn.errors import CheckpointError, ConfigError, DataError
 from visattn.evaluate import main as evaluate_main
+from visattn.run_checks import check_for_training
 from visattn.rundir import DIGEST_KEY, load_checkpoint
 
 
@@ -265,3 +267,54 @@ def test_a1_an_old_files_git_entry_naming_a_revision_after_digests_is_a_marker(t
         else:
             with pytest.raises(CheckpointError, match=r"git entry \(revision .*came after digests"):
                 load_checkpoint(tmp_path / "g.pt")
+
+
+# ---- (c) valid alone, not together -------------------------------------------------------------------------------
+
+
+def test_c12_vit_patches_that_do_not_tile_the_image_are_refused(tmp_path):
+    vit = ["model.name=timm/vit_tiny_patch16_224", "model.attention=none", "model.kwargs.img_size=32"]
+    line = refused(tmp_path, *vit, "model.kwargs.patch_size=7")
+    assert "patches of 7x7 do not tile its 32x32 image (a grid over 28x28 pixels" in line
+    load_config(SMOKE, [*S[2:], *vit, "model.kwargs.patch_size=8"])  # 4x4 patches of 8: the whole image
+
+
+def test_c13_constant_crop_padding_as_wide_as_the_image_is_refused(tmp_path):
+    line = refused(tmp_path, "data.image_size=8", "data.augment.crop_padding=16", "data.augment.padding_mode=constant")
+    assert "crop_padding=16 with padding_mode=constant lets a random crop fall wholly on the padding" in line
+    check_for_training(load_config(SMOKE, [*S[2:], "data.image_size=8", "data.augment.crop_padding=7",
+                                           "data.augment.padding_mode=constant"]))
+
+
+def test_c14_a_split_that_leaves_classes_untrained_is_refused(tmp_path):
+    line = refused(tmp_path, "data.val_size=195", "train.batch_size=5")
+    assert "data.val_size=195 leaves 5 training images for 10 classes" in line and "never trained" in line
+    root = tmp_path / "ds"
+    for c, n in (("ant", 20), ("bee", 20), ("cow", 1)):
+        (root / "train" / c).mkdir(parents=True)
+        for i in range(n):
+            Image.fromarray(np.full((8, 8, 3), 9 * i, np.uint8)).save(root / "train" / c / f"{i}.png")
+    with pytest.raises(DataError, match=r"data.val_size=30 leaves 11 training images for 3 classes: 1 class\(es\) \(cow\)"):
+        load_splits(_data_cfg(tmp_path, root, "data.val_size=30", "data.image_size=8"), seed=0)
+    assert len(load_splits(_data_cfg(tmp_path, root, "data.val_size=20", "data.image_size=8"), seed=0).train) == 21
+
+
+def test_c15_maps_every_longer_than_the_run_is_refused(tmp_path):
+    line = refused(tmp_path, "log.tensorboard=true", "log.maps_every=5")
+    assert "log.maps_every=5 is more than train.epochs=1: no attention map would be logged" in line
+    check_for_training(load_config(SMOKE, [*S[2:], "log.tensorboard=false", "log.maps_every=5"]))  # nothing logged
+
+
+def test_c16_sync_bn_without_ranks_or_on_the_cpu_is_refused(tmp_path, monkeypatch):
+    assert "sync_bn=true needs data-parallel ranks under torchrun" in refused(tmp_path, "sync_bn=true")
+    cfg = load_config(SMOKE, [*S[2:], "sync_bn=true"])
+    for env in ({"WORLD_SIZE": "1"}, {"WORLD_SIZE": "1", "VISATTN_DATA_PARALLEL": "0"}):  # one rank: one process
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            with pytest.raises(ConfigError, match="needs data-parallel ranks"):
+                check_for_training(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("VISATTN_DATA_PARALLEL", "1")  # the data-parallel path, forced: on the CPU, refused
+    with pytest.raises(ConfigError, match="sync_bn=true runs only on CUDA devices"):
+        check_for_training(cfg)

@@ -6,6 +6,7 @@ run (Ioffe & Szegedy 2015, "Batch Normalization", arXiv 1502.03167: evaluation u
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -144,6 +145,25 @@ def check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None:
                               "train with them)")
 
 
+def check_logging_and_ranks(cfg: Config) -> None:
+    """Issue 92's cross-field checks of logging and data parallelism: maps asked for every N epochs of a shorter
+    run would never be logged; ``sync_bn`` does nothing without data-parallel ranks and torch's SyncBatchNorm has
+    no CPU path."""
+    if cfg.log.tensorboard and cfg.log.maps_every > cfg.train.epochs:
+        raise ConfigError(f"log.maps_every={cfg.log.maps_every} is more than train.epochs={cfg.train.epochs}: no attention "
+                          "map would be logged; give log.maps_every of at most train.epochs (or 0: never)")
+    if not cfg.sync_bn:
+        return
+    ranks = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or os.environ.get("VISATTN_DATA_PARALLEL") == "1"
+    if not ranks or "WORLD_SIZE" not in os.environ:
+        raise ConfigError("sync_bn=true needs data-parallel ranks under torchrun (SyncBatchNorm shares BatchNorm "
+                          "statistics across them); this run is one process, so it would do nothing: drop sync_bn")
+    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if cpu:
+        raise ConfigError("sync_bn=true runs only on CUDA devices (torch's SyncBatchNorm has no CPU path under gloo); "
+                          "drop sync_bn for a CPU run")
+
+
 def check_for_training(cfg: Config) -> None:
     """What a run refuses before it builds anything, though each value is valid alone: a stored config (a
     checkpoint's, read by evaluate and visualize) may hold them, so they are not the schema's. A warmup longer
@@ -167,9 +187,12 @@ def check_for_training(cfg: Config) -> None:
         raise ConfigError(f"data.workers={cfg.data.workers} does nothing with data.loader=tensor (it augments whole "
                           "batches on the device, in the training process); use data.loader=albumentations for "
                           "worker processes, or data.workers=0")
-    if aug.crop_padding >= size and aug.padding_mode == "reflect":
-        raise ConfigError(f"data.augment.crop_padding={aug.crop_padding} with padding_mode=reflect needs images wider "
-                          f"than the padding ({key}={size}); use a smaller padding or padding_mode=constant")
+    if aug.crop_padding >= size:  # reflect cannot pad that far; a constant pad lets a crop miss the image wholly
+        why = "needs images wider than the padding" if aug.padding_mode == "reflect" else \
+            "lets a random crop fall wholly on the padding (a blank image)"
+        raise ConfigError(f"data.augment.crop_padding={aug.crop_padding} with padding_mode={aug.padding_mode} {why} "
+                          f"({key}={size}); give a padding smaller than the image")
+    check_logging_and_ranks(cfg)
     t = cfg.train.distill.temperature
     if t < MIN_TEMPERATURE:
         raise ConfigError(f"train.distill.temperature={t:g} is below {MIN_TEMPERATURE:g}: the soft term is the KL "

@@ -84,6 +84,12 @@ def load_splits(cfg: DataConfig, seed: int, eval_only: bool = False) -> Splits:
     if cfg.subset is not None and cfg.subset < len(train):  # after the hold-out: the eval images never change
         keep, _ = stratified_split(train.y, len(train) - cfg.subset, cfg.split_seed + 1)
         train = ImageSet(train.x[keep], train.y[keep], train.classes)
+    untrained = np.nonzero(np.bincount(train.y, minlength=len(train.classes)) == 0)[0]
+    if len(untrained):  # scored but never trained: the split, or the subset, took every image of these classes
+        names = ", ".join(str(train.classes[i]) for i in untrained[:3]) + (", ..." if len(untrained) > 3 else "")
+        cut = f"data.val_size={cfg.val_size}" + (f" and data.subset={cfg.subset}" if cfg.subset is not None else "")
+        raise DataError(f"{cut} leaves {len(train)} training images for {len(train.classes)} classes: {len(untrained)} "
+                        f"class(es) ({names}) would be scored but never trained; hold out fewer images")
     if placed:  # after the split: held-out canvases are built from held-out images only
         train, ev = place_splits(train, ev, cfg.placed)
         eval_split += f", placed on {cfg.placed.canvas}x{cfg.placed.canvas} canvases (seed {cfg.placed.seed})"

@@ -361,6 +361,21 @@ def check_learns_from_zero(model: nn.Module, names: Sequence[str], size: int, na
                      f"{tail}, so it would never leave zero; leave model.head_init unset for this model")
 
 
+def check_patch_grid(model: nn.Module, name: str) -> None:
+    """A ViT's patches must tile its image (Dosovitskiy et al. 2020, "An Image is Worth 16x16 Words", arXiv
+    2010.11929: an H x W image is cut into HW/P^2 patches): timm's patch embedding at ``img_size=32`` and
+    ``patch_size=7`` builds a 4x4 grid over 28 of the 32 pixels, the rest never seen; a ValueError."""
+    embed = getattr(model, "patch_embed", None)
+    img, patch = getattr(embed, "img_size", None), getattr(embed, "patch_size", None)
+    if not (isinstance(img, (tuple, list)) and isinstance(patch, (tuple, list)) and len(img) == len(patch)):
+        return
+    if any(isinstance(i, int) and isinstance(p, int) and p > 0 and i % p for i, p in zip(img, patch)):
+        seen = [i // p * p for i, p in zip(img, patch)]
+        raise ValueError(f"model.kwargs: {name}'s patches of {patch[0]}x{patch[-1]} do not tile its {img[0]}x{img[-1]} "
+                         f"image (a grid over {seen[0]}x{seen[-1]} pixels, the rest never seen); give a patch_size that "
+                         "divides img_size")
+
+
 def check_forward_runs(model: nn.Module, size: int, name: str) -> None:
     """On the meta device (a config's check: no memory, no values), one input through the built model: a model
     whose options build but do not fit together (timm's ResNet with 3 ``channels`` for its 4 stages has no
@@ -510,6 +525,7 @@ def build_foreign(package: str, arch: str, num_classes: int = 10, *, attention: 
         for m in model.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 m.momentum = float(bn_momentum)
+    check_patch_grid(model, f"{package}/{arch}")
     size = probe_size(model, dict(kwargs or {}), cifar_stem)
     check_forward_runs(model, size, f"{package}/{arch}")
     if head_init == "zero":
