@@ -20,6 +20,11 @@ Every ``maps/`` picture lays the probe images out in as many columns as fit Tens
 (:func:`~visattn.maps.render.map_picture`). A map with a NaN or inf is skipped with a warning.
 :class:`MapSettings` holds the options; :class:`MapLogger` is a training run's logger, with the cost budget of
 ``log.faithfulness=auto``.
+
+Each family of tags is one **card**, a class with ``log(probe)`` (the :class:`Card` protocol) that writes from
+the one recorded :class:`Probe`: :data:`CARDS` is the list :func:`log_attention_maps` runs and ``MapLogger.cards``
+the list a run iterates, so a new card is one class added to it (docs/development.md, "a new map card"). Which
+records each card takes follows their kind's entry in :mod:`.kinds` (placed maps, matrices, histograms).
 """
 from __future__ import annotations
 
