@@ -424,3 +424,13 @@ def test_the_tensorboard_cards_take_the_family_records(name, expect):
         summary = log_attention_maps(w, model, torch.randn(2, 3, 64, 64), torch.tensor([0, 1]), 0)
     assert expect <= set(summary["images"]) and not summary["skipped"]
     assert not any(t.startswith("maps/blocks.0.attn") for t in summary["images"]) or "xcit" not in name
+
+
+def test_each_family_map_says_where_its_cells_lie():
+    torch.manual_seed(0)
+    model = WINDOWED["swin"][0]().eval()
+    x = torch.randn(1, 3, 64, 64)
+    with record_attention(model) as rec:
+        model(x)
+    words = read_maps(rec.records, model, x.shape)[0].description
+    assert "windows placed back on the block's grid (shifts undone)" in words and "stride 4 px" in words

@@ -225,13 +225,14 @@ class Site:
 class Family:
     """``modules``: ``(python module, class name)`` pairs it records; ``kind``: its tap's kind; ``place(site,
     args, kwargs, capture) -> [(weights, grid, prefix)]``; ``context(model, path, module) -> dict``: what it
-    needs from around the module (None: nothing)."""
+    needs from around the module (None: nothing); ``where``: the line the map descriptions add."""
 
     name: str
     modules: Tuple[Tuple[str, str], ...]
     kind: str
     place: Callable[[Site, tuple, dict, Capture], List[Emit]]
     context: Optional[Callable[[nn.Module, str, nn.Module], Dict[str, Any]]] = None
+    where: str = ""  # one line: what the record's axes are and where its cells lie
 
     def matches(self, module: nn.Module) -> bool:
         t = type(module)
@@ -346,22 +347,25 @@ def _call(method: str) -> Callable[[nn.Module, torch.Tensor], Any]:
     return lambda block, x: getattr(type(block), method)(block, x)  # the class's: not a recording wrapper
 
 
+WINDOWS = "windows placed back on the block's grid (shifts undone), 0 between windows"
+PARTITIONS = "block (window) or grid partitions placed back on the stage's grid, 0 between partitions"
 FAMILIES: Tuple[Family, ...] = (
     Family("swin", (("timm.models.swin_transformer", "SwinTransformerBlock"),
                     ("timm.models.swin_transformer_v2", "SwinTransformerV2Block")), "token",
-           _windows(True, _call("_attn"))),
-    Family("tiny_vit", (("timm.models.tiny_vit", "TinyVitBlock"),), "token", _windows(True, _call("forward"))),
+           _windows(True, _call("_attn")), where=WINDOWS),
+    Family("tiny_vit", (("timm.models.tiny_vit", "TinyVitBlock"),), "token", _windows(True, _call("forward")),
+           where=WINDOWS),
     Family("maxvit", (("timm.models.maxxvit", "PartitionAttentionCl"),), "token",
-           _windows(True, _call("_partition_attn"))),
+           _windows(True, _call("_partition_attn")), where=PARTITIONS),
     Family("maxvit", (("timm.models.maxxvit", "PartitionAttention2d"),), "token",
-           _windows(False, _call("_partition_attn"))),
+           _windows(False, _call("_partition_attn")), where=PARTITIONS),
     Family("efficientvit_msra", (("timm.models.efficientvit_msra", "LocalWindowAttention"),), "token",
-           _windows(False, _call("forward"))),
+           _windows(False, _call("forward")), where=WINDOWS),
     Family("torchvision_maxvit", (("torchvision.models.maxvit", "PartitionAttentionLayer"),), "token",
-           _windows(False, _call("forward"), "attn_layer")),
+           _windows(False, _call("forward"), "attn_layer"), where=PARTITIONS),
     Family("torchvision_swin", (("torchvision.models.swin_transformer", "ShiftedWindowAttention"),
                                 ("torchvision.models.swin_transformer", "ShiftedWindowAttentionV2")), "token",
-           _windows(True, _call("forward"), None)),
+           _windows(True, _call("forward"), None), where=WINDOWS),
     Family("cait", (("timm.models.cait", "TalkingHeadAttn"),), "token", _tokens(0, "dropout"), _patch_grid),
     Family("class_attention", (("timm.models.cait", "ClassAttn"),), "token", _tokens(1), _patch_grid),
     Family("convit", (("timm.models.convit", "GPSA"),), "token", _tokens(0, "dropout"), _patch_grid),
@@ -370,11 +374,14 @@ FAMILIES: Tuple[Family, ...] = (
            _tokens(0)),
     Family("fastvit", (("timm.models.fastvit", "Attention"),), "token", _tokens(0)),
     Family("xcit", (("timm.models.xcit", "XCA"), ("timm.models.edgenext", "CrossCovarianceAttn")), "covariance",
-           _covariance),
-    Family("coat", (("timm.models.coat", "FactorAttnConvRelPosEnc"),), "pool", _coat),
-    Family("mobilevit", (("timm.models.mobilevit", "LinearSelfAttention"),), "pool", _mobilevit2),
+           _covariance, where="rows and columns are channels of a head (cross-covariance), not image positions"),
+    Family("coat", (("timm.models.coat", "FactorAttnConvRelPosEnc"),), "pool", _coat,
+           where="the keys' softmax over the tokens (factorized attention), mean of heads and channels"),
+    Family("mobilevit", (("timm.models.mobilevit", "LinearSelfAttention"),), "pool", _mobilevit2,
+           where="context scores over the patches, mean of the pixels of a patch; one cell per patch"),
 )
-MOBILEVIT = Family("mobilevit", (("timm.layers.attention", "Attention"),), "token", _mobilevit, _patch_area)
+MOBILEVIT = Family("mobilevit", (("timm.layers.attention", "Attention"),), "token", _mobilevit, _patch_area,
+                   where="patch-to-patch attention, mean of the pixel offsets inside a patch; one cell per patch")
 
 UNRECORDABLE = {
     ("timm.models.efficientvit_mit", "LiteMLA"): "EfficientViT (MIT)'s LiteMLA is ReLU linear attention: it forms "
@@ -424,6 +431,15 @@ def sites(model: nn.Module) -> List[Site]:
 def claimed(model: nn.Module) -> set:
     """ids of the modules a family records (the timm ``Attention`` inside MobileViT blocks among them)."""
     return {id(s.module) for s in sites(model)}
+
+
+def where(model: nn.Module, name: str) -> str:
+    """The placement line of the family module recorded as ``name`` ("" for any other record)."""
+    try:
+        site = _SITES.get(model.get_submodule(name.split("@")[0]))
+    except AttributeError:
+        return ""
+    return site.family.where if site is not None else ""
 
 
 def forget(model: nn.Module) -> int:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..attention.tap import AttentionRecord
+from . import families
 from .geometry import GeometryTrace, GridGeometry, place, trace_geometry
 from .kinds import MATRIX, infer_grid, kind_of, kinds_where, record_kind
 from .record import unwrap_model
@@ -355,6 +356,8 @@ class _Reader:
         name = record_tag(r.name, k)
         geo = self.geometry(heat.shape[-2:], r.name, k) if kind.placed else GridGeometry(heat.shape[-2:], exact=False)
         info = {"owner": _owner(self.model, r.name)}
+        if self.model is not None and families.where(unwrap_model(self.model), r.name):
+            info["where"] = families.where(unwrap_model(self.model), r.name)
         scale = r.value_scale
         keys = kind.keys(r, heat)
         out = [LayerMap(name, r.kind, heat, scale, keys if scale == "relative" else 0, geo, record=r, info=info)]

@@ -542,4 +542,5 @@ def describe(lm: Any) -> str:
     if kind.words is None:
         return lm.note
     where = lm.geometry.describe() if kind.placed else f"a {' x '.join(kind.axes)} matrix, not placed on the image"
-    return f"{kind.words(lm, lm.info.get('owner', 'block'))}; scale: {scale_title(lm.scale)}; {where}"
+    placed = f" ({lm.info['where']})" if lm.info.get("where") else ""  # a family's own placement (.families)
+    return f"{kind.words(lm, lm.info.get('owner', 'block'))}{placed}; scale: {scale_title(lm.scale)}; {where}"
