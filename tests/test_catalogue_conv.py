@@ -38,14 +38,20 @@ def randomize_(module: nn.Module, seed: int = 3) -> nn.Module:
     return module
 
 
-def copy_by_order(dst: nn.Module, src: nn.Module, skip=("scale",)) -> None:
-    """``src``'s state into ``dst`` entry by entry in registration order, ``dst``'s ``skip`` entries kept."""
-    d = {k: v for k, v in dst.state_dict().items() if k not in skip}
+def copy_by_order(dst: nn.Module, src: nn.Module, skip=("scale", "norm")) -> None:
+    """``src``'s state into ``dst`` entry by entry in registration order, ``dst``'s own additions (``skip``:
+    the residual scale, lambda's BN after the mechanism) kept."""
+    d = {k: v for k, v in dst.state_dict().items() if not own(k, skip)}
     s = list(src.state_dict().values())
     assert len(d) == len(s), (list(d), list(src.state_dict()))
     state = dict(dst.state_dict())
     state.update({k: v.reshape(d[k].shape) for k, v in zip(d, s)})
     dst.load_state_dict(state)
+
+
+def own(key: str, skip=("scale", "norm")) -> bool:
+    """Whether state entry ``key`` is one of the block's own additions to timm's mechanism."""
+    return any(key == s or key.startswith(s + ".") for s in skip)
 
 
 def assert_same(ours, ref_fn, x: torch.Tensor, ours_params, ref_params, tol: float = 1e-10) -> None:
@@ -93,21 +99,29 @@ TIMM = [  # (id, name, options, timm module, its output is the residual block it
 @pytest.mark.parametrize("key,name,options,make,whole", TIMM, ids=[t[0] for t in TIMM])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
 def test_matches_timm(key, name, options, make, whole, train):
-    """At ``scale = 1`` (``init="default"``) the block is ``x + timm(x)`` (BAT: ``timm(x)``, its own residual),
-    weight for weight; maps divisible by halo's 8 and BAT's 7 blocks."""
+    """At ``scale = 1`` (``init="default"``) the block is ``x + timm(x)`` (BAT: ``timm(x)``, its own residual;
+    lambda: ``x + BN(timm(x))``), weight for weight; maps divisible by halo's 8 and BAT's 7 blocks."""
     ref = randomize_(make()).double().train(train)
     ours = create_attention(name, C, **options).double().train(train)
     copy_by_order(ours, ref)
-    assert ours.scale.item() == 1.0
     size = {"halo": (16, 8), "bat": (14, 21)}.get(name, (9, 7))
     x = torch.randn(2, C, *size, dtype=torch.float64)
-    scale = ours.scale
+    if name == "lambda":
+        def reference(x):
+            return x + ours.norm(ref(x))
 
-    def reference(x):
-        return x + scale * (ref(x) - x if whole else ref(x))
+        extra = list(ours.norm.parameters())
+        assert_same(ours, reference, x, list(ours.parameters()), [*ref.parameters(), *extra])
+    else:
+        assert ours.scale.item() == 1.0
+        scale = ours.scale
 
-    assert_same(ours, reference, x, list(ours.parameters()), [scale, *ref.parameters()])
-    ours_buffers, ref_buffers = list(ours.named_buffers()), list(ref.buffers())
+        def reference(x):
+            return x + scale * (ref(x) - x if whole else ref(x))
+
+        assert_same(ours, reference, x, list(ours.parameters()), [scale, *ref.parameters()])
+    ours_buffers = [(n, b) for n, b in ours.named_buffers() if not own(n)]
+    ref_buffers = list(ref.buffers())
     assert len(ours_buffers) == len(ref_buffers)
     for (bn, b), rb in zip(ours_buffers, ref_buffers):  # BatchNorm statistics updated exactly once, alike
         torch.testing.assert_close(b, rb.reshape(b.shape), rtol=1e-10, atol=1e-12, msg=bn)
@@ -412,7 +426,9 @@ def test_default_init_is_not_the_identity_and_zero_init_last_restores_it(name):
             p.add_(0.1)
     assert not torch.equal(block(x), x)
     block.zero_init_last()  # timm's hook after its own init
-    if name != "a2":
+    if name == "lambda":
+        assert block.norm.weight.abs().sum() == 0 and block.norm.bias.abs().sum() == 0
+    elif name != "a2":
         assert block.scale.item() == 0
     assert torch.equal(block(x), x)
 
@@ -499,10 +515,17 @@ def _timm_ref(make):
 
 def copy_into(ref: nn.Module, block: nn.Module) -> None:
     """The block's state (less ``scale``) into timm's module, entry by entry."""
-    s = [v for k, v in block.state_dict().items() if k != "scale"]
+    s = [v for k, v in block.state_dict().items() if not own(k)]
     d = ref.state_dict()
     assert len(d) == len(s)
     ref.load_state_dict({k: v.reshape(d[k].shape) for k, v in zip(d, s)})
+
+
+def _lambda_ref(block):
+    """``x + BN(timm(x))`` with the block's weights and its own BN; parameters in the block's order."""
+    ref = TimmLambda(block.channels).double().train()
+    copy_into(ref, block)
+    return (lambda x: x + block.norm(ref(x))), [*ref.parameters(), *block.norm.parameters()]
 
 
 def _explicit(reference):
@@ -516,7 +539,7 @@ CONV_REFERENCES = {
     "sk": _timm_ref(lambda b: TimmSK(b.channels, rd_channels=b.fc_reduce.out_channels, split_input=False)),
     "splat": _timm_ref(lambda b: SplitAttn(b.channels)),
     "halo": _timm_ref(lambda b: PaddedHalo(b.channels, num_heads=b.num_heads)),
-    "lambda": _timm_ref(lambda b: TimmLambda(b.channels)),
+    "lambda": _lambda_ref,
     "bat": _explicit(bat_reference),
     "psa": _explicit(psa_reference),
     "criss_cross": _explicit(criss_cross_reference),

@@ -21,6 +21,9 @@ paper's mechanism added to its input; ``init="identity"``: ``scale`` starts at 0
 exactly and ``scale`` gets the gradient ``sum(mechanism(x) * grad)``. BAT is a residual block in its paper
 (``x + BAT(x)``); its last layer is a conv + BN + ReLU, which cannot start at zero and still learn (ReLU has
 no gradient at 0), so it gets the same ``scale`` (1 by default: timm's block exactly; 0 for the identity).
+The lambda layer's output is not normalised (about ten times its input at the defaults; in LambdaResNets the
+bottleneck's BatchNorm follows it), and ``x + scale * lambda(x)`` diverged in a smoke run even from ``scale =
+0``: its block is ``x + BN(lambda(x))``, the BN's scale and shift starting at zero for ``init="identity"``.
 
 Pooled statistics go through a BatchNorm in SK and split attention; a training-mode BatchNorm over one value
 per channel (batch 1) is undefined, so for such a batch it normalises with its running statistics and leaves
@@ -390,7 +393,7 @@ class HaloAttention(ResidualScale):
 
 
 @register_attention("lambda", layout="feature", kind="spatial")
-class LambdaLayer(ResidualScale):
+class LambdaLayer(nn.Module):
     """Lambda layer (Bello, 2021, arXiv 2102.08602), as a residual block.
 
     Queries ``(num_heads, |k|)`` per position (BatchNorm), one key head ``|k|`` and values ``|v| = C / heads``
@@ -400,15 +403,16 @@ class LambdaLayer(ResidualScale):
     lambda_p_n)``. Intra-depth ``|u| = 1``. Defaults: ``|k| = 16``, ``|h| = 4`` heads (the paper's LambdaResNet
     setting), ``r = 9`` (timm's). Works on any H x W (the lambda convolution is zero-padded). The lambda
     convolution is a 2D conv over each value channel (timm's ``Conv3d`` with an ``(r, r, 1)`` kernel, the same
-    weights: PyTorch's CPU bf16 Conv3d backward gives NaN weight gradients). Block: ``x + scale *
-    lambda(x)`` (module docstring). A lambda layer has no attention map over positions: its tap (``"spatial"``,
-    scale ``"relative"``) records the keys' softmax over the positions, averaged over the ``|k|`` key channels,
-    ``(B, 1, H, W)``: how much each position contributes to the content lambda.
+    weights: PyTorch's CPU bf16 Conv3d backward gives NaN weight gradients). Block: ``x + BN(lambda(x))``
+    (module docstring; ``init="identity"`` zeroes the BN's scale and shift). A lambda layer has no attention map
+    over positions: its tap (``"spatial"``, scale ``"relative"``) records the keys' softmax over the positions,
+    averaged over the ``|k|`` key channels, ``(B, 1, H, W)``: how much each position contributes to the content
+    lambda.
     """
 
     PAPER = "Bello, 2021, LambdaNetworks: Modeling Long-Range Interactions Without Attention, arXiv 2102.08602"
-    CHECKED_AGAINST = "timm LambdaLayer with r set (weights copied, float64, outputs and gradients; x + lambda(x))"
-    IDENTITY = REZERO
+    CHECKED_AGAINST = "timm LambdaLayer with r set (weights copied, float64, outputs and gradients; x + BN(lambda(x)))"
+    IDENTITY = "the BatchNorm after the lambda layer (scale and shift at 0)"
 
     def __init__(self, channels: int, num_heads: int = 4, dim_head: int = 16, r: int = 9, qkv_bias: bool = False,
                  init: str = "default"):
@@ -423,14 +427,21 @@ class LambdaLayer(ResidualScale):
         self.norm_q = nn.BatchNorm2d(num_heads * dim_head)
         self.norm_v = nn.BatchNorm2d(self.dim_v)
         self.conv_lambda = nn.Conv2d(1, dim_head, r, padding=r // 2)  # timm's Conv3d (r, r, 1), as a 2D conv
+        self.norm = nn.BatchNorm2d(channels)  # the bottleneck's BN after the lambda layer in LambdaResNets
         self.tap = AttentionTap("spatial", scale="relative")
+        self.init = check_init(init)
         self.reset_parameters()
-        self.setup_scale(init)
+
+    def zero_init_last(self) -> None:
+        """With ``init="identity"``, zero the BN's scale and shift (also timm's hook, after its own init)."""
+        if self.init == "identity":
+            zero_(self.norm.weight, self.norm.bias)
 
     def reset_parameters(self) -> None:
         """timm's: truncated normal, std ``fan_in ** -0.5`` (projection) and ``|k| ** -0.5`` (lambda conv)."""
         nn.init.trunc_normal_(self.qkv.weight, std=self.qkv.weight.shape[1] ** -0.5)
         nn.init.trunc_normal_(self.conv_lambda.weight, std=self.dim_qk**-0.5)
+        self.zero_init_last()
 
     def mechanism(self, x: torch.Tensor) -> torch.Tensor:
         B, C, H, W = x.shape
@@ -450,7 +461,10 @@ class LambdaLayer(ResidualScale):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_feature_map(self, x, self.channels)
         check_norm_batch(self, self.norm_q, x.shape[0] * x.shape[2] * x.shape[3], x)
-        return self.residual(x, self.mechanism(x.contiguous()))  # one layout: the lambdas permute the map anyway
+        y = self.norm(self.mechanism(x.contiguous()))  # one layout: the lambdas permute the map anyway
+        if is_channels_last(x):
+            y = y.contiguous(memory_format=torch.channels_last)
+        return x + y.to(x.dtype)
 
 
 # ---- bilinear attentional transform ---------------------------------------------------------------------------------
