@@ -434,3 +434,19 @@ def test_each_family_map_says_where_its_cells_lie():
         model(x)
     words = read_maps(rec.records, model, x.shape)[0].description
     assert "windows placed back on the block's grid (shifts undone)" in words and "stride 4 px" in words
+
+
+def test_a_window_record_too_large_to_place_is_one_warning_not_a_crash(monkeypatch):
+    from visattn.maps import families
+
+    monkeypatch.setattr(families, "MAX_PLACED_BYTES", 2**16)
+    torch.manual_seed(0)
+    model = WINDOWED["swin"][0]().eval()
+    x = torch.randn(2, 3, 64, 64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        records = recorded(model, x)
+    grids = {r.grid for r in records}
+    assert (16, 16) not in grids and (8, 8) in grids  # 2 x 1 x 256^2 x 4 B > 64 KiB; 2 x 2 x 64^2 x 4 B is not
+    lines = [str(w.message) for w in caught if "layers.0.blocks.0" in str(w.message)]
+    assert len(lines) == 1 and "MiB" in lines[0] and "\n" not in lines[0]

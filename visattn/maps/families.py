@@ -257,10 +257,18 @@ def _image_hw(x: torch.Tensor, channels_last: bool) -> Tuple[int, Tuple[int, int
     return (x.shape[0], (x.shape[1], x.shape[2])) if channels_last else (x.shape[0], (x.shape[-2], x.shape[-1]))
 
 
+MAX_PLACED_BYTES = 2**28  # a windowed record placed on its grid is at most this large (fp32), else not recorded
+
+
 def _windows(channels_last: bool, run: Callable[[nn.Module, torch.Tensor], Any], attn: Optional[str] = "attn"):
     def place(site: Site, args: tuple, kwargs: dict, capture: Capture) -> List[Emit]:
         w = _stacked(site, capture)
-        _, hw = _image_hw(args[0], channels_last)
+        b, hw = _image_hw(args[0], channels_last)
+        size = b * w.shape[1] * (hw[0] * hw[1]) ** 2 * 4
+        if size > MAX_PLACED_BYTES:
+            raise ValueError(f"its windows placed on the {hw[0]}x{hw[1]} grid would take {size / 2**20:.0f} MiB for "
+                             f"{b} image(s) (more than {MAX_PLACED_BYTES / 2**20:.0f} MiB: record fewer images or a "
+                             "smaller input, or raise visattn.maps.families.MAX_PLACED_BYTES)")
         key = (hw, w.shape[-1])
         pos = site.context.get(key)
         if pos is None:
