@@ -318,3 +318,27 @@ def test_c16_sync_bn_without_ranks_or_on_the_cpu_is_refused(tmp_path, monkeypatc
     monkeypatch.setenv("VISATTN_DATA_PARALLEL", "1")  # the data-parallel path, forced: on the CPU, refused
     with pytest.raises(ConfigError, match="sync_bn=true runs only on CUDA devices"):
         check_for_training(cfg)
+
+
+# ---- (d) the rest ------------------------------------------------------------------------------------------------
+
+
+def test_d17_evaluates_weights_do_not_fit_message_names_the_keys(tmp_path, finished_run):
+    from visattn.rundir import state_digest
+
+    state = torch.load(finished_run / "best.pt", weights_only=True)
+    state.pop(DIGEST_KEY)
+    for entry in ("model", "ema"):
+        weights = state[entry]
+        prefix = "module." if entry == "ema" else ""
+        weights[prefix + "extra.weight"] = weights.pop(prefix + "fc.weight")  # a renamed key: one missing, one unexpected
+        conv = next(k for k in weights if k.endswith("conv.weight") or k.endswith("0.weight"))
+        weights[conv] = torch.zeros(3, 3)
+    state[DIGEST_KEY] = state_digest(state)  # a whole file, as written
+    torch.save(state, tmp_path / "misfit.pt")
+    ev = run_cli(["--checkpoint", str(tmp_path / "misfit.pt"), "--data", "synthetic", "--device", "cpu"],
+                 tool=evaluate_main)
+    lines = ev.stderr.strip().splitlines()
+    assert ev.returncode == 2 and len(lines) == 1, ev.stderr
+    assert "weights do not fit model 'resnet_fast' (missing: fc.weight; unexpected: extra.weight; shapes differ: " in lines[0]
+    assert "[3, 3] here [" in lines[0]

@@ -150,8 +150,25 @@ def load_model_from_checkpoint(path: str, device: torch.device) -> tuple[torch.n
     try:
         model.load_state_dict(weights)
     except (RuntimeError, TypeError) as e:  # TypeError: a "model" entry that is not a state dict
-        raise CheckpointError(f"checkpoint {path!r}: weights do not fit model {cfg.model.name!r} ({str(e).splitlines()[0]})") from None
+        why = weights_misfit(model, weights) if isinstance(weights, dict) else ""
+        raise CheckpointError(f"checkpoint {path!r}: weights do not fit model {cfg.model.name!r} "
+                              f"({why or str(e).splitlines()[0]})") from None
     return model.to(device).eval(), cfg, state
+
+
+def weights_misfit(model: nn.Module, weights: Dict[str, Any]) -> str:
+    """The first keys of ``weights`` that do not fit ``model``: missing, unexpected, of another shape ("" if all
+    fit)."""
+    own = model.state_dict()
+
+    def first(keys: List[str]) -> str:
+        return ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    shapes = [f"{k} {list(weights[k].shape)} here {list(own[k].shape)}" for k in own
+              if isinstance(weights.get(k), torch.Tensor) and tuple(weights[k].shape) != tuple(own[k].shape)]
+    return "; ".join(f"{what}: {first(keys)}" for what, keys in (("missing", missing), ("unexpected", unexpected),
+                                                                  ("shapes differ", shapes)) if keys)
 
 
 def evaluate_checkpoint(checkpoint: str, data: Optional[str] = None, tta: Optional[str] = None,
