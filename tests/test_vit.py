@@ -5,8 +5,10 @@ import pytest
 import torch
 from conftest import ROOT, recording
 
+import visattn
 from visattn.models import create_model, list_models
 from visattn.models.vit import ShiftedPatchTokenizer
+from visattn.registry import attention_info
 
 VIT = list_models("vit")
 HYBRID = list_models("hybrid")
@@ -29,7 +31,9 @@ VARIANTS = [
     {"pool": "cls"},
     {"pool": "mean"},
     {"pool": "seq"},
+    {"pool": "attn"},
     {"attn": "lsa"},
+    {"attn": "xca"},
     {"attn_kwargs": {"score": "general"}},
 ]
 
@@ -142,6 +146,90 @@ def test_unknown_and_bad_options_are_rejected(name):
         create_model(name, attn_kwargs={"score": "cosine"})
     with pytest.raises(ValueError, match="grid"):
         create_model(name, attn_kwargs={"grid": (2, 2)})
+
+
+def test_every_token_mixer_builds_and_the_pooling_heads_are_pools():
+    """Every registered token block that maps (B, N, D) to the same is a ViT's ``attn``; the pooling heads
+    (kind "pool") are refused there with the ``pool`` that uses them; class attention needs the class token."""
+    mixers = [a for a in visattn.list_attention("token") if attention_info(a)["kind"] != "pool"]
+    assert {"mhsa", "lsa", "talking_heads", "class_attn", "window", "xca"} <= set(mixers)
+    x = torch.randn(1, 3, 32, 32)
+    for a in mixers:
+        model = create_model("vit_tiny", num_classes=7, attn=a, depth=1)
+        assert type(model.blocks[0].attn) is type(visattn.create_attention(a, 192, grid=(8, 8), num_prefix_tokens=1))
+        assert model(x).shape == (1, 7)
+    with pytest.raises(ValueError, match="attn='attn_pool' is a pooling head, not a token mixer: use pool='attn'"):
+        create_model("vit_tiny", attn="attn_pool")
+    with pytest.raises(ValueError, match="attn='seqpool' is a pooling head, not a token mixer: use pool='seq'"):
+        create_model("cct_2", attn="seqpool")
+    with pytest.raises(ValueError, match="attn must be a token block such as 'mhsa', 'lsa' or 'xca', got 'se'"):
+        create_model("vit_tiny", attn="se")
+    with pytest.raises(ValueError, match="attn='class_attn' updates the class token only: it needs pool='cls'"):
+        create_model("vit_tiny", attn="class_attn", pool="attn")
+
+
+def test_the_attention_pooling_head_is_attn_pool_on_the_normed_tokens():
+    """``pool="attn"``: no class token; ``attn_pool`` built as timm's ViT builds its MAP head (the model's heads
+    and MLP ratio, LayerNorm, one latent query) keeps its own initialisation and pools ``forward_features``."""
+    model = create_model("vit_tiny", num_classes=7, pool="attn", depth=2).eval()
+    pool = model.attn_pool
+    assert model.num_prefix_tokens == 0 and model.cls_token is None and model.seq_pool is None
+    assert type(pool) is type(visattn.create_attention("attn_pool", 192))
+    assert pool.num_heads == 12 and pool.latent.shape == (1, 1, 192) and pool.mlp.fc1.out_features == 384
+    assert isinstance(pool.norm, torch.nn.LayerNorm) and pool.pool == "token"
+    assert 0.04 < pool.latent.std() < 0.09  # its own init (timm's latent: std dim ** -0.5 = 0.072, truncated)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        feats = model.forward_features(x)
+        torch.testing.assert_close(model(x), model.head(pool(feats)), rtol=0, atol=0)
+        assert feats.shape == (2, 64, 192)
+
+
+@pytest.mark.parametrize("attn,pool", [("xca", "cls"), ("mhsa", "attn"), ("xca", "attn")])
+def test_xca_and_the_attention_pool_train_a_step_and_record_their_maps(attn, pool):
+    model = create_model("vit_tiny", num_classes=7, attn=attn, pool=pool, depth=2)
+    x, y = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 3])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    unchanged = [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
+    assert not unchanged, unchanged  # every parameter, the head's latent query and the temperatures included
+    model.eval()
+    with visattn.record_attention(model) as rec:
+        model(x)
+    kinds = [r.kind for r in rec.records]
+    mixer = "covariance" if attn == "xca" else "token"
+    assert kinds == [mixer] * 2 + (["pool"] if pool == "attn" else [])
+    maps = {m.name: m for m in visattn.read_maps(rec.records, model, x.shape, matrices=True)}
+    for i in range(2):
+        lm = maps[f"blocks.{i}.attn"]
+        if attn == "xca":  # channel x channel, 16 channels per head, rows summing to 1 (mean of the heads)
+            assert lm.kind == "covariance" and not lm.placed and lm.heat.shape == (4, 16, 16)
+            torch.testing.assert_close(lm.heat.sum(-1), torch.ones(4, 16))
+        else:
+            assert lm.kind == "token" and lm.placed and lm.heat.shape == (4, 8, 8)
+    if pool == "attn":
+        weights = rec.records[-1].weights
+        assert rec.records[-1].name == "attn_pool" and weights.shape == (4, 64)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(4))
+        assert maps["attn_pool"].kind == "pool" and maps["attn_pool"].heat.shape == (4, 8, 8)
+    if attn == "mhsa":  # the rollout is read out through the pooling head's weights, as the model pools
+        assert maps["rollout"].info["readout"] == "seq"
+
+
+def test_xcas_maps_are_drawn_as_matrices_in_tensorboard(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from visattn.maps.tensorboard import log_attention_maps
+
+    model = create_model("vit_tiny", num_classes=4, attn="xca", pool="attn", depth=1)
+    with SummaryWriter(str(tmp_path)) as writer:
+        summary = log_attention_maps(writer, model, torch.randn(4, 3, 32, 32), torch.arange(4), step=0)
+    # the covariance record as a channel x channel matrix, the pooling head's weights placed on the image
+    assert {"matrix/blocks.0.attn", "maps/attn_pool"} <= set(summary["images"]), summary["images"]
 
 
 def test_vit_rejects_indivisible_image_size():

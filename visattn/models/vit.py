@@ -3,9 +3,14 @@
 Sized after Lee, Lee, Song, 2021 ("Vision Transformer for Small-Size Datasets", arXiv 2112.13492): patch 4
 gives 64 tokens on a 32x32 image; ``vit_tiny`` is their depth-9, dim-192, 12-head, MLP-ratio-2 ViT
 (~2.7M parameters), ``vit_small`` is depth 12, dim 256, 8 heads, ratio 2 (~6.4M). Options: ``pool``
-(``"cls"``, ``"mean"`` or ``"seq"``, CCT's sequence pooling); ``attn``, a token block of kind ``"token"``
-(``"mhsa"``, ``"lsa"``) with ``attn_kwargs`` (e.g. ``{"score": "general"}``); ``layer_scale`` (LayerScale's
-initial value, ``None``: none); ``spt``, shifted patch tokenization (Lee et al. 2021).
+(``"cls"``, ``"mean"``, ``"seq"``, CCT's sequence pooling, or ``"attn"``, the attention-pooling head
+``attn_pool``: a learned query over the tokens, the MAP head of Zhai, Kolesnikov, Houlsby, Beyer, 2022,
+"Scaling Vision Transformers", arXiv 2106.04560, as timm's ``global_pool="map"``); ``attn``, any registered
+token block that maps ``(B, N, D)`` to the same (``list_attention("token")`` less the pooling heads: ``"mhsa"``,
+``"lsa"``, ``"talking_heads"``, ``"class_attn"`` (it updates the class token only, so it needs
+``pool="cls"``), ``"window"``, ``"xca"``, whose maps are channel x channel) with ``attn_kwargs`` (e.g.
+``{"score": "general"}``); ``layer_scale`` (LayerScale's initial value, ``None``: none); ``spt``, shifted patch
+tokenization (Lee et al. 2021).
 
 Blocks are pre-norm with timm's ``Mlp`` and ``DropPath``; the position embedding is learned; each block's tap
 records ``grid=model.grid_size`` and ``num_prefix_tokens``. :class:`TokenClassifier` is shared with the CCT
@@ -25,9 +30,33 @@ from ..registry import attention_info, backbone_modules, create_attention, regis
 
 __all__ = ["Block", "TokenClassifier", "ShiftedPatchTokenizer", "VisionTransformer", "vit_tiny", "vit_small"]
 
-POOLS = ("cls", "mean", "seq")
+POOLS = ("cls", "mean", "seq", "attn")
+HEADS = {"seq": "seqpool", "attn": "attn_pool"}  # the pooling heads (token blocks of kind "pool"), by pool
+MIXERS = ("token", "covariance")  # the record kinds of the token blocks that map (B, N, D) to the same
 
 Size = Union[int, Sequence[int]]
+
+
+def check_options(pool: str, attn: str, layer_scale: Optional[float], depth: int, num_classes: int,
+                  attn_kwargs: Dict[str, Any]) -> None:
+    """One-line ValueErrors for the options of :class:`TokenClassifier`."""
+    if pool not in POOLS:
+        raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(POOLS)}")
+    info = attention_info(attn)  # raises ValueError listing the blocks for an unknown name
+    if info.get("layout") == "token" and info.get("kind") == "pool":
+        use = next((p for p, head in HEADS.items() if head == attn), None)
+        raise ValueError(f"attn={attn!r} is a pooling head, not a token mixer" + (f": use pool={use!r}" if use else ""))
+    if info.get("layout") != "token" or info.get("kind") not in MIXERS:
+        raise ValueError(f"attn must be a token block such as 'mhsa', 'lsa' or 'xca', got {attn!r}")
+    if attn == "class_attn" and pool != "cls":
+        raise ValueError(f"attn='class_attn' updates the class token only: it needs pool='cls', got pool={pool!r}")
+    if layer_scale is not None and not (math.isfinite(layer_scale) and layer_scale > 0):
+        raise ValueError(f"layer_scale must be a positive number or None, got {layer_scale!r}")
+    if depth < 1 or num_classes < 0:
+        raise ValueError(f"depth must be >= 1 and num_classes >= 0, got depth={depth}, num_classes={num_classes}")
+    fixed = {"grid", "num_prefix_tokens"} & set(attn_kwargs)
+    if fixed:
+        raise ValueError(f"attn_kwargs may not set {', '.join(sorted(fixed))}: the model sets them")
 
 
 def to_2tuple(size: Size, what: str) -> Tuple[int, int]:
@@ -63,7 +92,11 @@ class Block(nn.Module):
 class TokenClassifier(nn.Module):
     """Tokenizer -> (class token) + learned position embedding -> blocks -> LayerNorm -> pool -> linear head.
 
-    ``tokenizer`` maps ``(B, C, H_img, W_img)`` to ``(B, H*W, dim)`` tokens on ``grid_size=(H, W)``.
+    ``tokenizer`` maps ``(B, C, H_img, W_img)`` to ``(B, H*W, dim)`` tokens on ``grid_size=(H, W)``. ``pool``:
+    the class token (``"cls"``), the mean token (``"mean"``), or a pooling head over the tokens: ``"seq"``
+    (``seqpool``, Hassani et al., 2021, arXiv 2104.05704) or ``"attn"`` (``attn_pool``, Zhai et al., 2022, arXiv
+    2106.04560: one learned query, ``num_heads`` heads, an MLP of ``mlp_ratio``, LayerNorm, as timm's ViT builds
+    it for ``global_pool="map"``). Both heads record their ``(B, N)`` weights (kind ``"pool"``).
     """
 
     def __init__(self, tokenizer: nn.Module, grid_size: Tuple[int, int], img_size: Tuple[int, int],
@@ -72,19 +105,8 @@ class TokenClassifier(nn.Module):
                  drop_rate: float = 0.0, attn_drop_rate: float = 0.0, drop_path_rate: float = 0.1,
                  layer_scale: Optional[float] = None):
         super().__init__()
-        if pool not in POOLS:
-            raise ValueError(f"unknown pool {pool!r}; valid: {', '.join(POOLS)}")
-        info = attention_info(attn)  # raises ValueError listing the blocks for an unknown name
-        if info.get("layout") != "token" or info.get("kind") != "token":
-            raise ValueError(f"attn must be a token self-attention block such as 'mhsa' or 'lsa', got {attn!r}")
-        if layer_scale is not None and not (math.isfinite(layer_scale) and layer_scale > 0):
-            raise ValueError(f"layer_scale must be a positive number or None, got {layer_scale!r}")
-        if depth < 1 or num_classes < 0:
-            raise ValueError(f"depth must be >= 1 and num_classes >= 0, got depth={depth}, num_classes={num_classes}")
         attn_kwargs = dict(attn_kwargs or {})
-        fixed = {"grid", "num_prefix_tokens"} & set(attn_kwargs)
-        if fixed:
-            raise ValueError(f"attn_kwargs may not set {', '.join(sorted(fixed))}: the model sets them")
+        check_options(pool, attn, layer_scale, depth, num_classes, attn_kwargs)
 
         self.img_size = img_size
         self.grid_size = grid_size
@@ -109,6 +131,8 @@ class TokenClassifier(nn.Module):
         )
         self.norm = nn.LayerNorm(dim)
         self.seq_pool = create_attention("seqpool", dim, **tap_info) if pool == "seq" else None
+        self.attn_pool = (create_attention("attn_pool", dim, num_heads=num_heads, mlp_ratio=mlp_ratio, **tap_info)
+                          if pool == "attn" else None)
         self.head = nn.Linear(dim, num_classes) if num_classes > 0 else nn.Identity()
 
         trunc_normal_(self.pos_embed, std=0.02)
@@ -154,6 +178,8 @@ class TokenClassifier(nn.Module):
             x = x[:, 0]
         elif self.pool == "mean":
             x = x.mean(dim=1)
+        elif self.pool == "attn":
+            x = self.attn_pool(x)  # (B, D)
         else:
             x = self.seq_pool(x)  # (B, D)
         return self.head(x)
