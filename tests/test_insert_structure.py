@@ -50,7 +50,8 @@ def _outputs(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 # sites the structural rule finds beyond the family rule's, in blocks the family rule leaves alone (by default
 # they stay without a block, as before): timm EfficientNetV2's stage-0 ConvBnAct blocks with a skip
-EXTRA = {"timm/efficientnetv2_rw_t": 2}
+# and torchvision EfficientNetV2's FusedMBConv without an expansion (the family rule: no site; structure: its end)
+EXTRA = {"timm/efficientnetv2_rw_t": 2, "torchvision/efficientnet_v2_s": 2}
 
 
 def _check_same_sites(arch: str) -> None:
@@ -194,6 +195,15 @@ def test_a_model_that_does_not_trace_falls_back_to_the_family_rules_with_one_lin
     with pytest.warns(UserWarning, match="did not run on a probe image .*family rules") as rec:
         assert insert_attention(model, "cbam") == 8
     assert len(rec) == 1 and "\n" not in str(rec[0].message)
+
+
+def test_a_model_that_does_not_trace_and_has_no_family_is_refused_in_one_line_without_a_warning():
+    model = nn.Sequential(_Picky().net.conv1, nn.Flatten())
+    model.forward = lambda x: (_ for _ in ()).throw(RuntimeError("never runs"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="found no residual blocks"):
+            insert_attention(model, "cbam")
 
 
 def test_rule_is_checked():

@@ -412,9 +412,11 @@ def _auto_sites(model: nn.Module, rule: str) -> List[Site]:
     try:
         found = structural_sites(model)
     except structure.TraceError as e:
-        warnings.warn(f"insert_attention: {type(model).__name__} did not run on a probe image ({e}); its sites "
-                      "come from the family rules alone", stacklevel=3)
-        return _residual_sites(model)
+        sites = _residual_sites(model)
+        if sites:  # else the refusal is the one line
+            warnings.warn(f"insert_attention: {type(model).__name__} did not run on a probe image ({e}); its "
+                          "sites come from the family rules alone", stacklevel=3)
+        return sites
     if rule == "structure":
         return found
     known = _family_types()

@@ -172,8 +172,11 @@ def _probe_sizes(model: nn.Module) -> List[Tuple[int, int, int]]:
     cfg = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", None) or {}
     chans = tuple(cfg["input_size"])[0] if "input_size" in cfg else first.in_channels if first is not None else 3
     size = tuple(cfg.get("input_size", (chans, 224, 224)))[-2:]
-    sizes = [(chans, 64, 64), (chans, *size)]
-    return sizes if sizes[1] != sizes[0] else sizes[:1]
+    fixed = next((getattr(m, "img_size") for m in model.modules() if isinstance(getattr(m, "img_size", None),
+                                                                            (int, tuple, list))), None)
+    sizes = [(chans, *((fixed, fixed) if isinstance(fixed, int) else tuple(fixed)[-2:]))] if fixed else []
+    sizes += [(chans, 64, 64), (chans, *size), (chans, 32, 32)]  # a model's own image size first, where it says
+    return [s for i, s in enumerate(sizes) if s not in sizes[:i]]
 
 
 def trace(model: nn.Module, example: Optional[torch.Tensor] = None) -> Trace:
