@@ -417,16 +417,20 @@ def row_torchrun_nccl(c: Check, limit: float) -> Dict[str, Any]:
     return dict(trained(c, r, rows, checks=checks, said=said), probe=p)
 
 
+TARGET_BLOCKS = ("se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")  # bench/blocks.py TARGETS
+
+
 def row_blocks(c: Check, limit: float) -> Dict[str, Any]:
     """``bench/blocks.py`` on CUDA: every block against ``none`` in the recipe's training step at its batch, eager
     (compiling 17 networks would not fit the row's minute and a half), 5 interleaved repeats of 5 steps, the blocks
     before issue 70 (``--prepare``'s copy in ``data/gpu_check/before``: the device's tree has no git history) and
     now; the JSON beside the others. The dry run: ``--quick`` on the CPU."""
     before = ROOT / "data" / "gpu_check" / "before"
+    only = ["--only", *TARGET_BLOCKS]  # the issue-70 blocks: all 28 would not fit the row's minute and a half
     if c.dry:
-        args = ["--device", "cpu", "--quick"]
+        args = ["--device", "cpu", "--quick", *only]
     else:
-        args = ["--device", "cuda", "--no-compile", "--repeats", "5", "--steps", "5",
+        args = ["--device", "cuda", "--no-compile", "--repeats", "5", "--steps", "5", *only,
                 *(["--before", str(before)] if before.is_dir() else [])]
     r = c.spawn("blocks", [c.py, "-m", "bench.blocks", *args, "--out", str(c.out / "block_speed.json")], limit)
     if r["rc"] != 0:

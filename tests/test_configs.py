@@ -17,7 +17,8 @@ def test_config_trains_a_few_steps(path, tmp_path):
     synthetic = "data.placed.source=synthetic" if "placed" in path.parts else "data.source=synthetic"  # keep the canvas
     shipped = load_config(path)  # a warmup or a lookahead interval longer than these 2 steps is refused: shortened
     shorter = ([f"sched.warmup_epochs={min(shipped.sched.warmup_epochs, 1)}"]
-               + [f"train.lookahead_every={min(shipped.train.lookahead_every, 2)}"])
+               + [f"train.lookahead_every={min(shipped.train.lookahead_every, 2)}"]
+               + [f"log.maps_every={min(shipped.log.maps_every, 1)}"])  # maps every N > 1 epochs: refused in 1
     cfg = load_config(path, [
         f"run_dir={tmp_path / 'run'}", synthetic, "data.synthetic_size=120", "data.val_size=40",
         "train.batch_size=40", "train.epochs=1", "eval.batch_size=40", "log.progress=false", "log.probe_size=2",

@@ -139,7 +139,7 @@ def test_blocks_py_reads_the_before_blocks_from_a_prepared_folder(tmp_path):
         (tmp_path / f"{name}.py").write_text(blocks.before_source(blocks.BEFORE, name))
     (tmp_path / "REVISION").write_text(blocks.BEFORE + "\n")
     loaded = blocks.load_before(str(tmp_path))
-    assert set(blocks.BLOCKS) <= set(loaded) and blocks.before_label(str(tmp_path)) == blocks.BEFORE
+    assert set(blocks.TARGETS) <= set(loaded) and blocks.before_label(str(tmp_path)) == blocks.BEFORE
     x = torch.randn(2, 16, 5, 5, dtype=torch.float64)
     torch.manual_seed(0)
     a = blocks.load_before(blocks.BEFORE)["cbam"](16).double()
@@ -222,3 +222,11 @@ def test_the_results_pages_gpu_check_table_is_the_recorded_one():
         assert "not recorded yet" in block.lower()
         return
     assert block.strip() == check.table(json.loads(recorded.read_text())).strip()
+
+
+def test_the_gpu_blocks_row_measures_the_blocks_with_targets():
+    """The GPU check's blocks row runs ``bench/blocks.py --only`` the blocks with targets (all 28 would not fit
+    its cap): the list it spells out is bench/blocks.py's."""
+    from bench import blocks, gpu_check
+
+    assert tuple(gpu_check.TARGET_BLOCKS) == tuple(blocks.TARGETS)
