@@ -67,7 +67,7 @@ from bench.common import ROOT, command, cpu_name, interleaved, kernels, parser
 from visattn import evaluate
 from visattn.attention.spatial import coord_mip
 from visattn.config import load_config
-from visattn.errors import DataError, run_main
+from visattn.errors import ConfigError, DataError, run_main
 from visattn.options import check_at_least
 from visattn.results import check_rows, read_json, write_atomic
 
@@ -108,6 +108,11 @@ def register_attention(name, **meta):
 LOADED: List[str] = []  # the throwaway packages made so far (one per load_before call)
 
 
+class BeforeError(ConfigError, SystemExit):
+    """A ``--before`` that names neither a revision nor a folder of its files: one line and exit 2 through
+    ``run_main`` (a ConfigError), and still a SystemExit for callers of :func:`load_before`."""
+
+
 def before_source(rev: str, name: str) -> str:
     """The text of ``visattn/attention/<name>.py`` at ``rev``: a git revision, or a folder holding that revision's
     ``visattn/attention`` files (where the tree travels without its git history: the GPU check's
@@ -116,13 +121,14 @@ def before_source(rev: str, name: str) -> str:
     if folder.is_dir():
         path = folder / f"{name}.py"
         if not path.is_file():
-            raise SystemExit(f"blocks.py: --before {rev}: the folder has no {name}.py")
+            raise BeforeError(f"--before {rev}: the folder has no {name}.py")
         return path.read_text()
     got = subprocess.run(["git", "show", f"{rev}:visattn/attention/{name}.py"], cwd=ROOT, capture_output=True,
                          text=True)
     if got.returncode:
         said = got.stderr.strip().splitlines() or [f"git show exited {got.returncode}"]
-        raise SystemExit(f"blocks.py: --before {rev}: {said[-1]}")
+        raise BeforeError(f"--before {rev}: not a revision of this repository, nor a folder of its visattn/attention "
+                          f"files ({said[-1]})")
     return got.stdout
 
 
@@ -136,7 +142,8 @@ def before_files(rev: str) -> List[str]:
                          text=True)
     if got.returncode:
         said = got.stderr.strip().splitlines() or [f"git ls-tree exited {got.returncode}"]
-        raise SystemExit(f"blocks.py: --before {rev}: {said[-1]}")
+        raise BeforeError(f"--before {rev}: not a revision of this repository, nor a folder of its visattn/attention "
+                          f"files ({said[-1]})")
     return sorted(Path(f).stem for f in got.stdout.split() if f.endswith(".py"))
 
 
@@ -185,7 +192,7 @@ def load_before(rev: str) -> Dict[str, type]:
         try:
             importlib.import_module(f"{package}.attention.{name}")
         except Exception as e:  # a damaged or foreign file in a --before folder: one line, not its traceback
-            raise SystemExit(f"blocks.py: --before {rev}: {name}.py does not load ({type(e).__name__}: {e})") from None
+            raise BeforeError(f"--before {rev}: {name}.py does not load ({type(e).__name__}: {e})") from None
     return importlib.import_module(f"{package}.registry").BLOCKS
 
 

@@ -171,6 +171,28 @@ def summarize(arms: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def check_arms(data: Dict[str, Any], out: str) -> None:
+    """A ConfigError line unless ``data`` holds arms whose every field :func:`summarize` reads is there."""
+    if not isinstance(data.get("arms"), list):
+        raise ConfigError(f"{out}: no 'arms' list (not a gate_dynamics.py results file)")
+    if not data["arms"]:
+        raise ConfigError(f"--summary: {out} holds no arms")
+    number = (int, float)
+    for i, arm in enumerate(data["arms"], 1):
+        if not (isinstance(arm, dict) and isinstance(arm.get("trace"), list) and isinstance(arm.get("blocks"), list)
+                and all(isinstance(t, dict) and isinstance(t.get("blocks"), list) for t in arm["trace"])):
+            raise ConfigError(f"{out}: arm {i} has no trace and blocks lists (damaged, or not this script's file)")
+        rows = [("arm", arm, "arm", str)] + [("blocks", b, "skip", bool) for b in arm["blocks"]] + \
+            [(f"trace step {j}", t, k, kind) for j, t in enumerate(arm["trace"], 1)
+             for k, kind in (("step", int), ("grad_norm", number))] + \
+            [(f"trace step {j} block", b, k, kind) for j, t in enumerate(arm["trace"], 1) for b in t["blocks"]
+             for k, kind in (("skip", bool), ("grad_norm", number))]
+        for where, row, key, kind in rows:
+            if not isinstance(row, dict) or not isinstance(row.get(key), kind):
+                raise ConfigError(f"{out}: arm {i}: a {where} entry has no {key!r} of the right type (damaged, or "
+                                  "not this script's file)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = parser(__doc__, threads=True, precision=True, out=str(RESULTS))
     ap.add_argument("--steps", type=int, default=100)
@@ -185,12 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from visattn.results import read_json
 
         data = read_json(Path(args.out), dict)
-        if not isinstance(data.get("arms"), list):
-            raise ConfigError(f"{args.out}: no 'arms' list (not a gate_dynamics.py results file)")
-        for i, arm in enumerate(data["arms"], 1):
-            if not (isinstance(arm, dict) and isinstance(arm.get("trace"), list) and isinstance(arm.get("blocks"), list)
-                    and all(isinstance(t, dict) and isinstance(t.get("blocks"), list) for t in arm["trace"])):
-                raise ConfigError(f"{args.out}: arm {i} has no trace and blocks lists (damaged, or not this script's file)")
+        check_arms(data, args.out)
         text = summarize(data["arms"]) + (f"\n\n{data.get('steps')} steps of `{data.get('recipe')}` (seed 0, "
                                           f"{data['arms'][0].get('precision')} on {data.get('kernels')}), at the last "
                                           f"recorded step; `{data.get('command')}` at {str(data.get('git'))[:7]}.")

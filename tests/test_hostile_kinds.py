@@ -5,6 +5,7 @@ lose; (b) builder options typed from both the builder function's and the built c
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 import zipfile
 from pathlib import Path
@@ -342,3 +343,28 @@ def test_d17_evaluates_weights_do_not_fit_message_names_the_keys(tmp_path, finis
     assert ev.returncode == 2 and len(lines) == 1, ev.stderr
     assert "weights do not fit model 'resnet_fast' (missing: fc.weight; unexpected: extra.weight; shapes differ: " in lines[0]
     assert "[3, 3] here [" in lines[0]
+
+
+def _bench(*argv: str):
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    lines = [ln for ln in got.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn(" not in ln]
+    assert got.returncode == 2 and len(lines) == 1 and "Traceback" not in got.stderr, got.stderr
+    return lines[0]
+
+
+def test_d19_the_bench_scripts_bad_inputs_are_one_line_exit_2(tmp_path):
+    (tmp_path / "r.json").write_text('{"a": 1}')
+    line = _bench("bench.blocks", "--before", str(tmp_path / "r.json"), "--steps", "1")
+    assert "not a revision of this repository, nor a folder of its visattn/attention files" in line
+    assert "the folder has no channel.py" in _bench("bench.blocks", "--before", str(tmp_path), "--steps", "1")
+    (tmp_path / "arms.json").write_text('{"arms": []}')
+    assert "holds no arms" in _bench("bench.gate_dynamics", "--summary", "--out", str(tmp_path / "arms.json"))
+    from bench.gate_dynamics import main as gate_main
+
+    arm = {"arm": "a", "blocks": [{"skip": True}], "trace": [{"step": 1, "blocks": [{"skip": True, "grad_norm": 1.0}]}]}
+    (tmp_path / "keys.json").write_text(json.dumps({"arms": [arm]}))  # a trace row without its grad_norm
+    with pytest.raises(ConfigError, match="arm 1: a trace step 1 entry has no 'grad_norm'"):
+        gate_main(["--summary", "--out", str(tmp_path / "keys.json")])
