@@ -14,7 +14,7 @@ from typing import List
 import numpy as np
 import pytest
 import torch
-from conftest import SMOKE, folder_digest, run_cli
+from conftest import FINISHED, SMOKE, folder_digest, run_cli
 from PIL import Image
 from test_data import _cfg as _data_cfg
 from test_data import _write_folder
@@ -368,3 +368,32 @@ def test_d19_the_bench_scripts_bad_inputs_are_one_line_exit_2(tmp_path):
     (tmp_path / "keys.json").write_text(json.dumps({"arms": [arm]}))  # a trace row without its grad_norm
     with pytest.raises(ConfigError, match="arm 1: a trace step 1 entry has no 'grad_norm'"):
         gate_main(["--summary", "--out", str(tmp_path / "keys.json")])
+
+
+# ---- (a) 3, 4: what the run folder records of its checkpoint is checked against it on resume ----------------------
+
+
+def _copy_run(finished_run: Path, tmp_path: Path) -> Path:
+    rd = tmp_path / "run"
+    shutil.copytree(finished_run, rd, ignore=shutil.ignore_patterns(".visattn-run.lock"))
+    return rd
+
+
+def test_a3_a_missing_metrics_row_is_refused_on_resume(tmp_path, finished_run):
+    rd = _copy_run(finished_run, tmp_path)
+    (rd / "metrics.jsonl").write_text("")  # the one finished epoch's row deleted
+    before = folder_digest(rd)
+    proc = run_cli(["--config", str(SMOKE), *FINISHED, f"run_dir={rd}", "resume=auto", "train.epochs=2"])
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "metrics.jsonl does not match" in line and "no row for epoch 1" in line, proc.stderr
+    assert folder_digest(rd) == before
+
+
+def test_a4_a_damaged_run_info_is_refused_on_resume_not_read_as_no_origin(tmp_path, finished_run):
+    rd = _copy_run(finished_run, tmp_path)
+    (rd / "run_info.json").write_text("garbage {")
+    before = folder_digest(rd)
+    proc = run_cli(["--config", str(SMOKE), *FINISHED, f"run_dir={rd}", "resume=auto", "train.epochs=2"])
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "run_info.json is damaged (not a JSON object)" in line, proc.stderr
+    assert folder_digest(rd) == before

@@ -65,6 +65,7 @@ from .rundir import (
     check_finite,
     check_rewind,
     check_run_dir,
+    check_run_records,
     file_digest,
     load_checkpoint,
     metrics_rows,
@@ -175,6 +176,8 @@ def run(cfg: Config, log: Callable[..., None] = print, hooks: Optional[Sequence[
             r.teacher_digest = file_digest(cfg.train.distill.teacher)
         if r.resume_from is not None:
             resume(r, r.resume_from)
+            if main and r.resume_from.resolve().parent == run_dir.resolve():  # its own folder's records (#92)
+                check_run_records(run_dir, r.epoch, r.resume_from)
         try:
             return fit(r)
         except BaseException:  # failed before its first checkpoint: the folder is left as it was found
