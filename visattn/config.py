@@ -363,6 +363,7 @@ class LogConfig(_Section):
     # class-token layers that also get one maps/<layer>/cls_head<i> image per head: each is a PNG encode, and
     # "all" on a 9-layer, 12-head ViT adds 108 of them (~40 s) to every logging epoch on a CPU
     head_maps: Literal["all", "last", "none"] = "last"
+    grid_probe: bool = False  # also maps/grid_probe: a 2x2 grid of probe images of 4 classes, one map per class
 
 
 class Config(_Section):

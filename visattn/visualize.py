@@ -15,6 +15,10 @@ tags' descriptions in ``DIR/descriptions.md`` (the README's pictures are made th
 prints the faithfulness table (:func:`visattn.faithfulness`) of N held-out images (with ``--out`` also
 ``faithfulness.json``); ``--maps NAME ...`` scores only those maps.
 
+``--grid``: TensorBoard's ``maps/grid_probe`` card for the checkpoint, ``DIR/grid_probe.png``: a 2x2 grid of
+held-out images of four distinct classes beside each class's own map, titled with its share in its class's cell
+(:mod:`visattn.maps.grid`); a model that takes only its own input size sees the grid downscaled to it.
+
 Problems are one ``error: ...`` line and a non-zero exit status: 2 for a missing or unreadable image, a bad
 checkpoint or a bad option; 1 for a model without spatial attention (its ``predictions.json`` is still
 written, with no maps).
@@ -276,6 +280,28 @@ def validation_grids(checkpoint: str, count: int, out_dir: str, data: Optional[s
     return writer.files
 
 
+def grid_file(checkpoint: str, out_dir: str, data: Optional[str] = None, alpha: float = 0.5, scale: int = 4,
+              colormap: str = "jet", device: str = "auto") -> Path:
+    """``DIR/grid_probe.png``: the TensorBoard grid card (:class:`~visattn.maps.tensorboard.GridCard`) for the
+    checkpoint: a 2x2 grid of held-out images of four distinct classes beside each class's map; returns its
+    path. A model that takes only its own input size sees the grid downscaled to it."""
+    from .maps.grid import grid_picture, grid_probe
+
+    _check_options(alpha, scale, colormap)
+    model, cfg, classes, x, y = heldout_batch(checkpoint, 16, data, device, "spread")
+    gp = grid_probe(model, x, y)
+    if gp is None:
+        raise DataError(f"--grid needs held-out images of 4 distinct classes; the split has {len(set(y.tolist()))}")
+    if not gp.map.finite():
+        raise VisattnError(f"model {cfg.model.name!r}: the grid's class maps hold NaN or inf; no picture written")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "grid_probe.png"
+    _save_png(np.ascontiguousarray(grid_picture(gp, cfg.data.mean, cfg.data.std, classes, scale, colormap, alpha)),
+              path)
+    return path
+
+
 def faithfulness_table(checkpoint: str, count: int, data: Optional[str] = None, device: str = "auto",
                        pick: str = "spread", out_dir: Optional[str] = None, precision: Optional[str] = None,
                        **options: Any) -> Any:
@@ -357,6 +383,8 @@ def _parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--images", nargs="+", help="image files (any size; RGB, RGBA, greyscale)")
     src.add_argument("--validation", type=int, metavar="N", help="N images of the run's held-out split")
+    src.add_argument("--grid", action="store_true",
+                     help="a 2x2 grid of held-out images of 4 classes beside each class's map: DIR/grid_probe.png")
     src.add_argument("--faithfulness", type=int, metavar="N", help="print the faithfulness table of N held-out images")
     p.add_argument("--out", default=None,
                    help="folder for the PNGs (and JSON); created (required but for --faithfulness)")
@@ -411,7 +439,11 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{args.checkpoint}:\n{report.table()}")
         return 0
     if args.out is None:
-        raise ConfigError("--out is required with --images and --validation")
+        raise ConfigError("--out is required with --images, --validation and --grid")
+    if args.grid:
+        path = grid_file(args.checkpoint, args.out, args.data, args.alpha, args.scale, args.colormap, args.device)
+        print(f"wrote {path}")
+        return 0
     if args.validation is not None:
         files = validation_grids(args.checkpoint, args.validation, args.out, args.data, args.alpha, args.scale,
                                  args.colormap, args.device, args.head_maps, args.pick, args.map_norm,

@@ -14,6 +14,8 @@ Tags (stable across steps, so TensorBoard's step slider walks through training, 
   against random orders (:func:`visattn.faithfulness`), and ``faithfulness/centre/`` the centre prior's; each
   map's card then also says its scores and its paired difference to the prior (green: better, red: worse);
 * ``localization/<map>/pointing`` and ``/energy`` (scalars, with object boxes): the probe against its boxes.
+* ``maps/grid_probe`` (``log.grid_probe``): a fixed 2x2 grid of probe images of four classes beside each class's
+  own map, titled with the share of that map in its class's cell (:class:`GridCard`, :mod:`.grid`).
 
 Every ``maps/`` picture lays the probe images out in as many columns as fit TensorBoard's default card
 (:data:`~visattn.maps.render.MAX_WIDTH`), each cell drawn over the input pixels it sees, a colour bar below
@@ -74,7 +76,7 @@ class MapSettings:
     map's range). ``faithfulness``: also log the probe's deletion/insertion scores as scalars (extra forward
     passes) and write them on each map's card. ``gradient_maps``: also the ``/grad`` maps, ``rollout_grad`` and
     ``layers_grad`` for the labels' classes (the predicted ones without labels). ``tolerance``: the pointing
-    game's, in px, when the probe has object boxes.
+    game's, in px, when the probe has object boxes. ``grid_probe``: also ``maps/grid_probe`` (:class:`GridCard`).
     """
 
     mean: Optional[Sequence[float]] = None
@@ -88,6 +90,7 @@ class MapSettings:
     faithfulness: bool = False
     gradient_maps: bool = True
     tolerance: int = 0
+    grid_probe: bool = False
 
     def __post_init__(self):
         if self.scale < 1:
@@ -102,7 +105,7 @@ class MapSettings:
         return cls(tuple(cfg.data.mean), tuple(cfg.data.std), None if class_names is None else list(class_names),
                    scale=cfg.log.map_scale, head_maps=cfg.log.head_maps, norm=cfg.log.map_norm,
                    faithfulness=bool(cfg.log.faithfulness), gradient_maps=cfg.log.gradient_maps,
-                   tolerance=cfg.data.placed.tolerance)
+                   tolerance=cfg.data.placed.tolerance, grid_probe=bool(getattr(cfg.log, "grid_probe", False)))
 
 
 @dataclass
@@ -300,7 +303,36 @@ class GateCurveCard:
                                                   f"positions ({unit}); /std its spread")
 
 
-CARDS: Tuple[Card, ...] = (FaithfulnessCard(), BoxCard(), MapCard(), MatrixCard(), HistogramCard(), GateCurveCard())
+class GridCard:
+    """``maps/grid_probe`` (``settings.grid_probe``, with labels): a fixed 2x2 grid of the probe's first images
+    of four distinct classes beside each class's own map, titled with the class and the share of the map in its
+    cell (:mod:`.grid`: Böhle et al. 2022, arXiv 2205.10268; Rao et al. 2022, arXiv 2203.10813), so the card
+    shows class evidence and not only saliency."""
+
+    tag = "maps/grid_probe"
+
+    def log(self, probe: Probe) -> None:
+        from .grid import describe, grid_picture, grid_probe
+
+        st = probe.settings
+        if not st.grid_probe or probe.labels is None:
+            return
+        gp = grid_probe(probe.model, probe.images, probe.labels)
+        if gp is None:  # fewer than 4 classes in the probe batch
+            probe.summary["skipped"].append(self.tag)
+            return
+        if not gp.map.finite():
+            probe.skip(self.tag, "values")
+            probe.summary["skipped"].append(self.tag)
+            return
+        picture = grid_picture(gp, st.mean, st.std, st.class_names, st.scale, st.colormap, st.alpha)
+        probe.writer.add_image(self.tag, picture, probe.step, dataformats="HWC")
+        probe.summary["images"].append(self.tag)
+        probe.about[self.tag] = describe(gp)
+
+
+CARDS: Tuple[Card, ...] = (FaithfulnessCard(), BoxCard(), MapCard(), MatrixCard(), HistogramCard(), GateCurveCard(),
+                           GridCard())
 SUMMARY_KEYS = ("images", "histograms", "scalars", "texts", "skipped", "faithfulness")
 
 
