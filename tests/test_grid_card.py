@@ -181,3 +181,30 @@ def test_visualize_grid_without_out_is_one_line(finished_run, capsys):
 def test_too_few_classes_gives_none(labels):
     x, _ = probe()
     assert grid_probe(Planted(), x, torch.tensor(labels)) is None
+
+
+def test_map_logger_draws_the_grid_and_leaves_the_model_alone():
+    """Through a run's MapLogger (log.grid_probe=true), on a real CNN in training mode: the card is drawn, and
+    the model's weights, BN statistics, train flags and gradients are as they were."""
+    import copy
+
+    from conftest import SMOKE
+
+    import visattn
+    from visattn.config import load_config
+    from visattn.maps import MapLogger
+
+    cfg = load_config(SMOKE, ["log.grid_probe=true", "log.faithfulness=false"])
+    torch.manual_seed(0)
+    model = visattn.create_model("resnet_fast", num_classes=10, widths=[8, 16, 16], stem_width=8,
+                                 attention="cbam").train()
+    state = copy.deepcopy(model.state_dict())
+    x, y = torch.randn(8, 3, 32, 32), torch.arange(8)
+    writer = Writer()
+    MapLogger(cfg, [str(i) for i in range(10)], say=lambda *a: None).log(writer, model, (x, y), 3)
+    grids = [(tag, step) for tag, step, _ in writer.images if tag == "maps/grid_probe"]
+    assert grids == [("maps/grid_probe", 3)]
+    assert model.training and all(m.training for m in model.modules())
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k]), k
