@@ -545,10 +545,13 @@ class BilinearAttnTransform(ResidualScale):
         t = self.ba_conv1(xl)  # (B, G, H, W)
         rows = bin_max(t.amax(3), bs)  # (B, G, bs): adaptive max pool to (bs, 1)
         cols = bin_max(t.amax(2), bs)  # (B, G, bs): to (1, bs)
-        p = self.conv_p(rows.unsqueeze(-1)).view(B, G, bs, bs).sigmoid()
-        q = self.conv_q(cols.unsqueeze(-2)).view(B, G, bs, bs).sigmoid()
-        p = spread(p / p.sum(3, keepdim=True), H)  # (B, G, H, H), rows sum to one
-        q = spread(q / q.sum(2, keepdim=True), W)  # (B, G, W, W), columns sum to one
+        # sigmoid(z) / sum(sigmoid(z)) (the paper's normalisation) written as softmax(logsigmoid(z)), the same
+        # function: where every sigmoid underflows (logits below about -100) the plain quotient is 0/0 forward
+        # or overflows backward, as it did in a trained RegNet's last stage
+        p = F.logsigmoid(self.conv_p(rows.unsqueeze(-1)).view(B, G, bs, bs)).softmax(3)
+        q = F.logsigmoid(self.conv_q(cols.unsqueeze(-2)).view(B, G, bs, bs)).softmax(2)
+        p = spread(p, H)  # (B, G, H, H), rows sum to one
+        q = spread(q, W)  # (B, G, W, W), columns sum to one
         if self.tap.active:
             pf, qf = p.float(), q.float()
             dense = (pf[:, :, :, None, :, None] * qf.transpose(-1, -2)[:, :, None, :, None, :]).reshape(B, G, H * W, -1)
