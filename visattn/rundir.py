@@ -640,26 +640,28 @@ def check_run_records(run_dir: Path, epochs_done: int, checkpoint: Path) -> None
     (the run's origins: ``init_from``, ``branched_from``) must be a JSON object, never read as empty. A
     :class:`CheckpointError` line each."""
     fix = f"restore it from a copy, or branch the run into a new folder (resume={checkpoint} run_dir=NEW)"
+    info, origin = run_dir / "run_info.json", None
+    if info.is_file():
+        try:
+            recorded = json.loads(info.read_text())
+        except (OSError, ValueError):
+            recorded = None
+        if not isinstance(recorded, dict):
+            raise CheckpointError(f"resume: {info} is damaged (not a JSON object); it records the run's origins "
+                                  f"(init_from, branched_from), which would be lost: {fix}")
+        origin = recorded.get("branched_from")
     path = run_dir / "metrics.jsonl"
     if path.is_file():
         got = [row["epoch"] for _, row in metrics_rows(path) if 1 <= row["epoch"] <= epochs_done]
-        want = list(range(1, epochs_done + 1))
+        first = (min(got) if got else epochs_done + 1) if origin else 1  # a branch's rows start at its own first epoch
+        want = list(range(first, epochs_done + 1))
         if got != want:
             missing = sorted(set(want) - set(got))
             twice = sorted({e for e in got if got.count(e) > 1})
             why = (f"no row for epoch {', '.join(map(str, missing[:5]))}" if missing else
                    f"more than one row for epoch {', '.join(map(str, twice[:5]))}" if twice else "its rows out of order")
-            raise CheckpointError(f"resume: {path} does not match {checkpoint}, which has finished epochs 1-{epochs_done}: "
-                                  f"{why}; {fix}")
-    info = run_dir / "run_info.json"
-    if info.is_file():
-        try:
-            ok = isinstance(json.loads(info.read_text()), dict)
-        except (OSError, ValueError):
-            ok = False
-        if not ok:
-            raise CheckpointError(f"resume: {info} is damaged (not a JSON object); it records the run's origins "
-                                  f"(init_from, branched_from), which would be lost: {fix}")
+            raise CheckpointError(f"resume: {path} does not match {checkpoint}, which has finished epochs up to "
+                                  f"{epochs_done}: {why}; {fix}")
 
 
 def complete_rows(path: Path) -> List[Dict[str, Any]]:

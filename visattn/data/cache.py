@@ -84,7 +84,7 @@ def cached_read(root: Path, key_extra: Tuple[Any, ...], cache_dir: Path,
             return load_cache(cache, size)
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error, RuntimeError) as e:
             why = str(e).strip().splitlines()[0][:120] if str(e).strip() else ""
-            warn(f"decode cache {cache} is truncated, corrupt, altered or unreadable ({e.__class__.__name__}"
+            warn(f"decode cache {cache} is truncated, corrupt or unreadable ({e.__class__.__name__}"
                  f"{': ' + why if why else ''}); rebuilding it")
     parts, skipped = read()
     _write(cache, parts, skipped, warn)
