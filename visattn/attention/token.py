@@ -167,7 +167,6 @@ class MultiHeadSelfAttention(nn.Module):
     default ``"fp32"``; :func:`sdpa_cpu_mode`) picks the fast path's CPU kernel.
     """
 
-
     PAPER = ("Vaswani, Shazeer, Parmar, Uszkoreit, Jones, Gomez, Kaiser, Polosukhin, 2017, Attention Is All You "
              "Need, arXiv 1706.03762")
     CHECKED_AGAINST = ("timm Attention (state dict loaded strictly; qk_norm too), explicit softmax(q k^T) for "
@@ -392,7 +391,6 @@ class LocalitySelfAttention(MultiHeadSelfAttention):
     CHECKED_AGAINST = "an explicit reference of the paper's equations (diagonal mask, learned temperature), float64"
     IDENTITY = "no init option: the ViT initialisation, temperature sqrt(head_dim)"
 
-
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = True, attn_drop: float = 0.0,
                  proj_drop: float = 0.0, hard: Hard = None, grid: Grid = None, num_prefix_tokens: int = 0,
                  proj_bias: bool = True):
@@ -449,7 +447,6 @@ class SequencePooling(nn.Module):
              "Transformers, arXiv 2104.05704")
     CHECKED_AGAINST = "an explicit reference of the paper's equation (softmax-weighted token sum), float64"
     IDENTITY = "no init option (a pooling head, not a same-shape block): the ViT initialisation"
-
 
     def __init__(self, dim: int, grid: Grid = None, num_prefix_tokens: int = 0):
         super().__init__()
