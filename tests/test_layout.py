@@ -121,10 +121,9 @@ TORCH_ROOTS = {"torch", "nn", "F", "dist"}
 SCALER_PRIVATE = {"_scale", "_growth_tracker", "_get_growth_tracker", "_init_scale", "_per_optimizer_states",
                   "_found_inf_per_device", "_unscale_grads_", "_check_scale_growth_tracker", "_lazy_init_scale_growth_tracker",
                   "_maybe_opt_step", "_enabled", "_growth_factor", "_backoff_factor", "_growth_interval"}
-# torch's private normalisation base classes, which the blocks' modules still test against (``isinstance(m,
-# nn.modules.batchnorm._BatchNorm)``; visattn.optim.NORM_TYPES lists the public classes instead): the one known
-# private read left, by name, so no other comes in
-KNOWN_PRIVATE = {"nn.modules.batchnorm._BatchNorm", "nn.modules.batchnorm._NormBase"}
+# private reads allowed by name (none: the norm checks read visattn.attention.functional.BATCH_NORMS and
+# NORMS_WITH_STATS, torch's public classes, where they read nn.modules.batchnorm's private base classes before)
+KNOWN_PRIVATE: set = set()  # none left: visattn.attention.functional.BATCH_NORMS / NORMS_WITH_STATS
 
 
 def _dotted(node: ast.AST) -> str:

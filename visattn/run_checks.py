@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
+from .attention.functional import BATCH_NORMS
 from .config import MIN_TEMPERATURE, Config, with_defaults
 from .data import normalize
 from .errors import CheckpointError, ConfigError
@@ -98,7 +99,7 @@ def bn_lag_note(model: nn.Module, total_steps: int, weight: float = 0.05) -> Opt
     than ``weight`` of their sum: a short run of a model built for long ones (torchvision's MobileNetV3 at 0.01
     over 4 CIFAR epochs scores at chance in eval mode). ``None`` where they keep up."""
     slowest = min((m.momentum for m in backbone_modules(model)
-                   if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+                   if isinstance(m, BATCH_NORMS) and m.track_running_stats
                    and m.momentum is not None), default=None)
     if slowest is None or not 0 < slowest < 1:
         return None

@@ -32,7 +32,7 @@ from timm.layers import make_divisible
 from torch import nn
 
 from ..registry import register_attention
-from .functional import check_init, gate_gain, positive_int, zero_
+from .functional import BATCH_NORMS, check_init, gate_gain, positive_int, zero_
 from .tap import AttentionTap
 
 __all__ = ["SqueezeExcite", "EfficientChannelAttention", "GlobalContext", "eca_kernel_size", "check_feature_map",
@@ -54,7 +54,7 @@ def check_feature_map(block: nn.Module, x: torch.Tensor, channels: Optional[int]
 def check_norm_batch(block: nn.Module, norm: nn.Module, values_per_channel: int, x: torch.Tensor) -> None:
     """A training-mode BatchNorm needs more than one value per channel: say so in one line, naming the
     block, instead of BatchNorm's own error from deep inside the block."""
-    if values_per_channel == 1 and norm.training and isinstance(norm, nn.modules.batchnorm._BatchNorm):
+    if values_per_channel == 1 and norm.training and isinstance(norm, BATCH_NORMS):
         raise ValueError(
             f"{type(block).__name__}: its BatchNorm needs more than one value per channel in training mode, but "
             f"input {tuple(x.shape)} (batch 1, 1x1 map) gives one; use a batch > 1, a larger map or eval mode"

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..registry import register_attention
 from .channel import check_channels, check_feature_map, check_norm_batch, is_channels_last
-from .functional import check_init, positive_int, zero_
+from .functional import BATCH_NORMS, check_init, positive_int, zero_
 from .tap import AttentionTap
 
 __all__ = ["SelectiveKernel", "SplitAttention", "HaloAttention", "LambdaLayer", "BilinearAttnTransform",
@@ -66,7 +66,7 @@ def pooled_norm(norm: nn.Module, z: torch.Tensor) -> torch.Tensor:
     """``norm(z)`` for pooled ``(B, C, 1, 1)`` statistics; a training-mode BatchNorm with batch 1 (one value per
     channel, where batch statistics are undefined) normalises with its running statistics instead and leaves
     them unchanged."""
-    if (z.shape[0] == 1 and norm.training and isinstance(norm, nn.modules.batchnorm._BatchNorm)
+    if (z.shape[0] == 1 and norm.training and isinstance(norm, BATCH_NORMS)
             and norm.running_mean is not None):
         return F.batch_norm(z, norm.running_mean, norm.running_var, norm.weight, norm.bias, False, 0.0, norm.eps)
     return norm(z)

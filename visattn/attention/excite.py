@@ -35,7 +35,7 @@ from .channel import (
     mean_over,
     reduced_channels,
 )
-from .functional import check_init, positive_int, zero_
+from .functional import BATCH_NORMS, NORMS_WITH_STATS, check_init, positive_int, zero_
 from .tap import AttentionTap
 
 __all__ = ["GatherExcite", "EfficientLocalAttention", "FrequencyChannelAttention", "GatedChannelTransform",
@@ -48,7 +48,7 @@ def norm_any_batch(norm: nn.Module, z: torch.Tensor) -> torch.Tensor:
     or of a 1x1 map) returns its shift, which is what batch normalisation's formula gives there
     (``z - mean(z) = 0``), with a zero gradient to ``z`` and the scale, and leaves its running statistics as
     they were (their unbiased variance is undefined). PyTorch's BatchNorm refuses that input instead."""
-    bn = isinstance(norm, nn.modules.batchnorm._BatchNorm)
+    bn = isinstance(norm, BATCH_NORMS)
     if bn and norm.training and z.numel() == z.shape[1]:
         shape = (1, -1) + (1,) * (z.dim() - 2)
         centred = z - z  # exactly zero, and on the graph
@@ -59,7 +59,7 @@ def norm_any_batch(norm: nn.Module, z: torch.Tensor) -> torch.Tensor:
     return norm(z)
 
 
-def wide_batch_norm(norm: nn.modules.batchnorm._BatchNorm, z: torch.Tensor) -> torch.Tensor:
+def wide_batch_norm(norm: nn.BatchNorm2d, z: torch.Tensor) -> torch.Tensor:
     """``norm(z)`` computed in ``z``'s (wider) dtype for a BatchNorm cast to half precision: its parameters and
     running statistics are read in ``z``'s dtype and the statistics written back. A BN over a batch of pooled
     vectors divides by small differences between samples, which bf16 rounding would flip."""
@@ -155,7 +155,7 @@ class GatherExcite(IdentityGate, nn.Module):
     def identity_layers(self) -> Tuple[Optional[torch.Tensor], ...]:
         if self.mlp is not None:
             return self.mlp.fc2.weight, self.mlp.fc2.bias
-        norms = [m for m in self.gather if isinstance(m, nn.modules.batchnorm._NormBase)]
+        norms = [m for m in self.gather if isinstance(m, NORMS_WITH_STATS)]
         return norms[-1].weight, norms[-1].bias
 
     def gathered(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

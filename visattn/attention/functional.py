@@ -7,6 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# torch's public batch and instance norm classes (every subclass of its private ``_BatchNorm`` / ``_NormBase`` that
+# torch ships; a lazy one becomes one of these at its first forward): what the blocks and the insertion rules test a
+# norm against, read through public names only
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+NORMS_WITH_STATS = BATCH_NORMS + (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+
 
 def positive_int(name: str, value: object, *, odd: bool = False, divides: Optional[int] = None) -> int:
     """``value`` if it is a positive int (a bool is not), odd and dividing ``divides`` where asked; else a

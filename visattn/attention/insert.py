@@ -23,6 +23,7 @@ from torch import nn
 
 from ..registry import ATTENTION, attention_info, attention_options, create_attention, list_attention
 from . import structure
+from .functional import NORMS_WITH_STATS
 
 __all__ = ["attn_layer", "insert_attention", "AttnLayer", "PLACEMENT", "RULES", "SUPPORTED_FAMILIES", "check_sites",
            "structural_sites"]
@@ -169,7 +170,7 @@ def _se_sites(model: nn.Module) -> List[Site]:
 
 
 def _is_norm(m: nn.Module) -> bool:
-    return isinstance(m, (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm))
+    return isinstance(m, (NORMS_WITH_STATS, nn.LayerNorm, nn.GroupNorm))
 
 
 def _conv_norm_site(path: str, seq: nn.Sequential, host: nn.Module) -> Optional[Site]:
@@ -315,7 +316,7 @@ def _residual_sites(model: nn.Module) -> List[Site]:
         if kind in (tv_resnet.BasicBlock, tv_resnet.Bottleneck):
             attr = "bn2" if kind is tv_resnet.BasicBlock else "bn3"
             norm = getattr(block, attr)
-            free = isinstance(norm, nn.modules.batchnorm._NormBase)
+            free = isinstance(norm, NORMS_WITH_STATS)
 
             def install(a, block=block, attr=attr, norm=norm):
                 setattr(block, attr, nn.Sequential(OrderedDict(norm=norm, attn=a)))

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .functional import NORMS_WITH_STATS
+
 __all__ = ["StructSite", "TraceError", "find_sites", "trace"]
 
 Key = Tuple[int, int]  # (id of the tensor object, its version counter): one value of one tensor
@@ -265,7 +267,7 @@ def _conv_weight(events: Sequence[Event]) -> Tuple[int, int]:
 def _is_norm_module(m: nn.Module) -> bool:
     from timm.layers import LayerNorm2d
 
-    return isinstance(m, (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm, LayerNorm2d)) \
+    return isinstance(m, (NORMS_WITH_STATS, nn.GroupNorm, nn.LayerNorm, LayerNorm2d)) \
         or "Norm" in type(m).__name__ and "Act" in type(m).__name__ or type(m).__name__ == "FrozenBatchNorm2d"
 
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..attention import insert_attention
+from ..attention.functional import BATCH_NORMS
 from ..registry import MODELS
 from .builder_options import check_kwargs, package_model, shown
 
@@ -523,7 +524,7 @@ def build_foreign(package: str, arch: str, num_classes: int = 10, *, attention: 
         apply_cifar_stem(model, f"{package}/{arch}")
     if bn_momentum is not None:
         for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            if isinstance(m, BATCH_NORMS):
                 m.momentum = float(bn_momentum)
     check_patch_grid(model, f"{package}/{arch}")
     size = probe_size(model, dict(kwargs or {}), cifar_stem)
