@@ -171,12 +171,12 @@ SPEED_BF16 = ROOT / "bench" / "results" / "block_speed_bf16.json"
 
 def test_the_bf16_line_is_native_and_on_the_results_page():
     """The bf16 measurement (issue 94) ran where bf16 is native, eager (the path a user gets by default: the CPU
-    recipe does not compile), at the recipe's batch; docs/results.md shows the table the file gives."""
+    recipe does not compile), at the recipe's batch; docs/blocks.md shows the table the file gives."""
     data = json.loads(SPEED_BF16.read_text())
     assert data["precision"] == "bf16" and data["native_bf16"] is True and data["quick"] is False
     assert data["batch_size"] == 512 and data["repeats"] >= 5
     assert set(blocks.TARGETS) <= set(data["ratios"]) and all(set(r) == {"eager"} for r in data["ratios"].values())
-    doc = (ROOT / "docs" / "results.md").read_text()
+    doc = (ROOT / "docs" / "blocks.md").read_text()
     marker = "<!-- block speed bf16: python -m bench.blocks --table bench/results/block_speed_bf16.json -->\n"
     block = doc.split(marker)[1].split("<!-- end of block speed bf16 -->")[0]
-    assert block.strip() == blocks.tables(data), "docs/results.md's bf16 block speed is stale: paste its --table"
+    assert block.strip() == blocks.tables(data), "docs/blocks.md's bf16 block speed is stale: paste its --table"
