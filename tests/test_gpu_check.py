@@ -122,11 +122,12 @@ def test_the_blocks_row_calls_blocks_py_with_the_devices_flags(tmp_path, monkeyp
     monkeypatch.setattr(check, "ROOT", tmp_path)
     row = check.row_blocks(_check(tmp_path, dry=dry), 30)
     out = f"--out {tmp_path / 'block_speed.json'}"
+    only = "--only " + " ".join(check.TARGET_BLOCKS)  # the eight blocks with targets: all would overrun the cap
     assert row["status"] == "pass"
     if dry:
-        assert f"--device cpu --quick {out}" in row["table"] and "not a claim" in row["detail"]
+        assert f"--device cpu --quick {only} {out}" in row["table"] and "not a claim" in row["detail"]
     else:
-        assert f"--device cuda --no-compile --repeats 5 --steps 5 --before {before} {out}" in row["table"]
+        assert f"--device cuda --no-compile --repeats 5 --steps 5 {only} --before {before} {out}" in row["table"]
 
 
 def test_blocks_py_reads_the_before_blocks_from_a_prepared_folder(tmp_path):
