@@ -148,10 +148,8 @@ class _MeanMax(torch.autograd.Function):
         mask = (x == keep(top.to(x.dtype))).to(x.dtype)  # 1 at every maximum, in x's layout
         ties = sum_in(mask, dims, compute_dtype(x), keepdim=True)
         share = (keep(g_top.to(x.dtype)) / ties).to(x.dtype)  # the max's gradient split evenly among its ties
-        if torch.is_grad_enabled():  # a double backward: out of place, so autograd keeps what it saves
-            grad = mask * share if mean_part is None else mask * share + mean_part
-        else:  # the mask is this function's own: scaled and shifted in place, in x's layout, no new map
-            grad = mask.mul_(share) if mean_part is None else mask.mul_(share).add_(mean_part)
+        # one fused multiply-add, in the mask's (x's) layout; its rounding is the one earlier checkpoints trained with
+        grad = mask * share if mean_part is None else torch.addcmul(mean_part, mask, share)
         return grad, None, None
 
 
