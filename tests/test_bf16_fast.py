@@ -2,7 +2,7 @@
 
 On the CPU a bf16 map is pooled with bf16's own sum (fp32 accumulation, one rounding of the result:
 :func:`visattn.attention.channel.sum_in`) instead of ``sum(dtype=torch.float32)``, which first copies the whole map
-to fp32; CBAM's pooling backward scales its tie mask in place; coordinate attention's gates take the map's
+to fp32; coordinate attention's gates take the map's
 channels-last layout. Each block's output and gradients under bf16 autocast are compared with the same block whose
 pooling takes the plain fp32 path, to bf16's tolerance, and fp32 is unchanged bit for bit."""
 from __future__ import annotations
@@ -83,9 +83,9 @@ def test_sum_in_is_bf16s_sum_rounded_once():
 
 
 @pytest.mark.parametrize("grad_mode", [False, True])
-def test_mean_max_backward_in_place_equals_out_of_place(grad_mode):
-    """CBAM's pooling backward scales its tie mask in place unless a double backward needs the graph: both give
-    autograd's gradient of mean and amax (ties split evenly), in the map's layout."""
+def test_mean_max_backward_is_autograds_in_the_maps_layout(grad_mode):
+    """CBAM's pooling backward, with and without a graph (a double backward): autograd's gradient of mean and amax
+    (ties split evenly), in the map's layout."""
     torch.manual_seed(3)
     x = torch.randint(-2, 3, (2, 8, 5, 4)).float().contiguous(memory_format=torch.channels_last)  # many ties
     gm, gt = torch.randn(2, 5, 4), torch.randn(2, 5, 4)
