@@ -4,7 +4,7 @@ On the CPU a bf16 map is pooled with bf16's own sum (fp32 accumulation, one roun
 :func:`visattn.attention.channel.sum_in`) instead of ``sum(dtype=torch.float32)``, which first copies the whole map
 to fp32; coordinate attention's gates take the map's
 channels-last layout. Each block's output and gradients under bf16 autocast are compared with the same block whose
-pooling takes the plain fp32 path, to bf16's tolerance, and fp32 is unchanged bit for bit."""
+pooling takes the plain fp32 path, to bf16's tolerance, and fp32 is unchanged (to 1e-6)."""
 from __future__ import annotations
 
 import pytest
