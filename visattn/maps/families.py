@@ -233,6 +233,7 @@ class Family:
     place: Callable[[Site, tuple, dict, Capture], List[Emit]]
     context: Optional[Callable[[nn.Module, str, nn.Module], Dict[str, Any]]] = None
     where: str = ""  # one line: what the record's axes are and where its cells lie
+    label: str = ""  # the family as docs/maps.md names it
 
     def matches(self, module: nn.Module) -> bool:
         t = type(module)
@@ -357,39 +358,54 @@ def _call(method: str) -> Callable[[nn.Module, torch.Tensor], Any]:
 
 WINDOWS = "windows placed back on the block's grid (shifts undone), 0 between windows"
 PARTITIONS = "block (window) or grid partitions placed back on the stage's grid, 0 between partitions"
+PATCHES = "on the patch grid"
 FAMILIES: Tuple[Family, ...] = (
     Family("swin", (("timm.models.swin_transformer", "SwinTransformerBlock"),
                     ("timm.models.swin_transformer_v2", "SwinTransformerV2Block")), "token",
-           _windows(True, _call("_attn")), where=WINDOWS),
+           _windows(True, _call("_attn")), where=WINDOWS, label="Swin v1 and v2"),
     Family("tiny_vit", (("timm.models.tiny_vit", "TinyVitBlock"),), "token", _windows(True, _call("forward")),
-           where=WINDOWS),
+           where=WINDOWS, label="TinyViT"),
     Family("maxvit", (("timm.models.maxxvit", "PartitionAttentionCl"),), "token",
-           _windows(True, _call("_partition_attn")), where=PARTITIONS),
+           _windows(True, _call("_partition_attn")), where=PARTITIONS, label="MaxViT, MaxxViT (channels last)"),
     Family("maxvit", (("timm.models.maxxvit", "PartitionAttention2d"),), "token",
-           _windows(False, _call("_partition_attn")), where=PARTITIONS),
+           _windows(False, _call("_partition_attn")), where=PARTITIONS, label="MaxViT (NCHW attention)"),
     Family("efficientvit_msra", (("timm.models.efficientvit_msra", "LocalWindowAttention"),), "token",
-           _windows(False, _call("forward")), where=WINDOWS),
+           _windows(False, _call("forward")), where=WINDOWS + "; cascaded heads stacked",
+           label="EfficientViT (MSRA, `efficientvit_m*`)"),
     Family("torchvision_maxvit", (("torchvision.models.maxvit", "PartitionAttentionLayer"),), "token",
-           _windows(False, _call("forward"), "attn_layer"), where=PARTITIONS),
+           _windows(False, _call("forward"), "attn_layer"), where=PARTITIONS, label="torchvision MaxViT"),
     Family("torchvision_swin", (("torchvision.models.swin_transformer", "ShiftedWindowAttention"),
                                 ("torchvision.models.swin_transformer", "ShiftedWindowAttentionV2")), "token",
-           _windows(True, _call("forward"), None), where=WINDOWS),
-    Family("cait", (("timm.models.cait", "TalkingHeadAttn"),), "token", _tokens(0, "dropout"), _patch_grid),
-    Family("class_attention", (("timm.models.cait", "ClassAttn"),), "token", _tokens(1), _patch_grid),
-    Family("convit", (("timm.models.convit", "GPSA"),), "token", _tokens(0, "dropout"), _patch_grid),
-    Family("convit", (("timm.models.convit", "MHSA"),), "token", _tokens(1), _patch_grid),
+           _windows(True, _call("forward"), None), where=WINDOWS, label="torchvision Swin and Swin v2"),
+    Family("cait", (("timm.models.cait", "TalkingHeadAttn"),), "token", _tokens(0, "dropout"), _patch_grid,
+           where="patch-to-patch weights after the talking-heads mixing (what multiplies the values), " + PATCHES,
+           label="CaiT (patch layers)"),
+    Family("class_attention", (("timm.models.cait", "ClassAttn"),), "token", _tokens(1), _patch_grid,
+           where="the class token's row over the class token and the patches, " + PATCHES,
+           label="CaiT and XCiT (class attention)"),
+    Family("convit", (("timm.models.convit", "GPSA"),), "token", _tokens(0, "dropout"), _patch_grid,
+           where="gated positional and content attention as it multiplies the values, " + PATCHES,
+           label="ConViT (gated positional layers)"),
+    Family("convit", (("timm.models.convit", "MHSA"),), "token", _tokens(1), _patch_grid,
+           where="class token first, then the patches, " + PATCHES, label="ConViT (later layers)"),
     Family("levit", (("timm.models.levit", "Attention"), ("timm.models.levit", "AttentionDownsample")), "token",
-           _tokens(0)),
-    Family("fastvit", (("timm.models.fastvit", "Attention"),), "token", _tokens(0)),
+           _tokens(0), where="the stage's grid; a subsampling layer's queries lie on the coarser grid",
+           label="LeViT"),
+    Family("fastvit", (("timm.models.fastvit", "Attention"),), "token", _tokens(0),
+           where="the attention stage's grid", label="FastViT (attention stages)"),
     Family("xcit", (("timm.models.xcit", "XCA"), ("timm.models.edgenext", "CrossCovarianceAttn")), "covariance",
-           _covariance, where="rows and columns are channels of a head (cross-covariance), not image positions"),
+           _covariance, where="rows and columns are channels of a head (cross-covariance), not image positions",
+           label="XCiT, EdgeNeXt (cross-covariance)"),
     Family("coat", (("timm.models.coat", "FactorAttnConvRelPosEnc"),), "pool", _coat,
-           where="the keys' softmax over the tokens (factorized attention), mean of heads and channels"),
+           where="the keys' softmax over the tokens (factorized attention), mean of heads and channels",
+           label="CoaT, CoaT-Lite"),
     Family("mobilevit", (("timm.models.mobilevit", "LinearSelfAttention"),), "pool", _mobilevit2,
-           where="context scores over the patches, mean of the pixels of a patch; one cell per patch"),
+           where="context scores over the patches, mean of the pixels of a patch; one cell per patch",
+           label="MobileViT v2"),
 )
 MOBILEVIT = Family("mobilevit", (("timm.layers.attention", "Attention"),), "token", _mobilevit, _patch_area,
-                   where="patch-to-patch attention, mean of the pixel offsets inside a patch; one cell per patch")
+                   where="patch-to-patch attention, mean of the pixel offsets inside a patch; one cell per patch",
+                   label="MobileViT v1 (timm `Attention` inside a `MobileVitBlock`)")
 
 UNRECORDABLE = {
     ("timm.models.efficientvit_mit", "LiteMLA"): "EfficientViT (MIT)'s LiteMLA is ReLU linear attention: it forms "
