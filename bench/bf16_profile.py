@@ -4,8 +4,9 @@
     python -m bench.bf16_profile --only cbam coord --top 12                           # two blocks, 12 ops each
 
 For every feature-map block, in one process, on the three feature maps the CPU recipe's network feeds its blocks
-(``configs/attention/resnet_fast_<block>.yaml``: 64 x 32 x 32, 256 x 16 x 16 and 256 x 8 x 8 at the recipe's
-batch of 512, channels-last), under the recipe's autocast (``--precision``, default bf16):
+(``configs/attention/resnet_fast_<block>.yaml``: 64 x 15 x 15, 256 x 7 x 7 and 256 x 3 x 3 at the recipe's batch
+of 512, channels-last, recorded from the network itself with their dtype: bf16 under bf16 autocast, as the
+convolution and BN before a block write them), under the recipe's autocast (``--precision``, default bf16):
 
 1. **the op table**: ``torch.profiler`` over the block's forward and backward (train mode, an upstream gradient
    of the map's shape and dtype), each aten op's share of the block's self CPU time, largest first (``--top``);
@@ -44,13 +45,23 @@ PASSES = {"se": GATE, "eca": GATE, "gc": GATE, "spatial": GATE, "coord": GATE,
           # CBAM: the spatial gate pools the channel-gated map, which is formed on the fly while pooling; the
           # backward needs the channel gate's gradient too: one more read of the gradient and the map
           "cbam": GATE + 2}
-SHAPES = ((64, 32, 32), (256, 16, 16), (256, 8, 8))
 RECIPE = ROOT / "configs" / "attention" / "resnet_fast_none.yaml"
 
 
-def maps(batch: int, dtype: torch.dtype) -> List[torch.Tensor]:
+def recipe(batch: int, precision: str):
+    """The recipe's network without blocks (``bench.speed.build``) and the ``(shape, dtype)`` of each distinct map
+    its attention slots receive under ``precision``'s autocast (``bench.blocks.block_feeds``)."""
+    from bench.blocks import block_feeds
+    from bench.speed import build
+
+    setup = build(str(RECIPE), batch, 1, precision)
+    return setup, list(dict.fromkeys(block_feeds(setup.model, setup.batches[0][0], precision).values()))
+
+
+def maps(feeds) -> List[torch.Tensor]:
+    """A random map of each ``(shape, dtype)``, channels-last, as the network hands it to its blocks."""
     torch.manual_seed(0)
-    return [torch.randn(batch, *s).to(dtype).contiguous(memory_format=torch.channels_last) for s in SHAPES]
+    return [torch.randn(shape).to(dtype).contiguous(memory_format=torch.channels_last) for shape, dtype in feeds]
 
 
 def fwd_bwd(block_name: str, xs: Sequence[torch.Tensor], precision: str):
@@ -100,10 +111,9 @@ def bandwidth(xs: Sequence[torch.Tensor], repeats: int) -> float:
     return nbytes / statistics.median(times)
 
 
-def none_step_seconds(batch: int, precision: str, repeats: int) -> float:
-    from bench.speed import build, make_step
+def none_step_seconds(setup, precision: str, repeats: int) -> float:
+    from bench.speed import make_step
 
-    setup = build(str(RECIPE), batch, 1, precision)
     opt = torch.optim.SGD(setup.model.parameters(), lr=1e-3, momentum=0.9, nesterov=True)
     step = make_step(setup.model, opt, precision)
     x, y = setup.batches[0]
@@ -113,10 +123,10 @@ def none_step_seconds(batch: int, precision: str, repeats: int) -> float:
 
 def profile_blocks(args: argparse.Namespace) -> dict:
     precision = evaluate.resolve_precision(args.precision, torch.device("cpu"))
-    dtype = evaluate.AMP_DTYPES[precision] or torch.float32
-    xs = maps(args.batch, dtype)
+    setup, feeds = recipe(args.batch, precision)
+    xs = maps(feeds)
     bw = bandwidth(xs, args.repeats)
-    t_none = none_step_seconds(args.batch, precision, args.repeats)
+    t_none = none_step_seconds(setup, precision, args.repeats)
     map_bytes = sum(x.numel() * x.element_size() for x in xs)
     out: Dict[str, dict] = {}
     for name in args.only:
@@ -132,7 +142,8 @@ def profile_blocks(args: argparse.Namespace) -> dict:
         for op in row["ops"]:
             print(f"    {op['share']:6.1%}  {op['op']}  ({op['calls']} calls)")
     return {**provenance(precision), "command": command(args.argv, __file__),
-            "threads": torch.get_num_threads(), "batch_size": args.batch, "shapes": [list(s) for s in SHAPES],
+            "threads": torch.get_num_threads(), "batch_size": args.batch, "shapes": [list(s) for s, _ in feeds],
+            "map_dtype": str(xs[0].dtype).replace("torch.", ""),
             "bandwidth_gb_s": round(bw / 1e9, 2), "none_step_ms": round(1e3 * t_none, 2), "blocks": out}
 
 

@@ -23,7 +23,9 @@ flash-attention kernel counted with the counter's formulas for the fused GPU ker
 is the best ratio the block could reach, were its added FLOP free of every overhead. A target above it cannot be
 met by making the block's code faster, only by giving it less to compute.
 **Blocks alone**: forward + backward (train mode, eager, a dense upstream gradient) of each block, before and
-after, on the three feature maps the recipe feeds it (recorded from ``none``'s network), in the same repeats.
+after, on the three feature maps the recipe feeds it (recorded from ``none``'s network under the recipe's autocast:
+their shapes, and their dtype, bf16 in bf16, so each block runs the path it takes inside the network), in the same
+repeats.
 
 ``--precision auto`` is the recipe's own (bf16 where the device runs it natively, else fp32:
 ``visattn.evaluate.resolve_precision``). ``--out`` writes the rows, the ratios, the issue's targets and the
@@ -196,21 +198,28 @@ def load_before(rev: str) -> Dict[str, type]:
     return importlib.import_module(f"{package}.registry").BLOCKS
 
 
-def block_inputs(model: nn.Module, x: torch.Tensor) -> Dict[str, torch.Size]:
-    """The input shape of every attention slot (module path ending in ``attn``) in one forward pass of ``x``."""
-    seen: Dict[str, torch.Size] = {}
+def block_feeds(model: nn.Module, x: torch.Tensor, precision: str = "fp32") -> Dict[str, Tuple[torch.Size, torch.dtype]]:
+    """The input shape and dtype of every attention slot (module path ending in ``attn``) in one forward pass of
+    ``x`` under ``precision``'s autocast: in bf16 the maps reach the blocks in bf16, from the convolution and BN
+    before them, and that is the path a block's own speed must be measured on."""
+    seen: Dict[str, Tuple[torch.Size, torch.dtype]] = {}
 
     def record(name: str):
-        return lambda module, inputs: seen.setdefault(name, inputs[0].shape) and None
+        return lambda module, inputs: seen.setdefault(name, (inputs[0].shape, inputs[0].dtype)) and None
 
     hooks = [m.register_forward_pre_hook(record(n)) for n, m in model.named_modules() if n.split(".")[-1] == "attn"]
     was = model.training
-    with torch.no_grad():
+    with torch.no_grad(), evaluate.autocast(x.device, precision):
         model.eval()(x)
     model.train(was)
     for h in hooks:
         h.remove()
     return seen
+
+
+def block_inputs(model: nn.Module, x: torch.Tensor) -> Dict[str, torch.Size]:
+    """The input shape of every attention slot (module path ending in ``attn``) in one forward pass of ``x``."""
+    return {name: shape for name, (shape, _) in block_feeds(model, x).items()}
 
 
 def swap_blocks(model: nn.Module, name: str, cls: type, kwargs: dict, example: torch.Tensor) -> nn.Module:
@@ -243,8 +252,8 @@ Key = Tuple[str, ...]  # ("step", block, impl, "eager" | "compiled") or ("alone"
 
 def build_recipe(args: argparse.Namespace, before: Dict[str, type]):
     """The models of every config (``after``; ``before`` with the old blocks swapped in, for the blocks that
-    ``before`` has), the batches, the precision, each block's options and the three feature-map shapes the
-    blocks see."""
+    ``before`` has), the batches, the precision, each block's options and the three feature maps the blocks see
+    (shape and dtype)."""
     from bench.speed import build
 
     device = torch.device(args.device)
@@ -257,7 +266,8 @@ def build_recipe(args: argparse.Namespace, before: Dict[str, type]):
         model = setup.model.to(device)
         if block == BASELINE:
             batches = [(x.to(device), y.to(device)) for x, y in setup.batches]
-            shapes = list(dict.fromkeys(block_inputs(model, batches[0][0]).values()))
+            # (shape, dtype) of each map the blocks see, as autocast hands them over (bf16 under bf16)
+            shapes = list(dict.fromkeys(block_feeds(model, batches[0][0], precision).values()))
             models[block, "-"] = model
             continue
         kwargs[block] = load_config(config).model.options()["attn_kwargs"]
@@ -296,10 +306,13 @@ def step_variants(models, batches, precision: str, compile_: bool) -> List[Tuple
 def alone_variants(blocks: Sequence[str], before: Dict[str, type], kwargs: Dict[str, dict], shapes, device: str,
                    precision: str) -> List[Tuple[Key, Callable[[], None]]]:
     """One callable per (block, implementation, feature map): forward + backward of the block alone ("before"
-    only for the blocks ``before`` has); ``kwargs``: each block's options."""
+    only for the blocks ``before`` has); ``kwargs``: each block's options; ``shapes``: the ``(shape, dtype)`` of
+    each map the recipe's network hands its blocks. The map and its upstream gradient are made in that dtype (bf16
+    under bf16 autocast, as the convolution and BN before the block write it), channels-last, so the block runs
+    the path it runs inside the network: an fp32 map would send it down autocast's casts instead."""
     out = []
     for block in blocks:
-        for shape in shapes:
+        for shape, dtype in shapes:
             torch.manual_seed(0)
             after = visattn.create_attention(block, shape[1], **kwargs[block])
             impls = [("after", after)]
@@ -307,7 +320,8 @@ def alone_variants(blocks: Sequence[str], before: Dict[str, type], kwargs: Dict[
                 old = before[block](shape[1], **kwargs[block])
                 old.load_state_dict(after.state_dict())
                 impls.insert(0, ("before", old))
-            x = torch.randn(shape, device=device).contiguous(memory_format=torch.channels_last).requires_grad_()
+            x = torch.randn(shape, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
+            x.requires_grad_()
             g = torch.randn_like(x)
             for impl, m in impls:
                 m = m.to(device).to(memory_format=torch.channels_last).train()

@@ -96,3 +96,28 @@ def test_mean_max_backward_is_autograds_in_the_maps_layout(grad_mode):
     ((b.mean(1) * gm).sum() + (b.amax(1) * gt).sum()).backward()
     torch.testing.assert_close(grad, b.grad)
     assert grad.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_blocks_alone_get_the_maps_the_network_hands_them():
+    """bench/blocks.py's "alone" timing feeds each block what it receives inside the recipe's network: under bf16
+    autocast a bf16 map (the convolution and BN before the block write bf16), channels-last; fp32 in fp32."""
+    import importlib
+
+    from bench.speed import build
+
+    blocks = importlib.import_module("bench.blocks")
+    setup = build(str(blocks.ROOT / "configs" / "attention" / "resnet_fast_none.yaml"), 2, 1, "bf16")
+    for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        feeds = list(dict.fromkeys(blocks.block_feeds(setup.model, setup.batches[0][0], precision).values()))
+        assert [tuple(s) for s, _ in feeds] == [(2, 64, 15, 15), (2, 256, 7, 7), (2, 256, 3, 3)]
+        assert {d for _, d in feeds} == {dtype}
+        seen = []
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, inputs: seen.append((inputs[0].dtype, inputs[0].stride(1) == 1)) if m.__class__.__name__ ==
+            "SqueezeExcite" else None)
+        try:
+            for _, run in blocks.alone_variants(["se"], {}, {"se": {}}, feeds, "cpu", precision):
+                run()
+        finally:
+            hook.remove()
+        assert seen == [(dtype, True)] * 3
