@@ -121,3 +121,44 @@ def test_blocks_alone_get_the_maps_the_network_hands_them():
         finally:
             hook.remove()
         assert seen == [(dtype, True)] * 3
+
+
+def addcmul_pooling_backward(x, dims, g_mean, g_top):
+    """The pooling backward as it was before the tie mask moved to ``eq_`` (a bool mask cast to the map's dtype,
+    one addcmul): the reference the fast one must equal bit for bit."""
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    top = x.amax(dims, keepdim=True)
+    mask = (x == top).to(x.dtype)
+    ties = channel.sum_in(mask, dims, channel.compute_dtype(x), keepdim=True)
+    keep = lambda t: t.reshape(top.shape)  # noqa: E731
+    share = (keep(g_top.to(x.dtype)) / ties).to(x.dtype)
+    return torch.addcmul(keep(g_mean / count).to(x.dtype), mask, share)
+
+
+@pytest.mark.parametrize("dims", [(1,), (2, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mean_max_backward_is_bitwise_the_addcmul_one(dims, dtype):
+    """CBAM's and the spatial gate's pooling backward (over the channels: a multiply and an add; over the positions:
+    the addcmul) equals the single-addcmul form exactly, ties included, in fp32 and bf16, in the map's layout."""
+    torch.manual_seed(4)
+    x = torch.randint(-3, 4, (3, 16, 5, 6)).to(dtype).contiguous(memory_format=torch.channels_last)  # many ties
+    x[0] += torch.randn(16, 5, 6).to(dtype)  # and a sample with few
+    acc = channel.compute_dtype(x)
+    rest = [d for d in range(4) if d not in dims]
+    g_mean, g_top = torch.randn([x.shape[d] for d in rest], dtype=acc), torch.randn([x.shape[d] for d in rest], dtype=acc)
+    a = x.clone().requires_grad_()
+    mean, top = channel.mean_max(a, dims, acc)
+    (grad,) = torch.autograd.grad((mean * g_mean).sum() + (top * g_top).sum(), a)
+    ref = addcmul_pooling_backward(x, dims, g_mean, g_top)
+    assert grad.dtype == dtype and grad.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(grad, ref)
+
+
+def test_tie_mask_is_the_comparison_in_the_maps_dtype():
+    x = torch.tensor([[1.0, 3.0, 3.0, float("inf"), float("nan")]]).bfloat16()
+    top = torch.tensor([[3.0]]).bfloat16()
+    assert channel.tie_mask(x, top).tolist() == [[0.0, 1.0, 1.0, 0.0, 0.0]]
+    assert channel.tie_mask(x, torch.tensor([[float("inf")]])).tolist() == [[0.0, 0.0, 0.0, 1.0, 0.0]]
+    assert channel.tie_mask(x, top).dtype == torch.bfloat16
