@@ -168,6 +168,9 @@ def _typed_option(model: str, key: str, value: Any, default: Any) -> Any:
     keep their type (YAML 1.1 reads 1e38, no dot, as a string: converted where the builder wants a number); a
     bool is never a number, a list never a mapping, a string or a mapping never a list."""
     kind, where = _option_kind(model, key, default), f"option {key!r} of model {model!r}"
+    if not kind and isinstance(value, bool) and isinstance(default, (int, float)) and not isinstance(default, bool):
+        # an option of a wider type (cct's img_size: an int or (H, W)) whose default is a number: a bool is none
+        raise ValueError(f"{where} must be a number, not {str(value).lower()} (a bool)")
     if value is None or not kind:
         if kind == "bool" and value is None and default is not None:
             raise ValueError(f"{where} must be true or false, not {value!r}")
@@ -317,7 +320,7 @@ class DistillConfig(_Section):
 
     teacher: Optional[str] = None  # path to a visattn checkpoint (a run's last.pt); None: no distillation
     weight: float = Field(0.5, ge=0, le=1)
-    temperature: float = Field(1.0, gt=0, le=100)  # a run refuses one below MIN_TEMPERATURE (run_checks.check_for_training)
+    temperature: float = Field(1.0, gt=0, le=100)  # a run refuses one below MIN_TEMPERATURE (cross_checks)
     kind: Literal["soft", "hard"] = "soft"
 
 

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from ..own_options import RULES, check_own
 from ..registry import ATTENTION, attention_info, attention_options, create_attention, list_attention
 from . import structure
 from .functional import NORMS_WITH_STATS
@@ -28,10 +29,10 @@ from .functional import NORMS_WITH_STATS
 __all__ = ["attn_layer", "insert_attention", "AttnLayer", "PLACEMENT", "RULES", "SUPPORTED_FAMILIES", "check_sites",
            "structural_sites"]
 
-# "auto": the sites found in the model's forward (visattn.attention.structure), each in a block of a family below
-# installed by that family's rule (its module paths and state-dict names as before); "structure": the found
-# sites alone, each as AttnAfter(<module>, <block>) (names kept); "family": the family rules alone
-RULES = ("auto", "structure", "family")
+# RULES (visattn.own_options): "auto": the sites found in the model's forward (visattn.attention.structure), each
+# in a block of a family below installed by that family's rule (its module paths and state-dict names as before);
+# "structure": the found sites alone, each as AttnAfter(<module>, <block>) (names kept); "family": the family
+# rules alone
 
 # the default rule's name, recorded with results: "se-slot" puts blocks in inverted residuals at the family's SE
 # slot, in blocks with a skip (before it, every such block had one after its projection norm)
@@ -470,10 +471,11 @@ def _named_sites(model: nn.Module, at: Union[str, Sequence[str]]) -> List[Site]:
             raise ValueError(f"at={pattern!r} names no module of {type(model).__name__}; "
                              f"modules are named like {', '.join(map(repr, near))} (see model.named_modules())")
         picked += [n for n in hits if n not in picked]
+    _check_occupied(model, modules, picked)
     sites: List[Site] = []
     for path in picked:
         module, channels = modules[path], _out_channels(modules[path])
-        taken = isinstance(module, (AttnAfter, *_visattn_classes()))  # a block, or a module with one after it
+        taken = _holds_block(module)  # a block, a module with one after it, a Sequential ending in one
         if channels is None and not taken:
             raise ValueError(f"at={path!r}: cannot tell how many channels {type(module).__name__} outputs; name a "
                              "Conv2d, a BatchNorm2d, GroupNorm or timm LayerNorm2d, or a Sequential ending in one")
@@ -484,6 +486,87 @@ def _named_sites(model: nn.Module, at: Union[str, Sequence[str]]) -> List[Site]:
 
         sites.append((path, channels or 0, _first_param(module), module.training, None if taken else install))
     return sites
+
+
+# ---- occupied sites: at most one block after a module ------------------------------------------------------------
+
+
+def _holds_block(module: nn.Module) -> bool:
+    """``module`` is a block, an ``AttnAfter``, or a ``Sequential`` whose output is a block's (its last module)."""
+    while isinstance(module, nn.Sequential) and len(module) and not isinstance(module, _visattn_classes()):
+        module = module[-1]
+    return isinstance(module, (AttnAfter, *_visattn_classes()))
+
+
+def _occupied(modules: Dict[str, nn.Module], path: str) -> Optional[str]:
+    """Why a block after module ``path`` would sit where visattn put one already, else ``None``: the path lies
+    inside a block; or the module's output (or that of the ``Sequential`` it ends) goes straight into one, as the
+    ``inner`` of an ``AttnAfter``, or followed by a block in its ``Sequential`` (a family rule's ``bn2.norm``)."""
+    blocks = _visattn_classes()
+    parts = path.split(".")
+    for i in range(1, len(parts)):
+        above = modules[".".join(parts[:i])]
+        if isinstance(above, blocks) or (isinstance(above, AttnAfter) and parts[i] == "attn"):
+            inside = ".".join(parts[:i + (not isinstance(above, blocks))])
+            return f"it lies inside the attention block {inside!r}"
+    while path:
+        parent_path, _, attr = path.rpartition(".")
+        parent = modules[parent_path]
+        if isinstance(parent, AttnAfter) and attr == "inner":
+            return f"the attention block {parent_path + '.attn'!r} already follows it"
+        if not isinstance(parent, nn.Sequential) or isinstance(parent, blocks):
+            return None
+        names = list(parent._modules)
+        if names.index(attr) + 1 < len(names):  # not its Sequential's last: the next module takes its output
+            after = names[names.index(attr) + 1]
+            nxt = f"{parent_path}.{after}" if parent_path else after
+            return f"the attention block {nxt!r} already follows it" if isinstance(parent._modules[after], blocks) else None
+        path = parent_path  # the Sequential's output is this module's
+    return None
+
+
+def _fed_blocks(model: nn.Module, paths: Sequence[str]) -> Dict[str, str]:
+    """Of ``paths``, those whose output goes straight into a visattn block in ``model``'s forward (one probe
+    image: timm's ``se`` slot after ``bn2``, which no module path shows), each with that block's path; ``{}``
+    where the model does not run on the probe (the paths' structure is then all that is checked)."""
+    try:
+        tr = structure.trace(model)
+    except structure.TraceError:
+        return {}
+    into: Dict[Any, str] = {}
+    for call in tr.calls:
+        if isinstance(call.module, _visattn_classes()) and call.in_key is not None:
+            into.setdefault(call.in_key, call.path)
+    wanted = set(paths)
+    return {c.path: into[c.out_key] for c in tr.calls
+            if c.path in wanted and c.out_key is not None and into.get(c.out_key, c.path) != c.path}
+
+
+def _check_occupied(model: nn.Module, modules: Dict[str, nn.Module], picked: List[str]) -> None:
+    """A ValueError if a module ``at=`` names is an occupied site (:func:`_occupied`, :func:`_fed_blocks`), or two
+    of them give the same output (a ``Sequential`` and its last module): a second block would follow the first,
+    gating what it already gated. Refused, not replaced: the block there may hold trained weights."""
+    free = [p for p in picked if not _holds_block(modules[p])]  # a block or AttnAfter itself: refused as taken
+    why = {p: w for p in free if (w := _occupied(modules, p))}
+    if not why and any(isinstance(m, _visattn_classes()) for m in modules.values()):
+        why = {p: f"the attention block {b!r} already takes its output" for p, b in _fed_blocks(model, free).items()}
+    if why:
+        path = next(p for p in picked if p in why)
+        raise ValueError(f"at={path!r} is an occupied site: {why[path]}; insert_attention puts one block after a "
+                         "module (insert into a fresh model, or name another module)")
+    ends = {p: _output_of(modules, p) for p in picked}
+    same = [(p, q) for p in picked for q in picked if p < q and ends[p] == ends[q]]
+    if same:
+        raise ValueError(f"at= names both {same[0][0]!r} and {same[0][1]!r}, which give the same output (a "
+                         "Sequential and its last module): two blocks would follow it; name one of them")
+
+
+def _output_of(modules: Dict[str, nn.Module], path: str) -> str:
+    """The path of the module whose output module ``path`` returns (a ``Sequential``'s: its last module's)."""
+    module = modules[path]
+    while isinstance(module, nn.Sequential) and len(module) and not isinstance(module, _visattn_classes()):
+        path, module = f"{path}.{list(module._modules)[-1]}", module[-1]
+    return path
 
 
 def _visattn_classes() -> tuple:
@@ -523,8 +606,8 @@ def insert_attention(model: nn.Module, name: str, at: Union[str, Sequence[str], 
     slot that already holds an attention block.
     """
     _check_feature_block(name, kwargs)
-    if rule not in RULES:
-        raise ValueError(f"insert_attention: rule={rule!r} is not one of {', '.join(RULES)}")
+    for key, value in (("replace_se", replace_se), ("rule", rule)):  # its own options: their values only
+        check_own(f"insert_attention: {key}", key, value, form="{where}={value} is not {said}")
     if replace_se and at is not None:
         raise ValueError("insert_attention: replace_se=True replaces the model's SE modules; it cannot go with at=")
     if "init" in attention_options(name):

@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from ..own_options import shown
+
 PACKAGE_MODULES = {"timm": "timm.", "torchvision": "torchvision."}
 
 
@@ -48,9 +50,6 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def shown(v: Any) -> str:
-    text = "true" if v is True else "false" if v is False else repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # ---- where the options are consumed ----------------------------------------------------------------------

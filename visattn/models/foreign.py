@@ -30,8 +30,9 @@ from torch import nn
 
 from ..attention import insert_attention
 from ..attention.functional import BATCH_NORMS
+from ..own_options import INSERT_OPTIONS, check_own
 from ..registry import MODELS
-from .builder_options import check_kwargs, package_model, shown
+from .builder_options import check_kwargs, package_model
 
 PACKAGES = ("timm", "torchvision")
 # builder options visattn sets itself, or that would download: refused in model.kwargs with the reason
@@ -51,7 +52,6 @@ DOWNLOAD_HINT = ("download the weights once (e.g. timm.create_model(NAME, pretra
 # step 0 (as ViT's "jax" init and big_vision do). Unset, the package's own init: timm's EfficientNet and MobileNetV3
 # families draw it from U(+-1/sqrt(num_classes)), made for 1000 classes; at 10 it is 10x wider (std 0.18), and
 # TinyNet-E starts at a loss of 4.5 against chance's 2.3 (docs/models.md)
-HEAD_INITS = ("zero",)
 MAX_WEIGHTS_BYTES = 4 * 2**30  # a larger "weights file" is not a CIFAR-sized classifier's
 
 
@@ -113,31 +113,15 @@ def check_options(package: str, arch: str, options: Dict[str, Any]) -> None:
         near = difflib.get_close_matches(bad[0], valid, n=1)
         raise ValueError(f"unknown option {bad[0]!r} for model {package}/{arch}"
                          f"{f' (did you mean {near[0]!r}?)' if near else ''}; valid: {', '.join(sorted(valid))}")
-    kinds = {"attention": (str,), "attn_kwargs": (dict,), "kwargs": (dict,), "pretrained_file": (str,),
-             "attn_at": (str, list, tuple)}
-    for key, types in kinds.items():
-        value = options.get(key)
-        if value is not None and not isinstance(value, types):
-            want = {dict: "a mapping", str: "a string", tuple: "a module name or a list of them"}[types[-1]]
-            raise ValueError(f"option {key!r} of model {package}/{arch} must be {want}, not {value!r}")
-    if "cifar_stem" in options and not isinstance(options["cifar_stem"], bool):
-        raise ValueError(f"option 'cifar_stem' of model {package}/{arch} must be true or false, not {options['cifar_stem']!r}")
-    m = options.get("bn_momentum")
-    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1):
-        raise ValueError(f"option 'bn_momentum' of model {package}/{arch} must be a number in (0, 1] (torch's "
-                         f"BatchNorm momentum; unset: the package's own), not {m!r}")
-    at = options.get("attn_at")
-    if isinstance(at, (list, tuple)) and not (at and all(isinstance(p, str) and p for p in at)):
-        raise ValueError(f"option 'attn_at' of model {package}/{arch} must be module names or patterns, not {at!r}")
+    for key, value in options.items():  # visattn's own options: only their documented values (own_options)
+        check_own(f"option {key!r} of model {package}/{arch}", key, value)
+    for key, value in (options.get("attn_kwargs") or {}).items():  # insert_attention's, given with the block's
+        if key in INSERT_OPTIONS:
+            check_own(f"option 'attn_kwargs.{key}' of model {package}/{arch}", key, value)
     for key in options.get("kwargs") or {}:
         if key in RESERVED:
             hint = DOWNLOAD_HINT if RESERVED[key].startswith("visattn downloads") else ""
             raise ValueError(f"model.kwargs.{key}: {RESERVED[key]}{'; ' + hint if hint else ''}")
-    if options.get("pretrained_file") == "":
-        raise ValueError("model.pretrained_file: an empty path")
-    if options.get("head_init") is not None and options["head_init"] not in HEAD_INITS:
-        raise ValueError(f"option 'head_init' of model {package}/{arch} must be one of {', '.join(HEAD_INITS)} (unset: "
-                         f"the package's own init), not {shown(options['head_init'])}")
     if isinstance(options.get("kwargs"), dict):
         check_kwargs(package, arch, options["kwargs"])
 
@@ -514,7 +498,7 @@ def build_foreign(package: str, arch: str, num_classes: int = 10, *, attention: 
     ``pretrained_file`` load (the file, the tensors loaded, the classifier keys replaced). ``bn_momentum``: the
     running-statistics momentum of every BatchNorm of the model (not of the blocks inserted after), instead of
     the package's (torchvision's MobileNetV3 and timm's ``tf_`` ports use 0.01, made for hundreds of epochs).
-    ``head_init="zero"``: the classifier starts at zero (:data:`HEAD_INITS`), before a ``pretrained_file`` loads,
+    ``head_init="zero"``: the classifier starts at zero (:data:`visattn.own_options.HEAD_INITS`), before a ``pretrained_file`` loads,
     so a file's classifier of this class count is kept and a replaced one starts at zero."""
     options = {"attention": attention, "attn_kwargs": attn_kwargs, "attn_at": attn_at, "cifar_stem": cifar_stem,
                "kwargs": kwargs, "pretrained_file": pretrained_file, "bn_momentum": bn_momentum, "head_init": head_init}
