@@ -65,7 +65,7 @@ from timm.layers.cbam import CbamModule, SpatialAttn
 from torch import nn
 
 import visattn
-from bench.common import ROOT, command, cpu_name, interleaved, kernels, parser
+from bench.common import ROOT, command, cpu_name, interleaved, kernels, parser, revision
 from visattn import evaluate
 from visattn.attention.spatial import coord_mip
 from visattn.config import load_config
@@ -125,7 +125,7 @@ def before_source(rev: str, name: str) -> str:
         if not path.is_file():
             raise BeforeError(f"--before {rev}: the folder has no {name}.py")
         return path.read_text()
-    got = subprocess.run(["git", "show", f"{rev}:visattn/attention/{name}.py"], cwd=ROOT, capture_output=True,
+    got = subprocess.run(["git", "show", f"{before_commit(rev)}:visattn/attention/{name}.py"], cwd=ROOT, capture_output=True,
                          text=True)
     if got.returncode:
         said = got.stderr.strip().splitlines() or [f"git show exited {got.returncode}"]
@@ -134,13 +134,21 @@ def before_source(rev: str, name: str) -> str:
     return got.stdout
 
 
+def before_commit(rev: str) -> str:
+    """The commit ``--before`` names (:func:`bench.common.revision`: never an option-like string), or one line."""
+    try:
+        return revision("--before", rev)
+    except ConfigError as e:
+        raise BeforeError(f"{e}, nor a folder of its visattn/attention files") from None
+
+
 def before_files(rev: str) -> List[str]:
     """The module names (``channel``, ...) of the ``visattn/attention`` files at ``rev`` (a git revision, or a
     folder of its files as :func:`before_source` takes)."""
     folder = Path(rev)
     if folder.is_dir():
         return sorted(f.stem for f in folder.glob("*.py"))
-    got = subprocess.run(["git", "ls-tree", "--name-only", rev, "visattn/attention/"], cwd=ROOT, capture_output=True,
+    got = subprocess.run(["git", "ls-tree", "--name-only", before_commit(rev), "visattn/attention/"], cwd=ROOT, capture_output=True,
                          text=True)
     if got.returncode:
         said = got.stderr.strip().splitlines() or [f"git ls-tree exited {got.returncode}"]

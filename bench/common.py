@@ -17,6 +17,10 @@ as ``from bench.common import ...`` (no script edits ``sys.path``).
   ratio of two medians (:func:`ratio`) is the figure to quote.
 * :func:`splice`: replace the text between a docs page's two marker comments, atomically, or one line naming the
   page if a marker is missing.
+* :func:`read_results`: a results file as a script reads it, its top-level keys and its rows checked against the
+  kinds the script reads (:func:`visattn.results.check_rows`), and :func:`revision`: the commit a revision flag
+  names. A file that is not what the script expects (a list for a mapping, a folder, a row without its keys) or a
+  flag that names no commit is one line, exit 2, never a traceback or git's own message.
 """
 from __future__ import annotations
 
@@ -25,12 +29,13 @@ import datetime
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Hashable, List, Mapping, NamedTuple, Optional, Sequence, Union
 
-from visattn.errors import ConfigError
+from visattn.errors import ConfigError, DataError
 from visattn.options import ArgumentParser, check_at_least, describe
 from visattn.results import cpu_name
 
@@ -221,3 +226,37 @@ def splice(doc: Path, begin: str, end: str, text: str) -> bool:
         return False
     write_atomic(Path(doc), new)
     return True
+
+
+def read_results(path: Path, head: Mapping[str, str], rows: Optional[str] = "rows",
+                 row_fields: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """The JSON object of results file ``path`` when it holds ``head`` (key -> a
+    :func:`visattn.results.check_rows` kind: ``str``, ``bool``, ``number``, ...; a trailing ``?``: may be absent or
+    null) and, under ``rows``, a list of objects that each hold ``row_fields``; else one
+    :class:`~visattn.errors.DataError` line naming the file and the key (a missing file, a folder, a list where a
+    mapping belongs, a row without its keys)."""
+    from visattn.results import check_rows, read_json
+
+    data = read_json(Path(path), dict)
+    try:
+        check_rows(Path(path), [data], dict(head))
+    except DataError as e:  # the whole file is the one "row": say so
+        raise DataError(str(e).replace(f"{path}: row 1 ", f"{path}: ", 1)) from None
+    if rows is not None:
+        if not isinstance(data.get(rows), list):
+            raise DataError(f"{path}: has no list {rows!r} (not a results file of this script?)")
+        check_rows(Path(path), data[rows], dict(row_fields or {}))
+    return data
+
+
+def revision(flag: str, rev: str) -> str:
+    """The full commit id ``rev`` names in this repository, or one :class:`~visattn.errors.ConfigError` line naming
+    ``flag``: a string that starts with ``-`` (git would read it as an option), or one that names no commit (a
+    path, a tree or file id, a typo) is refused before git runs on it as a revision."""
+    if not isinstance(rev, str) or not rev or rev.startswith("-") or any(c.isspace() or c == "\0" for c in rev):
+        raise ConfigError(f"{flag} {rev!r}: not a revision of this repository")
+    got = subprocess.run(["git", "rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}"],
+                         cwd=ROOT, capture_output=True, text=True)
+    if got.returncode or not got.stdout.strip():
+        raise ConfigError(f"{flag} {rev!r}: not a revision of this repository")
+    return got.stdout.strip()

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from bench.common import ROOT, command, parser
+from bench.common import ROOT, command, parser, read_results
 
 HERE = "bench.gpu_check"  # its children run it as a module too: python -m bench.gpu_check --child ...
 
@@ -683,6 +683,11 @@ def summary(result: Dict[str, Any]) -> str:
     return "\n".join([head, *lines])
 
 
+# what --table and --merge read of a check's JSON (bench.common.read_results): anything else is one line, exit 2
+TABLE_HEAD = {"device": "str", "torch": "str", "cuda": "str?", "date": "str", "git": "str", "dry": "bool?"}
+TABLE_ROW = {"name": "str", "status": "str", "detail": "str", "what": "str?"}
+
+
 def table(result: Dict[str, Any]) -> str:
     """The docs' GPU table (docs/results.md#gpu) from a check's JSON."""
     head = (f"On {result['device']} (torch {result['torch']}, CUDA {result['cuda']}), {result['date'][:10]}, "
@@ -703,7 +708,7 @@ def merge(results: List[Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def main() -> None:
-    from visattn.results import read_json, write_atomic
+    from visattn.results import write_atomic
 
     ap = parser(__doc__, out=ROOT / "runs" / "gpu_check", help={"out": "where the JSON and the log go"})
     ap.add_argument("--data", default="data/gpu_check/cifar10-train-jpeg.tar.gz", help="the images' archive")
@@ -717,7 +722,7 @@ def main() -> None:
                     help="print one JSON of several (a rerun's rows replace the first call's)")
     a = ap.parse_args()
     if a.table is not None or a.merge is not None:
-        merged = merge([read_json(p) for p in (a.table or a.merge)])
+        merged = merge([read_results(p, TABLE_HEAD, "rows", TABLE_ROW) for p in (a.table or a.merge)])
         print(table(merged) if a.table is not None else json.dumps(merged, indent=1))
         return
     if a.budget <= 0 or a.runs < 1:
