@@ -1,12 +1,12 @@
 """The checks a training run makes before it writes anything, each a one-line error: values valid alone but not
-together (:func:`check_for_training`), the model's options (built
+together (:func:`check_for_training`, the ``run`` stage of :data:`visattn.cross_checks.CROSS_CHECKS`, the one
+table of every check across config fields), the model's options (built
 once on the meta device), one image through the built model, the checkpoint a resume continues (its path, the
 settings it may not change, the epochs left), and a note where BatchNorm statistics cannot keep up with a short
 run (Ioffe & Szegedy 2015, "Batch Normalization", arXiv 1502.03167: evaluation uses the running statistics).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from .attention.functional import BATCH_NORMS
-from .config import MIN_TEMPERATURE, Config, with_defaults
+from .config import Config, with_defaults
+from .cross_checks import check_for_training  # noqa: F401 - re-exported: the run stage of the one table
 from .data import normalize
 from .errors import CheckpointError, ConfigError
 from .models import from_config
@@ -144,58 +145,3 @@ def check_resume_config(state: Dict[str, Any], cfg: Config, path: Path) -> None:
         raise CheckpointError(f"resume: {path} holds optimizer/schedule/EMA/lookahead state made with other settings "
                               f"for {', '.join(fixed)}, which cannot change on resume (start a new run to "
                               "train with them)")
-
-
-def check_logging_and_ranks(cfg: Config) -> None:
-    """Issue 92's cross-field checks of logging and data parallelism: maps asked for every N epochs of a shorter
-    run would never be logged; ``sync_bn`` does nothing without data-parallel ranks and torch's SyncBatchNorm has
-    no CPU path."""
-    if cfg.log.tensorboard and cfg.log.maps_every > cfg.train.epochs:
-        raise ConfigError(f"log.maps_every={cfg.log.maps_every} is more than train.epochs={cfg.train.epochs}: no attention "
-                          "map would be logged; give log.maps_every of at most train.epochs (or 0: never)")
-    if not cfg.sync_bn:
-        return
-    ranks = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1 or os.environ.get("VISATTN_DATA_PARALLEL") == "1"
-    if not ranks or "WORLD_SIZE" not in os.environ:
-        raise ConfigError("sync_bn=true needs data-parallel ranks under torchrun (SyncBatchNorm shares BatchNorm "
-                          "statistics across them); this run is one process, so it would do nothing: drop sync_bn")
-    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    if cpu:
-        raise ConfigError("sync_bn=true runs only on CUDA devices (torch's SyncBatchNorm has no CPU path under gloo); "
-                          "drop sync_bn for a CPU run")
-
-
-def check_for_training(cfg: Config) -> None:
-    """What a run refuses before it builds anything, though each value is valid alone: a stored config (a
-    checkpoint's, read by evaluate and visualize) may hold them, so they are not the schema's. A warmup longer
-    than the run, a cutout hole larger than the images, reflect padding as wide as them, a distillation
-    temperature that switches the teacher off, a cutout that blanks every image under albumentations, data
-    workers the tensor loader never starts; one :class:`ConfigError` line each."""
-    w, e, sched = cfg.sched.warmup_epochs, cfg.train.epochs, cfg.sched.name
-    if sched != "constant" and w > e:
-        raise ConfigError(f"sched.warmup_epochs={w:g} is longer than the run (train.epochs={e}): the {sched} schedule "
-                          "cannot warm up and then decay within it; give a warmup of at most train.epochs")
-    aug, placed = cfg.data.augment, cfg.data.source == "placed"
-    size, key = (cfg.data.placed.canvas, "data.placed.canvas") if placed else (cfg.data.image_size, "data.image_size")
-    if aug.cutout > size:
-        raise ConfigError(f"data.augment.cutout={aug.cutout} is larger than the {size}x{size} images ({key}={size}): its "
-                          "hole would blank most or all of every image")
-    if aug.cutout >= size and cfg.data.loader == "albumentations":  # its hole lies wholly inside the image
-        raise ConfigError(f"data.augment.cutout={aug.cutout} with data.loader=albumentations blanks the whole of every "
-                          f"{size}x{size} image ({key}={size}): albumentations keeps the hole inside the image (the tensor "
-                          "loader clips a hole centred anywhere); give a smaller cutout")
-    if cfg.data.workers and cfg.data.loader == "tensor":
-        raise ConfigError(f"data.workers={cfg.data.workers} does nothing with data.loader=tensor (it augments whole "
-                          "batches on the device, in the training process); use data.loader=albumentations for "
-                          "worker processes, or data.workers=0")
-    if aug.crop_padding >= size:  # reflect cannot pad that far; a constant pad lets a crop miss the image wholly
-        why = "needs images wider than the padding" if aug.padding_mode == "reflect" else \
-            "lets a random crop fall wholly on the padding (a blank image)"
-        raise ConfigError(f"data.augment.crop_padding={aug.crop_padding} with padding_mode={aug.padding_mode} {why} "
-                          f"({key}={size}); give a padding smaller than the image")
-    check_logging_and_ranks(cfg)
-    t = cfg.train.distill.temperature
-    if t < MIN_TEMPERATURE:
-        raise ConfigError(f"train.distill.temperature={t:g} is below {MIN_TEMPERATURE:g}: the soft term is the KL "
-                          "divergence times temperature**2, which shrinks with the temperature below 1 (to 0 in fp32 "
-                          "near 1e-19), so a smaller one all but switches distillation off")
