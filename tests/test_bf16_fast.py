@@ -162,3 +162,33 @@ def test_tie_mask_is_the_comparison_in_the_maps_dtype():
     assert channel.tie_mask(x, top).tolist() == [[0.0, 1.0, 1.0, 0.0, 0.0]]
     assert channel.tie_mask(x, torch.tensor([[float("inf")]])).tolist() == [[0.0, 0.0, 0.0, 1.0, 0.0]]
     assert channel.tie_mask(x, top).dtype == torch.bfloat16
+
+
+def bf16_map(*shape, seed=5):
+    torch.manual_seed(seed)
+    return torch.randn(*shape).bfloat16().contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("dim", [2, 3])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_axis_sum_is_the_sum_and_its_backward_the_broadcast(dim, keepdim):
+    """A bf16 channels-last map summed along H or W as a product with ones: the fp32-accumulated sum rounded once
+    (so within one bf16 rounding of the exact sum, as ``sum`` is), and the gradient the broadcast of the upstream
+    one, as ``sum``'s; double backward too."""
+    x = bf16_map(3, 24, 7, 5)
+    got = channel.axis_sum(x, dim, keepdim)
+    want = x.sum(dim, keepdim=keepdim)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    exact = x.double().sum(dim, keepdim=keepdim)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-6).all()
+    assert ((got.double() - want.double()).abs() <= want.double().abs() * 2 ** -7 + 1e-6).all()
+    a = x.clone().requires_grad_()
+    g = torch.randn(want.shape).bfloat16().requires_grad_()
+    (grad,) = torch.autograd.grad(channel.axis_sum(a, dim, keepdim), a, g, create_graph=True)
+    assert torch.equal(grad, (g if keepdim else g.unsqueeze(dim)).expand(x.shape))
+    (gg,) = torch.autograd.grad(grad.float().square().sum(), g)  # through the backward: double backward holds
+    b = x.clone().requires_grad_()
+    (ref,) = torch.autograd.grad(b.sum(dim, keepdim=keepdim), b, g, create_graph=True)
+    (gg_ref,) = torch.autograd.grad(ref.float().square().sum(), g)
+    assert torch.equal(gg, gg_ref)
+

@@ -98,10 +98,51 @@ def sum_in(x: torch.Tensor, dims: Tuple[int, ...], dtype: torch.dtype, keepdim: 
     copies the whole map to fp32 (20-60x slower than the sum itself, measured by ``bench/bf16_profile.py``), while
     bf16's own sum accumulates in fp32 and rounds only the result: so a bf16 map is summed in bf16 and the small
     result widened, which differs from the fp32 sum by that one rounding (2^-9 relative, bf16's own precision).
-    fp16 keeps the fp32 sum (its range would overflow), as do CUDA tensors (their reduction reads bf16 in place)."""
-    if x.dtype == torch.bfloat16 and dtype != x.dtype and x.device.type == "cpu":
-        return x.sum(dims, keepdim=keepdim).to(dtype)
+    fp16 keeps the fp32 sum (its range would overflow), as do CUDA tensors (their reduction reads bf16 in place).
+    A bf16 channels-last map summed along one spatial axis goes through :func:`axis_sum`."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        total = axis_sum(x, dims[0], keepdim) if len(dims) == 1 else x.sum(dims, keepdim=keepdim)
+        return total if dtype == x.dtype else total.to(dtype)
     return x.sum(dims, keepdim=keepdim, dtype=dtype)
+
+
+class _AxisSum(torch.autograd.Function):
+    """:func:`axis_sum`'s sum along H (``dim`` 2) or W (3) of a channels-last ``(B, C, H, W)`` map, as a batched
+    product with a row of ones over the map as it lies in memory, ``(B, H, W, C)``: oneDNN accumulates in fp32 and
+    rounds once, as ``sum`` does, and reads the map in one vectorised pass, where the CPU's ``sum`` along a middle
+    axis of a bf16 map runs 5-8x slower (512 x 64 x 15 x 15: 14 ms along W, 2 ms here). Backward: the gradient
+    broadcast back, a view (``sum``'s own backward); differentiable, so double backward holds, and
+    ``generate_vmap_rule`` serves ``torch.func``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, dim: int, keepdim: bool) -> torch.Tensor:
+        B, C, H, W = x.shape
+        tokens = x.permute(0, 2, 3, 1)  # (B, H, W, C), contiguous for a channels-last map
+        if dim == 3:  # (B * H, 1, W) @ (B * H, W, C) -> (B, C, H)
+            total = (x.new_ones(1, W) @ tokens.reshape(B * H, W, C)).view(B, H, C).transpose(1, 2)
+        else:  # (B, 1, H) @ (B, H, W * C) -> (B, C, W)
+            total = (x.new_ones(1, H) @ tokens.reshape(B, H, W * C)).view(B, W, C).transpose(1, 2)
+        return total.unsqueeze(dim) if keepdim else total
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        x, ctx.dim, ctx.keepdim = inputs
+        ctx.shape = x.shape
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return (g if ctx.keepdim else g.unsqueeze(ctx.dim)).expand(ctx.shape), None, None
+
+
+def axis_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
+    """``x.sum(dim, keepdim=keepdim)``; for a bf16 channels-last ``(B, C, H, W)`` map on the CPU summed along H or W,
+    :class:`_AxisSum` (the same fp32-accumulated sum rounded once, several times faster)."""
+    dim = dim % x.dim()
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 4 and dim in (2, 3) and is_channels_last(x):
+        return _AxisSum.apply(x, dim, keepdim)
+    return x.sum(dim, keepdim=keepdim)
 
 
 def pooled_count(x: torch.Tensor, dims: Tuple[int, ...]) -> int:
