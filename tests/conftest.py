@@ -245,6 +245,37 @@ def kept_process_state() -> Iterator[None]:
 
 
 # ---- the fast tier: `make test` runs what is not marked slow; `make test-all` (CI) runs everything -------------
+# The blocks' cheap checks (build, shapes, any size, identity start, finiteness, dtypes and layouts, jit.trace,
+# double backward, vmap) run for every block in both tiers. The expensive ones (torch.compile with fullgraph,
+# torch.export, ONNX through onnxruntime, a whole model's graph breaks, insertion into each trained model family)
+# run in the fast tier for these blocks only, one for each code path the others share, and for every block in the
+# whole suite:
+REPRESENTATIVE_BLOCKS = {
+    "none": "the identity: no parameters and no tap, each transform's trivial case",
+    "se": "a channel gate: pooled vector, 1x1-conv MLP, sigmoid; a (B, C) tap",
+    "spatial": "a spatial gate: a 7x7 conv over channel statistics, BatchNorm; a (B, 1, H, W) tap",
+    "cbam": "a channel and a spatial gate in one block, through mean_max (the fused mean and amax)",
+    "sk": "a convolution-replacing residual block: conv branches, BatchNorm on pooled vectors, a softmax over paths",
+    "nonlocal": "self-attention over a feature map's positions through SDPA; an (HW, HW) token tap",
+    "mhsa": "multi-head token self-attention through SDPA",
+    "xca": "cross-covariance attention: the (heads, d, d) covariance tap, normalisation in fp32 with autocast off",
+    "seqpool": "a pooling head: (B, N, D) tokens to one (B, D) vector; a pool tap",
+}
+
+
+def tiered(names: Sequence[str]) -> list:
+    """``names`` as parametrize values: the representative blocks as they are, every other one marked slow."""
+    return [n if n in REPRESENTATIVE_BLOCKS else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+def first_fast(cases: Sequence) -> list:
+    """Parametrize ``cases`` (values, or tuples of a test's several arguments): the first as it is, the rest marked
+    slow. For refusals that each start a fresh interpreter (a bench script's ``python -m``, about as long as importing
+    torch): the fast tier keeps one through each path, the whole suite every one."""
+    return [c if i == 0 else pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow)
+            for i, c in enumerate(cases)]
+
+
 # Besides the tests marked in their files, these node ids (or prefixes) are slow: each took over 10 s in a full run
 # (`pytest --durations=0`, 2026-12-03). What stays fast still covers each area: the configs' smoke runs keep one
 # per family (the rest train a few steps of every other config), a package model trains in fp32 and bf16.

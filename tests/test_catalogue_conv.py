@@ -6,6 +6,9 @@ maps, the paper defaults, the identity starts of the options, and the double-bac
 tests/test_compose.py takes from here (``CONV_REFERENCES``)."""
 from __future__ import annotations
 
+from functools import partial
+
+import block_helpers
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,13 +32,8 @@ def _seed():
     torch.manual_seed(0)
 
 
-def randomize_(module: nn.Module, seed: int = 3) -> nn.Module:
-    """Random values for every parameter (vectors around 1, so residual scales and gammas are not zero)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3 + (1.0 if p.dim() <= 1 else 0.0))
-    return module
+# this file's weights: seed 3, spread 0.3, scalars around 1 as well as vectors (residual scales, gammas not zero)
+randomize_ = partial(block_helpers.randomize_, seed=3, spread=0.3, around_one=(0, 1))
 
 
 def copy_by_order(dst: nn.Module, src: nn.Module, skip=("scale", "norm")) -> None:

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from block_helpers import close, load_by_order, randomize_
 from timm.layers.coord_attn import EfficientLocalAttn
 from timm.layers.gather_excite import GatherExcite as TimmGatherExcite
 from timm.layers.mlp import ConvMlp
@@ -18,26 +19,6 @@ from torch import nn
 from visattn.attention import AttentionTap, create_attention
 
 NAMES = ["ge", "ela", "fca", "gct", "srm", "sge", "simam", "triplet", "bam", "shuffle"]
-
-
-def randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
-    """Every parameter random (vectors around 1), so each reaches the output with a non-trivial gradient."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5 + (1.0 if p.dim() == 1 else 0.0))
-    return module
-
-
-def load_by_order(dst: nn.Module, src: nn.Module) -> None:
-    d, s = dst.state_dict(), list(src.state_dict().values())
-    assert len(d) == len(s), (list(d), len(s))
-    dst.load_state_dict({k: v.reshape(d[k].shape) for k, v in zip(d, s)})
-
-
-def close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 1e-10) -> None:
-    err = (a - b.reshape(a.shape)).abs().max().item()
-    assert err <= tol * (1 + b.abs().max().item()), f"{what}: {err}"
 
 
 def same_function(ours, ref, x: torch.Tensor, train: bool, ref_params=None) -> None:

@@ -12,6 +12,10 @@ SDPA-based blocks (``nonlocal``, ``mhsa2d``, ``mhsa``, ``lsa``) run their double
 ``sdpa_kernel(SDPBackend.MATH)``: the fused kernels have no double backward.
 
 The README's compatibility matrix is this file's result: each cell is one test id here.
+
+Tiers: compile, export, ONNX and ``resnet_fast``'s graph breaks are the costly checks; the fast tier runs them on
+``conftest.REPRESENTATIVE_BLOCKS`` (one block per code path), the whole suite on every block. The others run on
+every block in both.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import timm
 import torch
 import torch.nn.functional as F
 import torchvision
+from block_helpers import load_by_order, randomize_
+from conftest import REPRESENTATIVE_BLOCKS, tiered
 from test_catalogue_tokens import TOKEN_REFERENCES  # talking_heads, class_attn, xca, attn_pool, window
 from timm.layers import Attention as TimmAttention
 from timm.layers import EcaModule, NonLocalAttn, SEModule
@@ -59,20 +65,10 @@ def is_token(name: str) -> bool:
     return attention_info(name)["layout"] == "token"
 
 
-def randomize_(module: nn.Module, seed: int = 0) -> nn.Module:
-    """Random values instead of zero/identity initialisations (BN scale 0, zero last layers), so every
-    parameter reaches the output; vectors (norm scales, biases, temperatures) around 1."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (1.0 if p.dim() == 1 else 0.0))
-    return module
-
-
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     kwargs = {"num_heads": HEADS} if name in ("mhsa", "lsa") else {}
-    return randomize_(create_attention(name, D if is_token(name) else C, **kwargs), seed)
+    return randomize_(create_attention(name, D if is_token(name) else C, **kwargs), seed, spread=0.3)
 
 
 def sample(name: str, seed: int = 1, dtype=torch.float32) -> torch.Tensor:
@@ -96,10 +92,19 @@ def assert_all_close(got, want, rtol=1e-5, atol=1e-5):
         torch.testing.assert_close(a, b.reshape(a.shape), rtol=rtol, atol=atol, msg=lambda m: f"tensor {i}: {m}")
 
 
+def test_the_representative_blocks_are_registered_and_cover_every_kind_and_layout():
+    """The fast tier's costly checks run on conftest's representatives: each must be a block (a renamed one would
+    send every case to the slow tier), and together they hold each layout and each kind of tap."""
+    assert set(REPRESENTATIVE_BLOCKS) <= set(BLOCKS)
+    info = [attention_info(n) for n in REPRESENTATIVE_BLOCKS]
+    for key in ("layout", "kind"):
+        assert {i[key] for i in info} == {attention_info(n)[key] for n in BLOCKS}, key
+
+
 # ---- compile -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", BLOCKS)
+@pytest.mark.parametrize("name", tiered(BLOCKS))
 def test_compile_fullgraph(name):
     """``fullgraph=True`` raises on any graph break; AOTAutograd also traces the backward."""
     block = build(name).train()
@@ -136,7 +141,7 @@ def test_compile_inductor(name):
 # ---- export and ONNX -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", BLOCKS)
+@pytest.mark.parametrize("name", tiered(BLOCKS))
 def test_torch_export(name):
     block = build(name).eval()
     program = torch.export.export(block, (sample(name),))
@@ -149,7 +154,7 @@ def _onnx_available() -> bool:
 
 
 @pytest.mark.skipif(not _onnx_available(), reason="onnx, onnxruntime and onnxscript wheels not installed")
-@pytest.mark.parametrize("name", BLOCKS)
+@pytest.mark.parametrize("name", tiered(BLOCKS))
 def test_onnx_export_runs_in_onnxruntime(name, tmp_path):
     import onnxruntime as ort
 
@@ -184,13 +189,6 @@ def test_jit_trace_with_grad(name):
 
 
 # ---- double backward against explicit ops ----------------------------------------------------------------------
-
-
-def load_by_order(dst: nn.Module, src: nn.Module) -> None:
-    """Copy ``src``'s state into ``dst`` entry by entry in registration order (names differ, layout not)."""
-    d, s = dst.state_dict(), list(src.state_dict().values())
-    assert len(d) == len(s), (list(d), len(s))
-    dst.load_state_dict({k: v.reshape(d[k].shape) for k, v in zip(d, s)})
 
 
 def _timm_by_order(make):
@@ -407,7 +405,7 @@ def graph_breaks(model: nn.Module, x: torch.Tensor):
     return explained.graph_break_count, [str(r.reason) for r in explained.break_reasons]
 
 
-@pytest.mark.parametrize("name", FEATURE)
+@pytest.mark.parametrize("name", tiered(FEATURE))
 def test_resnet_fast_has_no_graph_breaks(name):
     model = visattn.create_model("resnet_fast", attention=name).train()
     assert graph_breaks(model, torch.randn(2, 3, 32, 32)) == (0, [])

@@ -17,7 +17,7 @@ import pytest
 import timm
 import torch
 import torchvision
-from conftest import ROOT, metrics_rows, run_cli
+from conftest import ROOT, first_fast, metrics_rows, run_cli
 
 import visattn
 from visattn.config import load_config
@@ -126,7 +126,7 @@ def test_every_weights_file_form_reads_to_the_same_state_dict(tmp_path):
         assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state), name
 
 
-@pytest.mark.parametrize("form", ["safetensors", "timm"])
+@pytest.mark.parametrize("form", first_fast(["safetensors", "timm"]))
 def test_a_run_from_a_weights_file_scores_at_step_0_what_the_files_model_scores(tmp_path, form):
     from safetensors.torch import save_file
 
@@ -506,8 +506,8 @@ def test_the_reference_comes_from_the_attention_table_only_at_the_same_budget_pr
     assert len(bench.reference_rows(ours, table_file)) == 1  # another config's rows are not the reference's to check
 
 
-@pytest.mark.parametrize("argv", [["--epochs", "0"], ["--seeds"], ["--threads", "0"], ["--recipes", "no.yaml"],
-                                  ["--arms", "gc"], ["--precision", "fp8"], ["--seeds", "nan"]])
+@pytest.mark.parametrize("argv", first_fast([["--epochs", "0"], ["--seeds"], ["--threads", "0"], ["--recipes", "no.yaml"],
+                                             ["--arms", "gc"], ["--precision", "fp8"], ["--seeds", "nan"]]))
 def test_the_bench_refuses_bad_flags_in_one_line(argv):
     proc = subprocess.run([sys.executable, "-m", "bench.foreign_models", *argv, "--report"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
@@ -524,8 +524,9 @@ def test_blocks_in_the_se_place_of_a_model_without_se_are_refused_before_any_run
     assert not out.exists() and not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("content,says", [("[]", "no runs to report"), ("[{}]", "row 1 has no 'model'"), ("{", "not a readable JSON file"),
-                                          ('[{"model": true}]', "'model', which must be a string")])
+@pytest.mark.parametrize("content,says", first_fast([("[]", "no runs to report"), ("[{}]", "row 1 has no 'model'"),
+                                                     ("{", "not a readable JSON file"),
+                                                     ('[{"model": true}]', "'model', which must be a string")]))
 def test_the_report_refuses_a_damaged_or_empty_results_file_in_one_line(tmp_path, content, says):
     out = tmp_path / "r.json"
     out.write_text(content)
@@ -536,8 +537,8 @@ def test_the_report_refuses_a_damaged_or_empty_results_file_in_one_line(tmp_path
     assert says in proc.stderr and (ROOT / "docs" / "results.md").read_bytes() == doc and out.read_text() == content
 
 
-@pytest.mark.parametrize("argv", [["--steps", "0"], ["--every", "-1"], ["--arms", "cbam"], ["--threads", "0"],
-                                  ["--precision", "fp8"], ["--steps", "inf"]])
+@pytest.mark.parametrize("argv", first_fast([["--steps", "0"], ["--every", "-1"], ["--arms", "cbam"], ["--threads", "0"],
+                                             ["--precision", "fp8"], ["--steps", "inf"]]))
 def test_the_gate_probe_refuses_bad_flags_in_one_line(argv, tmp_path):
     out = tmp_path / "g.json"
     proc = subprocess.run([sys.executable, "-m", "bench.gate_dynamics", *argv, "--out", str(out)], cwd=ROOT,
@@ -546,8 +547,8 @@ def test_the_gate_probe_refuses_bad_flags_in_one_line(argv, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("content,says", [("{", "not a readable JSON file"), ("[]", "not a dict"), ('{"arms": 3}', "no 'arms' list"),
-                                          ('{"arms": [{}]}', "arm 1 has no trace")])
+@pytest.mark.parametrize("content,says", first_fast([("{", "not a readable JSON file"), ("[]", "not a dict"),
+                                                     ('{"arms": 3}', "no 'arms' list"), ('{"arms": [{}]}', "arm 1 has no trace")]))
 def test_the_gate_summary_refuses_a_damaged_file_and_leaves_the_docs(tmp_path, content, says):
     out = tmp_path / "g.json"
     out.write_text(content)

@@ -8,6 +8,7 @@ import pickle
 import pytest
 import timm
 import torch
+from conftest import REPRESENTATIVE_BLOCKS
 from torch import nn
 from torchvision.models import resnet18 as tv_resnet18
 
@@ -443,8 +444,14 @@ def trained(lib: str, arch: str):
     return _TRAINED_CACHE[(lib, arch)]
 
 
-@pytest.mark.parametrize("name", FEATURE)
-@pytest.mark.parametrize("lib,arch", TRAINED, ids=[f"{lib}-{arch}" for lib, arch in TRAINED])
+# family-major (the cache above holds one family); the fast tier: every block in torchvision's ResNet-18 and the
+# representative blocks (conftest.REPRESENTATIVE_BLOCKS) in every family, the whole suite: every pair
+TRAINED_CASES = [pytest.param(lib, arch, name, id=f"{lib}-{arch}-{name}", marks=() if (lib, arch) == TRAINED[0]
+                              or name in REPRESENTATIVE_BLOCKS else pytest.mark.slow)
+                 for lib, arch in TRAINED for name in FEATURE]
+
+
+@pytest.mark.parametrize("lib,arch,name", TRAINED_CASES)
 def test_inserting_into_a_trained_model_leaves_its_output_bit_identical_and_the_blocks_learn(lib, arch, name):
     host, x, before = trained(lib, arch)
     model = copy.deepcopy(host)
