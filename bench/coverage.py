@@ -431,6 +431,99 @@ def not_yet_check() -> List[str]:
     return bad
 
 
+# ---- the whole zoo: python -m bench.coverage --sweep all (or modules)
+
+
+def sweep_names(which: str) -> List[str]:
+    """Every classifier name of timm and torchvision (``"all"``), or the one with the fewest parameters of each
+    timm module and every torchvision classifier (``"modules"``)."""
+    import timm
+    import torchvision.models as tvm
+
+    tv = [f"torchvision/{n}" for n in tvm.list_models(module=tvm)]
+    if which == "all":
+        return [f"timm/{n}" for n in timm.list_models()] + tv
+    picked = []
+    for module in timm.list_modules():
+        names = timm.list_models(module=module)
+        sizes = {n: _params(f"timm/{n}") for n in names}
+        picked.append(f"timm/{min(names, key=lambda n: (sizes[n] is None, sizes[n] or 0, n))}")
+    return picked + tv
+
+
+def _params(arch: str) -> Optional[int]:
+    """The parameter count of ``arch``, built on the meta device (no memory, no init work); None where it fails."""
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return sum(p.numel() for p in build(arch).parameters())
+    except Exception:  # noqa: BLE001 - counted the slow way, by building it
+        return None
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+def sweep_row(arch: str, max_params: int) -> Dict[str, Any]:
+    """``arch`` built with random weights: ``record`` (records of one pass at a tiny input, 0: nothing recorded),
+    ``insert`` (blocks put by the default rule, 0: refused in one line), ``crash`` (what of visattn's raised
+    otherwise, or a refusal of more than one line), or ``skipped`` (over ``max_params``, or the package
+    cannot build or run it at all: not visattn's)."""
+    from visattn import insert_attention
+    from visattn.maps import record_attention
+
+    out: Dict[str, Any] = {"arch": arch, "params": _params(arch), "record": None, "insert": None, "crash": None,
+                           "skipped": None}
+    if out["params"] is not None and out["params"] > max_params:
+        out["skipped"] = f"{out['params'] / 1e6:.0f}M parameters (over --max-params)"
+        return out
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build(arch)
+            x = probe(model)[:1]
+    except Exception as e:  # noqa: BLE001 - the package's own failure, not visattn's
+        out["skipped"] = f"the package cannot build or run it: {_one_line(e)}"
+        return out
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with record_attention(model.eval(), warn=False) as rec:
+                model(x)
+        out["record"] = len(rec)
+    except Exception as e:  # noqa: BLE001 - a crash is what the sweep looks for
+        out["crash"] = f"record_attention: {_one_line(e)}"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out["insert"] = insert_attention(model, "cbam")
+    except ValueError as e:
+        out["insert"] = 0
+        if "\n" in str(e):
+            out["crash"] = out["crash"] or f"insert_attention refused in {len(str(e).splitlines())} lines"
+    except Exception as e:  # noqa: BLE001
+        out["crash"] = out["crash"] or f"insert_attention: {_one_line(e)}"
+    out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def sweep(names: List[str], max_params: int) -> int:
+    """Print a row per name and a summary; 1 where any crashed."""
+    rows = []
+    for arch in names:
+        rows.append(sweep_row(arch, max_params))
+        print(json.dumps(rows[-1]), flush=True)
+    crashed = [r for r in rows if r["crash"]]
+    done = [r for r in rows if not r["skipped"]]
+    print(f"{len(names)} architectures: {len(done)} checked ({sum(1 for r in done if r['insert'])} take blocks, "
+          f"{sum(1 for r in done if r['record'])} record their own attention), "
+          f"{len(rows) - len(done)} skipped, {len(crashed)} crashed" + "".join(f"\n  {r['arch']}: {r['crash']}" for r in crashed))
+    return 1 if crashed else 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = parser(__doc__.split("\n\n")[0], threads=True)
     ap.add_argument("--write", action="store_true", help="write the results file and the docs table")
@@ -439,7 +532,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--only", nargs="+", default=None, help="these architectures only (printed)")
     ap.add_argument("--maps", action="store_true", help="record each transformer family on a tiny model and write "
                     "docs/maps.md's coverage table (and check the families not recorded yet record nothing)")
+    ap.add_argument("--sweep", choices=("all", "modules"), default=None,
+                    help="every classifier name of timm and torchvision (all), or the smallest of each timm module and "
+                    "every torchvision classifier (modules; --only: these names): does insert_attention or "
+                    "record_attention crash? (printed, nothing written)")
+    ap.add_argument("--max-params", type=float, default=1e8, help="--sweep skips larger models (default 1e8)")
     args = ap.parse_args(argv)
+    if args.sweep:
+        return sweep(args.only or sweep_names(args.sweep), int(args.max_params))
     if args.maps:
         data = map_rows()
         splice(MAPS_DOC, MAPS_BEGIN, MAPS_END, maps_table(data))
