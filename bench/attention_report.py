@@ -24,7 +24,11 @@ from visattn.errors import ConfigError, DataError, VisattnError, run_main
 from visattn.results import check_rows, read_json, write_atomic
 
 ATTENTION = ("none", "se", "eca", "gc", "spatial", "cbam", "coord", "nonlocal", "mhsa2d")
-CNN_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ATTENTION]
+# the summary's blocks (above) first, then the rest of the catalogue's feature-map blocks (their rows: docs/blocks.md's
+# catalogue, bench/catalogue.py): the runner's default sweep trains them all
+CNN_CONFIGS = [f"configs/attention/resnet_fast_{a}.yaml" for a in ATTENTION] + sorted(
+    p.relative_to(ROOT).as_posix() for p in (ROOT / "configs" / "attention").glob("resnet_fast_*.yaml")
+    if p.stem.removeprefix("resnet_fast_") not in ATTENTION)
 TRANSFORMER_CONFIGS = ["configs/vit_tiny.yaml", "configs/vit_tiny_lsa_spt.yaml", "configs/cct_2.yaml", "configs/vit_cpu.yaml"]
 BASELINE = "resnet_fast_none"
 QUIET_LOAD = 2.8  # mean 1-minute load average above which a run's time is not quoted (2 cores, 2 threads)

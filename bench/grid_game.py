@@ -555,9 +555,12 @@ def report(rows: List[Dict[str, Any]]) -> str:
     configs = list(dict.fromkeys(r["checkpoint"]["config"] for r in rows))
     r0 = rows[0]
     down = sorted({r["checkpoint"]["config"] for r in rows if r["downscaled"]})
+    ig = (f"integrated gradients: {r0['ig_steps']} steps ({r0.get('ig')}) from the mean colour"
+          if r0.get("ig_steps") else "no integrated gradients")
     out = [BEGIN,
-           f"{r0['grids']} grids of each size per run, of held-out images each classified alone with a true-class "
-           f"softmax >= {r0['threshold']}; share: % of the map's positive mass in the explained class's cell; "
+           f"Command: `{r0.get('command', 'python -m bench.grid_game')}`. {r0['grids']} grids of each size per run, of "
+           f"images from each run's {r0.get('heldout', 'held-out split')} (not trained on), each classified alone with "
+           f"a true-class softmax >= {r0['threshold']}; {ig}; fp32. Share: % of the map's positive mass in the explained class's cell; "
            "pointing: % of maps peaking in it; chance 25.0 (2x2), 11.1 (3x3); mean over seeds (each seed in "
            "brackets). Randomisation: Spearman rho with the map after re-initialising the head / the whole cascade "
            "(2x2 grids; near 1: the map does not depend on what the model learned)."
