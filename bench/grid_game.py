@@ -558,7 +558,8 @@ def report(rows: List[Dict[str, Any]]) -> str:
     ig = (f"integrated gradients: {r0['ig_steps']} steps ({r0.get('ig')}) from the mean colour"
           if r0.get("ig_steps") else "no integrated gradients")
     out = [BEGIN,
-           f"Command: `{r0.get('command', 'python -m bench.grid_game')}`. {r0['grids']} grids of each size per run, of "
+           "Commands: " + "; ".join(f"`{c}`" for c in dict.fromkeys(r.get("command", "python -m bench.grid_game")
+                                                                   for r in rows)) + f". {r0['grids']} grids of each size per run, of "
            f"images from each run's {r0.get('heldout', 'held-out split')} (not trained on), each classified alone with "
            f"a true-class softmax >= {r0['threshold']}; {ig}; fp32. Share: % of the map's positive mass in the explained class's cell; "
            "pointing: % of maps peaking in it; chance 25.0 (2x2), 11.1 (3x3); mean over seeds (each seed in "
