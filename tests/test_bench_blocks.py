@@ -75,7 +75,7 @@ def test_a_bad_count_is_one_line_and_exit_2_from_the_command_line():
 
 
 def test_an_unknown_revision_is_one_line():
-    with pytest.raises(SystemExit, match="--before no-such-rev"):
+    with pytest.raises(SystemExit, match="--before 'no-such-rev': not a revision"):
         blocks.load_before("no-such-rev")
 
 
