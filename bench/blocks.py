@@ -31,7 +31,9 @@ repeats.
 ``visattn.evaluate.resolve_precision``). ``--out`` writes the rows, the ratios, the issue's targets and the
 machine (CPU or GPU name, kernel family, whether bf16 is native, threads, precision, date, the command) as JSON;
 ``bench/results/block_speed.json`` is the attention summary's cost column (``bench/attention_report.py``). The
-timing is :func:`bench.common.interleaved`'s, the flags :func:`bench.common.parser`'s.
+timing is :func:`bench.common.interleaved`'s, the flags :func:`bench.common.parser`'s. ``--table [JSON]`` prints a
+measurement as the docs show it (:mod:`bench.block_table`): beside each FLOP ceiling, the memory-traffic ceiling that
+``--profile`` (``bench/results/bf16_profile.json``) gives where it was measured on the same machine.
 
 **Against timm** (``--vs-timm``): visattn's block and timm's equivalent with the same configuration (timm's
 options set to the paper defaults visattn uses where they differ), the same input and upstream gradient,
@@ -65,20 +67,20 @@ from timm.layers.cbam import CbamModule, SpatialAttn
 from torch import nn
 
 import visattn
+from bench.block_table import BASELINE, IMPLS, PROFILE, SPEED, read_table, tables  # SPEED: the attention summary's cost
 from bench.common import ROOT, command, cpu_name, interleaved, kernels, parser, revision
 from visattn import evaluate
 from visattn.attention.spatial import coord_mip
 from visattn.config import load_config
-from visattn.errors import ConfigError, DataError, run_main
+from visattn.errors import ConfigError, run_main
 from visattn.options import check_at_least
-from visattn.results import check_rows, read_json, write_atomic
+from visattn.results import write_atomic
 
 try:  # coordinate attention arrived in timm 1.0.16 (timm/layers/coord_attn.py)
     from timm.layers.coord_attn import CoordAttn
 except ImportError:  # pragma: no cover - older timm
     CoordAttn = None
 
-BASELINE = "none"
 BEFORE = "4470a3c"  # the blocks as they were before their speed work (issue 70): its first commit's parent
 # the issue's targets for the whole step's speed against none's, eager and compiled (set for bf16 on a CPU); the
 # blocks registered since have none (the JSON's "targets" and "met" leave them out)
@@ -98,8 +100,6 @@ def targets_for(precision: str) -> Dict[str, float]:
 # first, in their order, then the others by name
 BLOCKS = tuple([b for b in TARGETS if b in visattn.list_attention("feature")]
                + [b for b in visattn.list_attention("feature") if b not in TARGETS and b != BASELINE])
-IMPLS = ("before", "after")
-SPEED = ROOT / "bench" / "results" / "block_speed.json"  # the committed measurement: the attention summary's cost
 QUICK_CPU_BATCH = 16
 PREPARED_REVISION = ROOT / "data" / "gpu_check" / "REVISION"  # bash bench/gpu_check.sh --prepare writes it
 
@@ -425,77 +425,6 @@ def note(meta: dict) -> str:
     return f"Measured in {meta['precision']} on {meta['kernels']}."
 
 
-def tables(data: dict) -> str:
-    """The measurement as markdown: a line on the machine and the note, then one row per block: its whole-step ratios to
-    ``none`` (before and after, eager and compiled) against its target and its FLOP ceiling (the ratio with no
-    overhead at all: ``none``'s FLOP per step over the block network's), and the block alone (forward + backward ms
-    summed over the three feature maps, before -> after; each map's figure is in the JSON). A block measured
-    "after" only (registered since the "before" revision) shows "—" for before, and one without a target "—"
-    for its target and whether it is met."""
-    none = {r["step"]: r["images_per_s"] for r in data["rows"] if r["block"] == BASELINE}
-    kinds = [k for k in ("eager", "compiled") if k in none]
-    where = data["cpu"] if data["device"] == "cpu" else data["kernels"]
-    lines = [f"{where} ({data['kernels']}), {data['precision']}, {data['threads']} threads, torch {data['torch']}, "
-             f"{data['date']}; batch {data['batch_size']}, {data['steps']} step(s) per timing, median of "
-             f"{data['repeats']} interleaved repeats; before = {data['before']}, after = {data['after']}; `none`: "
-             + ", ".join(f"{none[k]:.1f} images/s {k}" for k in kinds) + (" (a quick run: no claim)" if data["quick"] else "")
-             + ". " + data["note"], "",
-             "| block | " + " | ".join(f"{k} {i}" for k in kinds for i in IMPLS)
-             + " | target | FLOP ceiling | met (after) | alone, ms (3 maps) |",
-             "|---|" + "---:|" * (2 * len(kinds)) + "---:|---:|---|---:|"]
-    def ceiling(b: str) -> str:  # absent from measurements made before it was counted
-        return f"{data['flop_ceiling'][b]:.3f}" if "flop_ceiling" in data else "-"
-
-    def num(x: Optional[float], form: str) -> str:  # "before": null, a block without a target: a dash
-        return "—" if x is None else format(x, form)
-
-    def total(times: Sequence[Optional[float]]) -> Optional[float]:
-        return None if any(t is None for t in times) else sum(times)
-
-    for b, r in data["ratios"].items():
-        met = " / ".join("yes" if data["met"][b][k] else "no" for k in kinds) if b in data["met"] else "—"
-        alone = [num(total([t[i] for t in data["alone_ms"].get(b, {}).values()]), ".0f") for i in IMPLS]
-        lines.append(f"| `{b}` | " + " | ".join(num(r[k][i], ".3f") for k in kinds for i in IMPLS)
-                     + f" | {num(data['targets'].get(b), '.2f')} | {ceiling(b)} | {met} | {alone[0]} -> {alone[1]} |")
-    return "\n".join(lines)
-
-
-# what tables() reads of a measurement: the top-level keys (results.check_rows kinds), and numbers in its mappings
-TABLE_FIELDS = {"cpu": "str", "device": "str", "kernels": "str", "precision": "str", "threads": "int", "torch": "str",
-                "date": "str", "batch_size": "int", "steps": "int", "repeats": "int", "quick": "bool", "before": "str",
-                "after": "str", "note": "str", "targets": "dict", "ratios": "dict", "met": "dict", "alone_ms": "dict",
-                "rows": "list", "flop_ceiling": "dict?"}
-
-
-def read_table(path: Path) -> str:
-    """``--table``: the tables of the measurement in ``path``; a missing, damaged or foreign file (not a JSON
-    object, a key missing, a bool or text where a number belongs) is one :class:`DataError` line naming it."""
-    data = read_json(path, dict)
-    try:
-        check_rows(path, [data], TABLE_FIELDS)
-    except DataError as e:  # the file is one measurement, not a list of rows
-        raise DataError(str(e).replace(": row 1 has", ": it has", 1)) from None
-    check_rows(path, data["rows"], {"block": "str", "step": "str", "images_per_s": "number"})
-
-    def numbers(x: object, key: str) -> None:  # every leaf of the ratios, targets, ceilings and times
-        if isinstance(x, dict):
-            for k, v in x.items():
-                numbers(v, f"{key}.{k}")
-        elif x is None and key.endswith(".before") and key.split(".")[0] in ("ratios", "alone_ms"):
-            return  # a block registered since the "before" revision
-        elif isinstance(x, bool) or not isinstance(x, (int, float)) or x != x or x in (float("inf"), float("-inf")):
-            raise DataError(f"{path}: {key} is {json.dumps(x)[:40]}, not a finite number (a damaged or foreign "
-                            "measurement?)")
-
-    for key in ("targets", "ratios", "alone_ms", "flop_ceiling"):
-        numbers(data.get(key) or {}, key)
-    try:
-        return tables(data)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-        raise DataError(f"{path}: not a block speed measurement ({e.__class__.__name__}: "
-                        f"{str(e).splitlines()[0][:80] if str(e) else ''})") from None
-
-
 def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
     p = parser(__doc__, threads=True, precision="auto", precisions=("auto", "fp32", "bf16", "fp16"), batch=True,
                repeats=5, warmup=1, device="cpu", out=True,
@@ -512,6 +441,9 @@ def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
                         "(unless --batch); its times are no claim")
     p.add_argument("--table", type=Path, nargs="?", const=SPEED, default=None, metavar="JSON",
                    help="print the tables of a measurement's JSON (default: %(const)s) and stop: the docs' block")
+    p.add_argument("--profile", type=Path, default=PROFILE, metavar="JSON",
+                   help="the memory-traffic ceilings the tables show, where measured on the same machine "
+                        "(python -m bench.bf16_profile's; default: %(default)s)")
     p.add_argument("--vs-timm", action="store_true",
                    help="instead: each block against timm's (its own options: python -m bench.blocks --vs-timm --help)")
     args = p.parse_args(argv)
@@ -527,7 +459,7 @@ def recipe_args(argv: Sequence[str]) -> argparse.Namespace:
 def recipe_main(argv: Sequence[str]) -> None:
     args = recipe_args(argv)
     if args.table:
-        print(read_table(args.table))
+        print(read_table(args.table, args.profile))
         return
     before = load_before(args.before)
     models, batches, precision, kwargs, shapes = build_recipe(args, before)
@@ -540,9 +472,10 @@ def recipe_main(argv: Sequence[str]) -> None:
     total = sum(timed.warmup.values()) + sum(t for ts in timed.seconds.values() for t in ts)
     meta = dict(machine(args, precision), total_seconds=round(total))
     data = results(timed.seconds, timed.warmup, args.only, args.batch_or_recipe * args.steps, meta, flop)
-    print(tables(data))
-    if args.out:
+    if args.out:  # before the tables: a damaged profile must not cost the measurement
         write_atomic(args.out, json.dumps(data, indent=1) + "\n")
+    print(tables(data, args.profile))
+    if args.out:
         print(f"\nwrote {args.out}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ import visattn
 from visattn.errors import DataError
 
 blocks = importlib.import_module("bench.blocks")
+block_table = importlib.import_module("bench.block_table")
 
 
 def _in_git() -> bool:
@@ -115,7 +117,10 @@ def test_a_quick_run_writes_every_ratio_from_one_process(tmp_path, capsys):
     assert set(data["gflop"]) == {"none", "se", "ge"} and 0.999 < data["flop_ceiling"]["se"] < 1.0
     assert row[4] == f"{data['flop_ceiling']['se']:.3f}"
     ge_alone = sum(t["after"] for t in data["alone_ms"]["ge"].values())
-    assert f"| `ge` | — | {ge['after']:.3f} | — | {data['flop_ceiling']['ge']:.3f} | — | — -> {ge_alone:.0f} |" in printed
+    # batch 4 is not the profile's 512: no memory ceiling, the share is of the FLOP ceiling alone
+    share = ge["after"] / data["flop_ceiling"]["ge"]
+    assert (f"| `ge` | — | {ge['after']:.3f} | — | {data['flop_ceiling']['ge']:.3f} | - | {share:.1%} | "
+            f"{'yes' if share >= 0.9 else 'no'} | — | — -> {ge_alone:.0f} |") in printed
     # --table reads it back (a null "before" is allowed, a null "after" is a damaged file); so does the cost column
     assert blocks.read_table(out) == blocks.tables(data)
     data["ratios"]["ge"]["eager"]["after"] = None
@@ -183,3 +188,169 @@ def test_the_bf16_line_is_native_and_on_the_results_page():
     marker = "<!-- block speed bf16: python -m bench.blocks --table bench/results/block_speed_bf16.json -->\n"
     block = doc.split(marker)[1].split("<!-- end of block speed bf16 -->")[0]
     assert block.strip() == blocks.tables(data), "docs/blocks.md's bf16 block speed is stale: paste its --table"
+
+
+
+# how the README and docs/results.md name the eight blocks of the targets
+NAMED = {"SE": "se", "ECA": "eca", "GC": "gc", "spatial": "spatial", "CBAM": "cbam", "coordinate": "coord",
+         "non-local": "nonlocal", "MHSA-2D": "mhsa2d"}
+GATES = ["se", "eca", "gc", "spatial", "cbam", "coord"]
+
+
+def test_the_readme_and_the_results_page_quote_both_precisions_as_the_files_give_them():
+    """The README's "what a block costs" row and docs/results.md's speed section quote the fp32 line (AVX2) and the
+    bf16 line (AVX512-BF16) as the two measurements give them, and the gates' memory-traffic ceiling and each
+    block's share of its lower ceiling as bench/results/bf16_profile.json gives them."""
+    fp32, bf16 = json.loads(blocks.SPEED.read_text()), json.loads(SPEED_BF16.read_text())
+    assert (fp32["precision"], fp32["kernels"], bf16["precision"], bf16["kernels"]) == ("fp32", "avx2", "bf16",
+                                                                                      "avx512_bf16")
+    profile = block_table.read_profile(block_table.PROFILE)
+    assert profile is not None and all(profile[k] == bf16[k] for k in ("cpu", "kernels", "precision", "threads",
+                                                                        "batch_size"))
+    memory = {b: profile["blocks"][b]["ceiling"] for b in GATES}
+    after = {b: bf16["ratios"][b]["eager"]["after"] for b in NAMED.values()}
+    share = {b: after[b] / min(c for c in (bf16["flop_ceiling"][b], memory.get(b)) if c) for b in after}
+    readme = next(ln for ln in (ROOT / "README.md").read_text().splitlines() if ln.startswith("| what a block costs"))
+    results = next(ln for ln in (ROOT / "docs" / "results.md").read_text().splitlines() if "**In native bf16**" in ln)
+    gates = [share[b] for b in GATES]
+    for text in (readme, results):
+        quoted = text[text.index("AVX512-BF16"):]
+        assert all(f"{word} {after[b]:.2f}" in quoted for word, b in NAMED.items()), text
+        assert f"{100 * min(gates):.0f}-{100 * max(gates):.0f}% of its memory-traffic ceiling" in quoted
+        assert f"memory-traffic ceiling ({min(memory.values()):.2f}" in quoted
+        assert f"{100 * share['nonlocal']:.0f}% and {100 * share['mhsa2d']:.0f}% of their FLOP ceilings" in quoted
+    fp32_part = readme[readme.index("**fp32 on AVX2**"):readme.index("**bf16")]
+    eager, compiled = ([fp32["ratios"][b][k]["after"] for b in GATES] for k in ("eager", "compiled"))
+    assert (f"{min(eager):.2f}-{max(eager):.2f} / {min(compiled):.2f}-{max(compiled):.2f}; non-local "
+            f"{fp32['ratios']['nonlocal']['eager']['after']:.2f}, MHSA-2D {fp32['ratios']['mhsa2d']['eager']['after']:.2f}"
+            ) in fp32_part
+
+# ---- the table's ceilings: the FLOP ceiling beside the memory-traffic ceiling of bench/bf16_profile.py -------------
+
+
+def _speed(**machine) -> dict:
+    """A synthetic bf16 measurement (eager only): se and cbam with memory-traffic ceilings in :func:`_profile`,
+    coord whose FLOP ceiling is the lower one, nonlocal (arithmetic: a FLOP ceiling only), ge registered since the
+    "before" revision and without a target."""
+    after = {"se": 0.97, "cbam": 0.86, "coord": 0.85, "nonlocal": 0.80, "ge": 0.93}
+    flop = {"se": 0.999, "cbam": 0.998, "coord": 0.90, "nonlocal": 0.89, "ge": 0.9995}
+    targets = {b: t for b, t in blocks.TARGETS_BF16.items() if b in after}
+    data = {"cpu": "Test CPU", "device": "cpu", "kernels": "amx", "precision": "bf16", "threads": 2,
+            "torch": torch.__version__, "date": "2026-01-01", "batch_size": 512, "steps": 1, "repeats": 5,
+            "quick": False, "before": "abc1234", "after": "def5678", "note": "Measured in bf16 on amx.",
+            "targets": targets, "ratios": {b: {"eager": {"before": None if b == "ge" else a - 0.01, "after": a}}
+                                           for b, a in after.items()},
+            "met": {b: {"eager": after[b] >= t} for b, t in targets.items()},
+            "flop_ceiling": {"none": 1.0, **flop},
+            "alone_ms": {b: {"512x64x15x15": {"before": None if b == "ge" else 10.0, "after": 9.0}} for b in after},
+            "rows": [{"block": "none", "path": "-", "step": "eager", "images_per_s": 1000.0}]}
+    data.update(machine)
+    return data
+
+
+def _profile(**machine) -> dict:
+    data = {"command": "python -m bench.bf16_profile", "git": "0123456789abcdef", "date": "2026-01-02T00:00:00Z",
+            "torch": torch.__version__, "cpu": "Test CPU", "kernels": "amx", "precision": "bf16", "threads": 2,
+            "batch_size": 512, "bandwidth_gb_s": 30.0, "none_step_ms": 500.0,
+            "blocks": {"se": {"alone_ms": 9.0, "passes": 8, "least_ms": 10.0, "ceiling": 0.95, "ops": []},
+                       "cbam": {"alone_ms": 30.0, "passes": 10, "least_ms": 12.0, "ceiling": 0.96, "ops": []},
+                       "coord": {"alone_ms": 20.0, "passes": 8, "least_ms": 4.0, "ceiling": 0.99, "ops": []},
+                       "nonlocal": {"alone_ms": 100.0, "ops": []}}}  # arithmetic: no memory-traffic ceiling
+    data.update(machine)
+    return data
+
+
+def _write(tmp_path, speed: dict, profile) -> tuple:
+    paths = tmp_path / "speed.json", tmp_path / "profile.json"
+    paths[0].write_text(json.dumps(speed))
+    if profile is not None:
+        paths[1].write_text(profile if isinstance(profile, str) else json.dumps(profile))
+    return paths
+
+
+def _columns(table: str) -> dict:
+    """block -> {column: cell} from the markdown table (the header row names the columns)."""
+    lines = [ln for ln in table.splitlines() if ln.startswith("|")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    return {cells[0].strip("`"): dict(zip(head, cells))
+            for cells in ([c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:])}
+
+
+def test_the_table_shows_the_memory_ceiling_beside_the_flop_ceiling_and_the_share_of_the_lower(tmp_path):
+    speed, profile = _speed(), _profile()
+    cols = _columns(blocks.read_table(*_write(tmp_path, speed, profile)))
+    assert list(cols) == list(speed["ratios"])
+    for b, row in cols.items():
+        memory = profile["blocks"].get(b, {}).get("ceiling")
+        assert row["FLOP ceiling"] == f"{speed['flop_ceiling'][b]:.3f}"
+        assert row["memory ceiling"] == (f"{memory:.3f}" if memory else "-")
+        share = speed["ratios"][b]["eager"]["after"] / min(c for c in (speed["flop_ceiling"][b], memory) if c)
+        assert row["share of ceiling"] == f"{share:.1%}" and row["at 90%"] == ("yes" if share >= 0.9 else "no")
+    # the lower ceiling counts: se's memory ceiling (0.95 under a FLOP ceiling of 0.999) lifts its share above
+    # 100%; coord's FLOP ceiling (0.90) is the lower of its two
+    assert cols["se"]["share of ceiling"] == f"{0.97 / 0.95:.1%}" and cols["coord"]["share of ceiling"] == f"{0.85 / 0.90:.1%}"
+    # the judgement: cbam at 0.86 of a 0.96 ceiling is short of 90%; nonlocal at 0.80 of 0.89, just short
+    assert [cols[b]["at 90%"] for b in ("se", "cbam", "coord", "nonlocal", "ge")] == ["yes", "no", "yes", "no", "yes"]
+    assert cols["ge"]["target"] == "—" and cols["ge"]["met (after)"] == "—" and cols["se"]["met (after)"] == "yes"
+    header = blocks.read_table(*_write(tmp_path, speed, profile)).splitlines()[0]
+    assert "Memory-traffic ceiling from" in header and "profile.json (git 0123456, 2026-01-02" in header
+
+
+@pytest.mark.parametrize("field, value", [("cpu", "Other CPU"), ("kernels", "avx512_bf16"), ("precision", "fp32"),
+                                          ("threads", 4), ("batch_size", 256)])
+def test_a_profile_from_another_machine_gives_no_memory_ceiling_and_says_why(tmp_path, field, value):
+    speed = _speed()
+    table = blocks.read_table(*_write(tmp_path, speed, _profile(**{field: value})))
+    cols = _columns(table)
+    assert all(row["memory ceiling"] == "-" for row in cols.values())
+    assert f"was measured elsewhere: {field} {value} there, {speed[field]} here" in table.splitlines()[0]
+    # the share falls back on the FLOP ceiling alone: se's 0.97 of 0.999
+    assert cols["se"]["share of ceiling"] == f"{0.97 / 0.999:.1%}" and cols["se"]["at 90%"] == "yes"
+
+
+def test_no_profile_leaves_the_column_empty_and_names_the_command(tmp_path):
+    speed_path, missing = _write(tmp_path, _speed(), None)
+    table = blocks.read_table(speed_path, missing)
+    assert all(row["memory ceiling"] == "-" for row in _columns(table).values())
+    assert f"no profile at {missing}: `python -m bench.bf16_profile --out {missing}`" in table.splitlines()[0]
+    # a measurement made before the FLOP ceiling was counted: no ceiling, no share
+    old = _speed()
+    del old["flop_ceiling"]
+    cols = _columns(blocks.read_table(_write(tmp_path, old, None)[0], missing))
+    assert all(row["FLOP ceiling"] == row["share of ceiling"] == row["at 90%"] == "-" for row in cols.values())
+
+
+@pytest.mark.parametrize("profile, says", [
+    ("{", "not a readable JSON file"),
+    ("[]", "holds a JSON list, not a dict"),
+    (json.dumps({k: v for k, v in _profile().items() if k != "kernels"}), "has no 'kernels'"),
+    (json.dumps(_profile(blocks=[])), "'blocks', which must be"),
+    (json.dumps(_profile(blocks={"se": 0.9})), "blocks.se is a JSON float, not an object"),
+    (json.dumps(_profile(blocks={"se": {"ceiling": True}})), "blocks.se.ceiling is true, not a number in"),
+    (json.dumps(_profile(blocks={"se": {"ceiling": 1.5}})), "blocks.se.ceiling is 1.5, not a number in"),
+    (json.dumps(_profile(blocks={"se": {"ceiling": "0.9"}})), 'blocks.se.ceiling is "0.9", not a number in')])
+def test_a_damaged_profile_is_one_line(tmp_path, profile, says):
+    with pytest.raises(DataError, match=re.escape(says)):
+        blocks.read_table(*_write(tmp_path, _speed(), profile))
+
+
+def test_a_damaged_profile_exits_2_in_one_line_from_the_command_line(tmp_path, monkeypatch, capsys):
+    from visattn.errors import run_main
+
+    speed, profile = _write(tmp_path, _speed(), '{"cpu": ')
+    monkeypatch.setattr(sys, "argv", ["blocks.py", "--table", str(speed), "--profile", str(profile)])
+    with pytest.raises(SystemExit) as stop:
+        run_main(blocks.main, "blocks.py")
+    err = capsys.readouterr()
+    assert stop.value.code == 2 and not err.out and len(err.err.strip().splitlines()) == 1
+    assert err.err.startswith(f"blocks.py: {profile}: not a readable JSON file")
+
+
+def test_both_commands_print_the_same_tables(tmp_path, capsys):
+    """python -m bench.block_table FILE --profile P prints what python -m bench.blocks --table FILE --profile P does."""
+    speed, profile = _write(tmp_path, _speed(), _profile())
+    block_table.main([str(speed), "--profile", str(profile)])
+    alone = capsys.readouterr().out
+    blocks.main(["--table", str(speed), "--profile", str(profile)])
+    assert capsys.readouterr().out == alone == blocks.read_table(speed, profile) + "\n"
+    assert "| memory ceiling |" in alone.splitlines()[2]
