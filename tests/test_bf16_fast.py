@@ -2,15 +2,17 @@
 
 On the CPU a bf16 map is pooled with bf16's own sum (fp32 accumulation, one rounding of the result:
 :func:`visattn.attention.channel.sum_in`) instead of ``sum(dtype=torch.float32)``, which first copies the whole map
-to fp32; coordinate attention's gates take the map's
-channels-last layout. Each block's output and gradients under bf16 autocast are compared with the same block whose
-pooling takes the plain fp32 path, to bf16's tolerance, and fp32 is unchanged (to 1e-6)."""
+to fp32; coordinate attention's gates take the map's channels-last layout, and its product goes through
+:func:`visattn.attention.spatial.coord_gate` (the same output bit for bit, the gates' gradients summed by
+:func:`visattn.attention.channel.axis_sum`). Each block's output and gradients under bf16 autocast are compared with
+the same block whose pooling takes the plain fp32 path, to bf16's tolerance, and fp32 is unchanged (to 1e-6)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import visattn.attention.channel as channel
+import visattn.attention.spatial as spatial
 from visattn import create_attention, list_attention
 
 
@@ -192,3 +194,171 @@ def test_axis_sum_is_the_sum_and_its_backward_the_broadcast(dim, keepdim):
     (gg_ref,) = torch.autograd.grad(ref.float().square().sum(), g)
     assert torch.equal(gg, gg_ref)
 
+
+
+def coord_parts(seed=6):
+    x = bf16_map(4, 16, 6, 5, seed=seed)
+    torch.manual_seed(seed)
+    a_h = torch.rand(4, 16, 6, 1).mul(2).bfloat16()
+    a_w = torch.rand(4, 16, 5, 1).mul(2).bfloat16().transpose(2, 3)  # (B, C, 1, W), a view as the block makes it
+    return x, a_h, a_w
+
+
+def test_coord_gate_is_the_plain_product_with_the_gates_gradients_to_bf16_rounding():
+    """The coordinate gate through its own backward: the output and the input's gradient are autograd's bit for bit;
+    the gates' gradients differ from autograd's ``sum`` only in the order of the fp32 accumulation."""
+    x, a_h, a_w = coord_parts()
+    g = bf16_map(4, 16, 6, 5, seed=7)
+    fast = [t.clone().requires_grad_() for t in (x, a_h, a_w)]
+    plain = [t.clone().requires_grad_() for t in (x, a_h, a_w)]
+    y = spatial.coord_gate(*fast)
+    y_ref = plain[0] * plain[1] * plain[2]
+    assert torch.equal(y, y_ref) and y.is_contiguous(memory_format=torch.channels_last)
+    y.backward(g)
+    y_ref.backward(g)
+    assert torch.equal(fast[0].grad, plain[0].grad)
+    for a, b in zip(fast[1:], plain[1:]):
+        assert a.grad.shape == b.grad.shape
+        assert ((a.grad.float() - b.grad.float()).abs() <= b.grad.float().abs() * 2 ** -7 + 1e-3).all()
+
+
+def test_coord_gate_double_backward_and_vmap(monkeypatch):
+    """Second derivatives through the gate's backward, to bf16 rounding of autograd's; per-sample gradients under
+    ``vmap(grad(...))`` through the gate's own function (its generated vmap rule), autograd's bit for bit."""
+    x, a_h, a_w = coord_parts()
+    leaves = [t.clone().requires_grad_() for t in (x, a_h, a_w)]
+    y = spatial.coord_gate(*leaves)
+    grads = torch.autograd.grad(y.float().square().sum(), leaves, create_graph=True)
+    penalty = sum(gr.float().square().sum() for gr in grads)
+    second = torch.autograd.grad(penalty, leaves)
+    plain = [t.clone().requires_grad_() for t in (x, a_h, a_w)]
+    y_ref = plain[0] * plain[1] * plain[2]
+    grads_ref = torch.autograd.grad(y_ref.float().square().sum(), plain, create_graph=True)
+    second_ref = torch.autograd.grad(sum(gr.float().square().sum() for gr in grads_ref), plain)
+    for a, b in zip(second, second_ref):
+        assert ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -5 + 2 ** -3).all()
+
+    def loss(xi, hi, wi):  # one sample, as (1, C, H, W): channels-last strides, so the fast path runs under vmap
+        return spatial.coord_gate(xi[None], hi[None], wi[None]).float().square().sum()
+
+    calls = []
+    apply = spatial._CoordGate.apply
+    monkeypatch.setattr(spatial._CoordGate, "apply", lambda *args: calls.append(len(args)) or apply(*args))
+    per_sample = torch.func.vmap(torch.func.grad(loss))(x, a_h, a_w)
+    assert calls == [3]
+    for i in range(x.shape[0]):
+        assert torch.equal(per_sample[i], torch.func.grad(lambda xi: (xi[None] * a_h[i:i + 1] * a_w[i:i + 1]).float()
+                                                          .square().sum())(x[i]))
+
+
+def coord_block(seed=9, **options):
+    torch.manual_seed(seed)
+    block = create_attention("coord", 16, **options).train().to(memory_format=torch.channels_last)
+    with torch.no_grad():  # a random block (not its identity start), so every path carries signal
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return block
+
+
+def coord_step(block, x, autocast=True):
+    """The block's output, the input's gradient and the parameters' gradients of one bf16-autocast step."""
+    leaf = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = block(leaf)
+    y.float().square().sum().backward()
+    return y.detach(), leaf.grad, [p.grad for p in block.parameters()]
+
+
+def assert_bf16_close(got, want, tol=2 ** -6):
+    """Within a few bf16 ulps of the largest value (one different rounding of a gate's gradient, carried on)."""
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        assert (a.float() - b.float()).abs().max().item() <= tol * (1 + b.float().abs().max().item())
+
+
+@pytest.mark.parametrize("case, fast", [("bf16 channels-last", True), ("bf16 contiguous", False),
+                                        ("fp32 channels-last under autocast", False), ("fp32", False)])
+def test_coord_block_takes_the_coord_gate_only_for_bf16_channels_last_maps(case, fast):
+    """Under bf16 autocast the block's output comes out of :class:`_CoordGate` for a bf16 channels-last map (what a
+    channels-last network hands it); an fp32 map (gates and map then differ in dtype), a contiguous one and fp32
+    without autocast keep autograd's plain product."""
+    x = bf16_map(4, 16, 6, 5)
+    x = {"bf16 channels-last": x, "bf16 contiguous": x.contiguous()}.get(case, x.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case != "fp32"):
+        y = coord_block()(x.requires_grad_())
+    assert y.grad_fn.name() == ("_CoordGateBackward" if fast else "MulBackward0")
+    assert y.dtype == x.dtype
+
+
+def test_coord_block_output_is_bitwise_the_plain_products(monkeypatch):
+    """The block's bf16 output is the plain ``x * a_h * a_w`` bit for bit, with and without a graph; its gradients
+    are the plain product's to bf16 rounding (the gates' gradients are summed in another fp32 order)."""
+    x = bf16_map(4, 16, 6, 5)
+    fast = coord_step(coord_block(), x)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y_no_grad = coord_block()(x)
+    monkeypatch.setattr(spatial, "coord_gate", lambda x, a_h, a_w: x * a_h * a_w)
+    plain = coord_step(coord_block(), x)
+    assert torch.equal(fast[0], plain[0]) and torch.equal(y_no_grad, plain[0])
+    assert_bf16_close([fast[1]], [plain[1]])
+    assert_bf16_close(fast[2], plain[2], 4 * 2 ** -6)
+
+
+def test_coord_gate_sums_in_the_maps_layout_whatever_the_upstream_gradients(monkeypatch):
+    """A contiguous upstream gradient (a loss read off an NCHW view) still hands :func:`axis_sum` channels-last
+    summands (formed in the map's layout), so its fast sum runs on them; the gradients are bit for bit those of a
+    channels-last upstream gradient."""
+    layouts = []
+
+    def recording_axis_sum(t, dim, keepdim=False):
+        layouts.append(channel.is_channels_last(t))
+        return channel.axis_sum(t, dim, keepdim)
+
+    monkeypatch.setattr(spatial, "axis_sum", recording_axis_sum)
+    x, a_h, a_w = coord_parts()
+    g = bf16_map(4, 16, 6, 5, seed=7)
+    grads = []
+    for upstream in (g, g.contiguous()):
+        leaves = [t.clone().requires_grad_() for t in (x, a_h, a_w)]
+        spatial.coord_gate(*leaves).backward(upstream)
+        grads.append([t.grad for t in leaves])
+    assert layouts == [True] * 4
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("a_h_shape", [(4, 16, 6, 5), (1, 16, 6, 1)])
+def test_coord_gate_with_other_gate_shapes_is_the_plain_product(a_h_shape):
+    """Gates of other shapes than ``(B, C, H, 1)`` and ``(B, C, 1, W)`` (a full map, one broadcast over the batch)
+    take the plain product, whose gradients reduce to each gate's own shape."""
+    x, _, a_w = coord_parts()
+    torch.manual_seed(10)
+    a_h = torch.rand(a_h_shape).bfloat16().requires_grad_()
+    y = spatial.coord_gate(x, a_h, a_w)
+    assert y.grad_fn.name() == "MulBackward0"
+    y.float().sum().backward()
+    assert a_h.grad.shape == a_h.shape
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_coord_under_bf16_compiles_fullgraph(backend):
+    """Compiled with ``fullgraph=True`` (a graph break raises) under bf16 autocast, forward and backward: AOTAutograd
+    gives eager's output bit for bit, Inductor (which fuses the product) within bf16 rounding; gradients to bf16's."""
+    x = bf16_map(4, 16, 6, 5)
+    eager = coord_step(coord_block(), x)
+    torch._dynamo.reset()
+    compiled = coord_step(torch.compile(coord_block(), fullgraph=True, backend=backend), x)
+    if backend == "aot_eager":
+        assert torch.equal(compiled[0], eager[0])
+    assert_bf16_close([compiled[0], compiled[1]], [eager[0], eager[1]])
+    assert_bf16_close(compiled[2], eager[2], 4 * 2 ** -6)
+
+
+def test_coord_gate_backward_is_its_derivative_to_second_order_in_float64():
+    torch.manual_seed(8)
+    x = torch.randn(2, 4, 3, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last).requires_grad_()
+    h = torch.rand(2, 4, 3, 1, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(2, 4, 5, 1, dtype=torch.float64).transpose(2, 3).detach().requires_grad_()
+    f = lambda a, b, c: spatial._CoordGate.apply(a, b, c)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, h, w))
+    assert torch.autograd.gradgradcheck(f, (x, h, w))

@@ -11,7 +11,10 @@
 
 Plain differentiable PyTorch, like :mod:`~visattn.attention.channel`. Unlike timm's ``CbamModule``, CBAM runs
 the shared MLP once on the stacked avg/max vectors (``fc2`` once, on the sum of the hidden vectors: it is
-linear) and feeds the 2-channel 7x7 conv a channels-last map, the layout oneDNN runs far faster on CPU.
+linear) and feeds the 2-channel 7x7 conv a channels-last map, the layout oneDNN runs far faster on CPU. Coordinate
+attention's product ``x * a_h * a_w`` on a bf16 channels-last map on the CPU goes through :func:`coord_gate`: the
+same output, with the gates' gradients summed by :func:`~visattn.attention.channel.axis_sum` (autograd's ``sum``
+along a middle axis of such a map runs several times slower).
 
 ``init="identity"`` (the rule of :mod:`visattn.attention.channel`): the layer that makes each gate's logits
 starts at zero (the spatial gate's BN scale and shift, or its conv without a norm; the channel gate's ``fc2``;
@@ -30,6 +33,7 @@ from .channel import (
     BottleneckGate,
     IdentityGate,
     autocast_off,
+    axis_sum,
     check_bool,
     check_channels,
     check_choice,
@@ -43,7 +47,7 @@ from .channel import (
 )
 from .functional import check_init, positive_int
 
-__all__ = ["ChannelGate", "SpatialGate", "CBAM", "CoordAttention", "StripAttention", "coord_mip"]
+__all__ = ["ChannelGate", "SpatialGate", "CBAM", "CoordAttention", "StripAttention", "coord_mip", "coord_gate"]
 
 CBAM_PAPER = "Woo, Park, Lee, Kweon, 2018, CBAM: Convolutional Block Attention Module, arXiv 1807.06521"
 
@@ -179,6 +183,50 @@ class CBAM(nn.Module):
         return xc * sg.to(x.dtype)
 
 
+class _CoordGate(torch.autograd.Function):
+    """``x * a_h * a_w``, coordinate attention's two gates applied in turn, with the gates' gradients summed along
+    the map's axes by :func:`~visattn.attention.channel.axis_sum`: autograd's own backward sums them with ``sum``,
+    which on the CPU runs several times slower along a middle axis of a bf16 channels-last map than the pass that
+    forms the product. The same products otherwise, the same values (the forward's in the same order; the product
+    ``x * a_h`` is returned beside the output, non-differentiable, to be saved as autograd saves it). Written in
+    differentiable ops (double backward holds); ``generate_vmap_rule`` serves ``torch.func``."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, a_h: torch.Tensor, a_w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        t = x * a_h
+        return t * a_w, t
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.mark_non_differentiable(output[1])
+        ctx.save_for_backward(*inputs, output[1])
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, _: Optional[torch.Tensor]):
+        x, a_h, a_w, t = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a double backward: the saved product has no history, so form it again
+            t = x * a_h
+        u = g * a_w  # the gradient reaching t = x * a_h
+        g_x = u * a_h if ctx.needs_input_grad[0] else None  # autograd's own two products, in its order
+        # the map first: a product takes its first operand's layout, so the summands lie channels-last (x's layout,
+        # the one axis_sum is fast on) even when the upstream gradient does not; the same values either way
+        g_h = axis_sum(x * u, 3, keepdim=True) if ctx.needs_input_grad[1] else None  # (B, C, H, 1)
+        g_w = axis_sum(t * g, 2, keepdim=True) if ctx.needs_input_grad[2] else None  # (B, C, 1, W)
+        return g_x, g_h, g_w
+
+
+def coord_gate(x: torch.Tensor, a_h: torch.Tensor, a_w: torch.Tensor) -> torch.Tensor:
+    """``x * a_h * a_w`` with ``a_h`` ``(B, C, H, 1)`` and ``a_w`` ``(B, C, 1, W)``, the same output bit for bit
+    whichever way it runs: while autograd records, for a bf16 channels-last map on the CPU and gates of exactly those
+    shapes, through :class:`_CoordGate` (its gates' gradients summed the fast way), else as written."""
+    fast = (torch.is_grad_enabled() and x.dtype == a_h.dtype == a_w.dtype == torch.bfloat16
+            and x.device.type == "cpu" and x.dim() == 4 and a_h.shape == (*x.shape[:3], 1)
+            and a_w.shape == (*x.shape[:2], 1, x.shape[3]) and is_channels_last(x))
+    return _CoordGate.apply(x, a_h, a_w)[0] if fast else x * a_h * a_w
+
+
 def coord_mip(channels: int, reduction: int = 32) -> int:
     """Coordinate attention's bottleneck width, ``max(8, C // reduction)`` as in the paper's code."""
     return max(8, channels // reduction)
@@ -193,11 +241,12 @@ class CoordAttention(IdentityGate, nn.Module):
 
     Pools along each axis (``(B, C, H)`` and ``(B, C, W)``), encodes both strips with one shared 1x1 conv
     ``C -> mip`` + BN + h-swish (``mip = max(8, C // 32)``), then splits them into sigmoid gates
-    ``a_h (B, C, H, 1)`` and ``a_w (B, C, 1, W)``; ``out = x * a_h * a_w``. Tap (kind ``"spatial"``): the
-    channel mean of ``a_h * a_w``, ``(B, 1, H, W)``, on recording passes only. ``init="identity"``: ``conv_h``
-    and ``conv_w`` start at zero and both gates are ``2 * sigmoid`` (the 0-4 product saturates the tap's 0-2
-    ``"gain"`` scale). ``bias``: the three 1x1 convs' biases (the paper's code has them; timm's ``CoordAttn``
-    defaults to none).
+    ``a_h (B, C, H, 1)`` and ``a_w (B, C, 1, W)``; ``out = x * a_h * a_w`` (:func:`coord_gate`: for a bf16
+    channels-last map on the CPU, the same output bit for bit with the gates' gradients summed the fast way). Tap
+    (kind ``"spatial"``): the channel mean of ``a_h * a_w``, ``(B, 1, H, W)``, on recording passes only.
+    ``init="identity"``: ``conv_h`` and ``conv_w`` start at zero and both gates are ``2 * sigmoid`` (the 0-4
+    product saturates the tap's 0-2 ``"gain"`` scale). ``bias``: the three 1x1 convs' biases (the paper's code has
+    them; timm's ``CoordAttn`` defaults to none).
 
     ``combine="sum"``: timm's simple coordinate attention (``SimpleCoordAttn``, 'scoord'; not in the paper):
     one gate of the summed logits, ``out = x * sigmoid(l_h + l_w)`` (the tap: its channel mean), with timm's
@@ -254,7 +303,7 @@ class CoordAttention(IdentityGate, nn.Module):
         if self.tap.active:
             # mean over channels of the outer product a_h * a_w: (B, 1, H, W)
             self.tap((a_h.float() * a_w.float()).mean(1, keepdim=True))
-        return x * a_h * a_w
+        return coord_gate(x, a_h, a_w)
 
 
 @register_attention("strip", layout="feature", kind="spatial")
