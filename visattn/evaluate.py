@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention.functional import cpu_has_native_bf16  # noqa: F401  (re-exported: optim, bench and tests read it here)
 from .attention.insert import check_sites
 from .config import build_config
 from .errors import CheckpointError, ConfigError, DataError, VisattnError
@@ -33,15 +34,6 @@ from .options import check_device, check_range, describe
 from .rundir import load_checkpoint
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 matmuls and convolutions in hardware (AMX tiles or AVX512-BF16).
-
-    Without either, oneDNN and MKL emulate bf16 and a bf16 matmul runs tens of times *slower* than fp32
-    (measured on a 2-core AVX2 AMD EPYC: about 0.0004 against 0.035 TFLOP/s at one thread)."""
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:

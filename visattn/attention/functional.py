@@ -25,6 +25,15 @@ def positive_int(name: str, value: object, *, odd: bool = False, divides: Option
     return value
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls and convolutions in hardware (AMX tiles or AVX512-BF16).
+
+    Without either, oneDNN and MKL emulate bf16 and a bf16 matmul runs tens of times *slower* than fp32
+    (measured on a 2-core AVX2 AMD EPYC: about 0.0004 against 0.035 TFLOP/s at one thread)."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in probes)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
          dropout_p: float = 0.0, scale: Optional[float] = None, is_causal: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention``; on CPU, half-precision inputs run in fp32 (autocast off) and come

@@ -11,7 +11,8 @@ the output projection instead. Both attend over all ``N = H * W`` positions (cos
 suit the later, smaller stages. Plain PyTorch (compile, export, ONNX, trace, ``torch.func``); double backward
 under ``sdpa_kernel(SDPBackend.MATH)``. The tap (kind ``"token"``) carries ``(B, heads, N, N)`` weights with
 ``grid=(H, W)``: on recording passes the softmax is computed explicitly in fp32 and that same tensor
-multiplies the values; otherwise the path is fused ``F.scaled_dot_product_attention``.
+multiplies the values; otherwise the path is fused ``F.scaled_dot_product_attention``, or, for bf16 on a CPU that
+computes bf16 natively (the recipe's autocast), the same attention written out in bf16 (:func:`fused_attention`).
 """
 from __future__ import annotations
 
@@ -23,17 +24,41 @@ from torch import nn
 
 from ..registry import register_attention
 from .channel import check_channels, check_feature_map, check_norm_batch, is_channels_last, reduced_channels
-from .functional import check_init, positive_int, sdpa, zero_
+from .functional import check_init, cpu_has_native_bf16, positive_int, sdpa, zero_
 from .tap import AttentionTap
 
 __all__ = ["NonLocal2d", "MHSA2d", "rel_pos_embed"]
 
 
+# the most logits (elements of the ``(B, heads, N, N)`` scores) the explicit bf16 path holds at once: 2**27, 256 MiB
+# in bf16 (the recipe's 15 x 15 maps: 512 x 4 x 225 x 225 = 1.0e8); beyond it the fused kernel, which holds none
+EXPLICIT_MAX_LOGITS = 2**27
+
+
+def explicit_bf16(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether :func:`fused_attention` takes the explicit path: bf16 queries on a CPU that computes bf16 natively,
+    with at most :data:`EXPLICIT_MAX_LOGITS` logits."""
+    logits = q.shape[:-1].numel() * k.shape[-2]
+    return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and logits <= EXPLICIT_MAX_LOGITS
+            and cpu_has_native_bf16())
+
+
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """:func:`~visattn.attention.functional.sdpa` with queries and keys ``(B, n, N, dq)`` and values
-    ``(B, n, N, dv)``: the three zero-padded to one head size, a multiple of 8 (the fused flash kernels need
-    equal sizes and run faster on multiples of 8; zero columns change no dot product), the output cut back to
-    ``dv``."""
+    """``softmax(q k^T * scale) v`` with queries and keys ``(B, n, N, dq)`` and values ``(B, n, N, dv)``.
+
+    On a CPU with native bf16 and bf16 inputs (the recipe's autocast), written out in bf16 (:func:`explicit_bf16`):
+    two bf16 matmuls that accumulate in fp32 and a softmax that computes in fp32 and rounds its output to bf16, as
+    an unfused attention runs under autocast. The CPU's fused kernel runs bf16 slower than fp32, and
+    :func:`~visattn.attention.functional.sdpa` casts to fp32 for it: at the recipe's 15 x 15 maps (MHSA-2D's 4
+    heads, its folded queries and keys 48 wide, values 16) the explicit path's forward and backward take about 0.6x
+    the fp32 kernel's time, 0.4-0.5x at 7 x 7 and 3 x 3 (``bench/bf16_profile.py`` shows the ops); the values keep
+    their own width (no padding). Double backward holds on it.
+
+    Otherwise :func:`~visattn.attention.functional.sdpa`, the three zero-padded to one head size, a multiple of 8
+    (the fused flash kernels need equal sizes and run faster on multiples of 8; zero columns change no dot
+    product), the output cut back to ``dv``."""
+    if explicit_bf16(q, k):
+        return ((q * scale) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
     dq, dv = q.shape[-1], v.shape[-1]
     size = -(-max(dq, dv) // 8) * 8
     if size != dq:
@@ -175,7 +200,7 @@ class MHSA2d(ResidualSelfAttention2d):
     ``q, k, v``: a 1x1 projection per position (no bias, as in BoTNet), ``num_heads`` heads. Logits
     ``q k^T + q r^T`` with ``r`` relative-position embeddings, one table per axis shared by the heads (Bello
     et al., 2019, arXiv 1904.09925), folded into the queries and keys (:meth:`with_rel_pos`) so that the
-    attention runs fused, with no ``(B, heads, N, N)`` bias; maps larger than ``max_size`` use a linearly
+    attention runs as one (:func:`fused_attention`), with no ``(B, heads, N, N)`` bias; maps larger than ``max_size`` use a linearly
     resampled table. Wrapped as ``x + BN(proj(y))`` with the BN scale
     zero-initialised, so the block starts as the identity.
 
