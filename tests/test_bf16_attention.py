@@ -133,3 +133,121 @@ def test_the_blocks_under_bf16_autocast_follow_their_fp32_selves(native, name):
     scale = max(float(b.abs().max()) for b in ref[2:])
     for a, b in zip(fast[2:], ref[2:]):
         assert ((a.double() - b.double()).abs() <= 2**-4 * scale).all()
+
+
+def test_the_in_place_function_is_autograds_written_out_attention(native):
+    """:class:`_ExplicitAttention` (softmax and its gradient in place) against autograd over the same ops: the output
+    and the values' gradient bit for bit, the queries' and keys' to bf16 rounding (their products are formed in
+    another order), and the buffers it hands back are the in-place ones."""
+    base = [t.bfloat16() for t in qkv(B=2, n=3, N=17, dq=16, dv=8, seed=5)]
+    fast = [t.clone().requires_grad_() for t in base]
+    plain = [t.clone().requires_grad_() for t in base]
+    y = sa.explicit_attention(*fast, 0.4)
+    assert type(y.grad_fn).__name__ == "_ExplicitAttentionBackward"
+    y_ref = ((plain[0] * 0.4) @ plain[1].transpose(-2, -1)).softmax(dim=-1) @ plain[2]
+    assert torch.equal(y, y_ref)
+    g = torch.randn(y.shape).bfloat16()
+    y.backward(g)
+    y_ref.backward(g)
+    assert torch.equal(fast[2].grad, plain[2].grad)
+    for a, b in zip(fast[:2], plain[:2]):
+        assert close(a.grad, b.grad, 2**-7)
+
+
+def test_the_in_place_function_steps_aside_without_a_graph_and_under_transforms(native):
+    """Inference and ``torch.func`` take the plain ops: no graph, or the transforms' own autograd; per-sample
+    gradients equal the plain expression's."""
+    q, k, v = [t.bfloat16() for t in qkv(B=3, n=1, N=6, dq=8, dv=8, seed=2)]
+    with torch.no_grad():
+        assert torch.equal(sa.explicit_attention(q, k, v, 0.5),
+                           ((q * 0.5) @ k.transpose(-2, -1)).softmax(dim=-1) @ v)
+
+    def loss(qi):
+        return sa.explicit_attention(qi[None], k[:1], v[:1], 0.5).float().square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss))(q)
+    for i in range(3):
+        qi = q[i:i + 1].clone().requires_grad_()
+        ref = ((qi * 0.5) @ k[:1].transpose(-2, -1)).softmax(dim=-1) @ v[:1]
+        ref.float().square().sum().backward()
+        assert close(per_sample[i], qi.grad[0], 2**-7)
+
+
+@pytest.mark.parametrize("name", ["nonlocal", "mhsa2d"])
+def test_the_blocks_compile_fullgraph_under_bf16(native, name):
+    torch.manual_seed(0)
+    block = create_attention(name, 16).train().to(memory_format=torch.channels_last)
+    x = torch.randn(4, 16, 6, 5).contiguous(memory_format=torch.channels_last)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = compiled(x.bfloat16().requires_grad_())
+        y_eager = block(x.bfloat16())
+    assert close(y.float(), y_eager.float(), 2**-6)
+    y.float().sum().backward()
+
+
+def test_constant_key_columns_get_no_gradient_and_change_nothing_else(native):
+    """MHSA-2D's one-hot key columns handed to the function as constants: the output is autograd's over the
+    concatenated keys bit for bit, the keys' own gradient its first columns to bf16 rounding, and a double backward
+    through them follows the plain expression's."""
+    q, k, v = [t.bfloat16() for t in qkv(B=2, n=2, N=12, dq=8, dv=8, seed=9)]
+    keys = torch.eye(12)[:, :5].bfloat16()  # (N, 5) constant columns
+    q_wide = torch.cat([q, torch.randn(2, 2, 12, 5).bfloat16()], dim=-1)
+    fast = [t.clone().requires_grad_() for t in (q_wide, k, v)]
+    plain = [t.clone().requires_grad_() for t in (q_wide, k, v)]
+    y = sa.explicit_attention(*fast, 0.5, keys)
+    kf = torch.cat([plain[1], keys.expand(2, 2, 12, 5)], dim=-1)
+    y_ref = ((plain[0] * 0.5) @ kf.transpose(-2, -1)).softmax(dim=-1) @ plain[2]
+    assert type(y.grad_fn).__name__ == "_ExplicitAttentionBackward" and torch.equal(y, y_ref)
+    g = torch.randn(y.shape).bfloat16()
+    y.backward(g)
+    y_ref.backward(g)
+    assert fast[1].grad.shape == k.shape and torch.equal(fast[2].grad, plain[2].grad)
+    for a, b in zip(fast[:2], plain[:2]):
+        assert close(a.grad, b.grad, 2**-7)
+    leaves = [t.clone().requires_grad_() for t in (q_wide, k, v)]
+    grads = torch.autograd.grad(sa.explicit_attention(*leaves, 1.0, keys).float().square().sum(), leaves,
+                                create_graph=True)
+    second = torch.autograd.grad(sum(gr.float().square().sum() for gr in grads), leaves)
+    ref_leaves = [t.clone().double().requires_grad_() for t in (q_wide, k, v)]
+    kd = torch.cat([ref_leaves[1], keys.double().expand(2, 2, 12, 5)], dim=-1)
+    y_d = (ref_leaves[0] @ kd.transpose(-2, -1)).softmax(dim=-1) @ ref_leaves[2]
+    grads_d = torch.autograd.grad(y_d.square().sum(), ref_leaves, create_graph=True)
+    second_d = torch.autograd.grad(sum(gr.square().sum() for gr in grads_d), ref_leaves)
+    for a, b in zip(second, second_d):
+        assert close(a, b, 2**-4)
+
+
+def test_the_function_under_torch_func_is_the_plain_attention(native):
+    """``torch.func`` through the in-place function itself (``vmap`` of ``grad``, and ``vmap`` over a batch of
+    constant key columns) gives the plain expression's per-sample gradients and outputs."""
+    q, k, v = [t.bfloat16() for t in qkv(B=3, n=1, N=6, dq=8, dv=8, seed=4)]
+    q = torch.cat([q, torch.randn(3, 1, 6, 3).bfloat16()], dim=-1)  # queries as wide as k and the 3 key columns
+    keys = torch.eye(6)[:, :3].bfloat16()
+
+    def loss(qi, ki):
+        return sa._ExplicitAttention.apply(qi[None], ki[None], v[:1], 0.5, keys)[0].float().square().sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(q, k)
+    for i in range(3):
+        qi, ki = q[i:i + 1].clone().requires_grad_(), k[i:i + 1].clone().requires_grad_()
+        kf = torch.cat([ki, keys.expand(1, 1, 6, 3)], dim=-1)
+        ref = ((qi * 0.5) @ kf.transpose(-2, -1)).softmax(dim=-1) @ v[:1]
+        ref.float().square().sum().backward()
+        assert close(per_sample[0][i], qi.grad[0], 2**-7) and close(per_sample[1][i], ki.grad[0], 2**-7)
+    many = torch.stack([keys, keys.flip(0)])  # (2, N, 3): mapped along with the queries
+    out = torch.func.vmap(lambda qi, ks: sa._ExplicitAttention.apply(qi, k, v, 0.5, ks)[0])(
+        torch.stack([q, q]), many)
+    for i in range(2):
+        kf = torch.cat([k, many[i].expand(3, 1, 6, 3)], dim=-1)
+        assert close(out[i], ((q * 0.5) @ kf.transpose(-2, -1)).softmax(dim=-1) @ v, 2**-7)
+
+
+def test_without_torchs_in_place_softmax_gradient_the_plain_ops_run(native, monkeypatch):
+    """A torch release without the private in-place softmax gradient: the explicit path keeps autograd's softmax."""
+    monkeypatch.setattr(sa, "SOFTMAX_GRAD_INTO", None)
+    q, k, v = [t.bfloat16().requires_grad_() for t in qkv(seed=1)]
+    y = sa.explicit_attention(q, k, v, 0.5)
+    assert type(y.grad_fn).__name__ != "_ExplicitAttentionBackward"
+    y.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad.float()).all()

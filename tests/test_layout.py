@@ -123,7 +123,10 @@ SCALER_PRIVATE = {"_scale", "_growth_tracker", "_get_growth_tracker", "_init_sca
                   "_maybe_opt_step", "_enabled", "_growth_factor", "_backoff_factor", "_growth_interval"}
 # private reads allowed by name (none: the norm checks read visattn.attention.functional.BATCH_NORMS and
 # NORMS_WITH_STATS, torch's public classes, where they read nn.modules.batchnorm's private base classes before)
-KNOWN_PRIVATE: set = set()  # none left: visattn.attention.functional.BATCH_NORMS / NORMS_WITH_STATS
+# torch's private names visattn reads, each with its reason and its fallback where a release drops it:
+# the fused softmax gradient written in place (visattn.attention.self_attn2d.SOFTMAX_GRAD_INTO: no public in-place
+# form; 6x faster than the public formula; without it the explicit attention runs on autograd's softmax)
+KNOWN_PRIVATE: set = {"torch.ops.aten._softmax_backward_data"}
 
 
 def _dotted(node: ast.AST) -> str:

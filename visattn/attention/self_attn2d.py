@@ -43,6 +43,99 @@ def explicit_bf16(q: torch.Tensor, k: torch.Tensor) -> bool:
             and cpu_has_native_bf16())
 
 
+# the softmax's gradient written in place over the probabilities' gradient: torch's fused kernel, the one autograd's
+# softmax uses, reached through its aten name (torch has no public in-place form; the public formula
+# ``p * (dp - (dp * p).sum(-1))`` takes about 6x longer on a (2048, 225, 225) bf16 map). Where a torch release no
+# longer has it, the explicit path runs on autograd's own softmax (``explicit_attention``).
+SOFTMAX_GRAD_INTO = getattr(torch.ops.aten._softmax_backward_data, "out", None)
+
+
+def softmax_grad(dp: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The softmax's input gradient from its output ``p`` and output gradient ``dp``, in differentiable public ops."""
+    return p * (dp - (dp * p).sum(dim=-1, keepdim=True))
+
+
+class _ExplicitAttention(torch.autograd.Function):
+    """``softmax(q [k, keys]^T * scale) v`` for the explicit bf16 path, its softmax computed in place over the logits
+    and its backward's softmax gradient in place over the probabilities' gradient: the ``(B, n, N, N)`` buffers are
+    allocated twice per training step instead of four times. Each fresh allocation that size costs the CPU its page
+    faults (first touch of ~200 MB at MHSA-2D's 15 x 15 maps): the forward and backward take about 0.7x autograd's
+    over the same ops. ``keys``: constant key columns after ``k``'s (MHSA-2D's one-hot rows and columns), given no
+    gradient, so the keys' gradient is formed for ``k``'s columns alone. The same operations otherwise (autograd's
+    output bit for bit, its gradients to bf16 rounding). The probabilities (and the widened keys) come back as
+    outputs without a gradient, to be saved; with ``create_graph`` the backward forms them again from the inputs in
+    differentiable ops (a double backward holds). ``torch.func``: ``vmap`` runs the batch through the function at
+    once (attention is independent across leading dimensions); ``grad`` and its kin through ``setup_context``."""
+
+    @staticmethod
+    def forward(q, k, v, scale: float, keys: Optional[torch.Tensor]):
+        qs = q * scale if scale != 1.0 else q
+        kf = with_keys(k, keys)
+        logits = torch.matmul(qs, kf.transpose(-2, -1))
+        p = torch.softmax(logits, -1, out=logits)  # in place: the logits are not needed again
+        return (torch.matmul(p, v), p) + ((kf,) if keys is not None else ())
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        q, k, v, scale, keys = inputs
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, v, keys, *output[1:])
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, *_):
+        q, k, v, keys, p, *kf = ctx.saved_tensors
+        scale = ctx.scale
+        kf = kf[0] if kf else k
+        dp = torch.matmul(g, v.transpose(-2, -1))
+        if torch.is_grad_enabled():  # a double backward: the saved tensors have no history, so form them again
+            kf = with_keys(k, keys)
+            p = torch.matmul(q * scale, kf.transpose(-2, -1)).softmax(dim=-1)
+            ds = softmax_grad(dp, p)
+        else:
+            ds = SOFTMAX_GRAD_INTO(dp, p, -1, p.dtype, grad_input=dp)  # in place over dp
+        dq = dk = dv = None
+        if ctx.needs_input_grad[0]:
+            dq = torch.matmul(ds, kf)
+            dq = dq * scale if scale != 1.0 else dq
+        if ctx.needs_input_grad[1]:
+            qs = q[..., : k.shape[-1]]
+            dk = torch.matmul(ds.transpose(-2, -1), qs * scale if scale != 1.0 else qs)
+        if ctx.needs_input_grad[2]:
+            dv = torch.matmul(p.transpose(-2, -1), g)
+        return dq, dk, dv, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, scale, keys):
+        if in_dims[4] is not None:  # the constant key columns differ along the mapped dimension: one by one
+            outs = [_ExplicitAttention.apply(*(t if d is None else t.select(d, i) for t, d in zip((q, k, v), in_dims)),
+                                             scale, keys.select(in_dims[4], i)) for i in range(info.batch_size)]
+            return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+
+        def front(t: torch.Tensor, d: Optional[int]) -> torch.Tensor:
+            return t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
+
+        outs = _ExplicitAttention.apply(front(q, in_dims[0]), front(k, in_dims[1]), front(v, in_dims[2]), scale, keys)
+        return outs, (0,) * len(outs)
+
+
+def with_keys(k: torch.Tensor, keys: Optional[torch.Tensor]) -> torch.Tensor:
+    """``k`` with the constant ``(N, e)`` key columns ``keys`` after its own (every batch and head), or ``k``."""
+    if keys is None:
+        return k
+    return torch.cat([k, keys.to(k.dtype).expand(*k.shape[:-1], keys.shape[-1])], dim=-1)
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       keys: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``softmax(q [k, keys]^T * scale) v`` written out in the inputs' dtype; through :class:`_ExplicitAttention`
+    where a graph is recorded outside ``torch.compile`` (which fuses the same ops itself), else in plain ops."""
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and SOFTMAX_GRAD_INTO is not None and not torch.compiler.is_compiling()):
+        return _ExplicitAttention.apply(q, k, v, scale, keys)[0]
+    return ((q * scale) @ with_keys(k, keys).transpose(-2, -1)).softmax(dim=-1) @ v
+
+
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """``softmax(q k^T * scale) v`` with queries and keys ``(B, n, N, dq)`` and values ``(B, n, N, dv)``.
 
@@ -58,7 +151,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     (the fused flash kernels need equal sizes and run faster on multiples of 8; zero columns change no dot
     product), the output cut back to ``dv``."""
     if explicit_bf16(q, k):
-        return ((q * scale) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+        return explicit_attention(q, k, v, scale)
     dq, dv = q.shape[-1], v.shape[-1]
     size = -(-max(dq, dv) // 8) * 8
     if size != dq:
@@ -248,12 +341,9 @@ class MHSA2d(ResidualSelfAttention2d):
         nn.init.normal_(self.rel_w, std=self.scale)
         self.zero_init_last()
 
-    def with_rel_pos(self, q: torch.Tensor, k: torch.Tensor, H: int, W: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(B, n, N, d)`` queries and keys -> ``(B, n, N, d + H + W + pad)`` ones whose dot product is BoTNet's
-        logit before scaling, ``q_i k_j + q_i r_ij`` with ``r_ij = rel_h[h_j - h_i] + rel_w[w_j - w_i]``: query ``i``
-        carries its relative logits for every key row and every key column, key ``j`` the one-hot of its row and
-        column, and zero columns pad the size to a multiple of 8. The attention then needs no ``(B, n, N, N)``
-        bias and runs fused: SDPA sends an ``attn_mask`` that needs a gradient to its unfused math kernel."""
+    def rel_parts(self, q: torch.Tensor, H: int, W: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(B, n, N, d)`` queries -> the folded queries ``(B, n, N, d + H + W + pad)`` and the constant key columns
+        ``(N, H + W + pad)`` of :meth:`with_rel_pos`."""
         B, n, N, d = q.shape
         qg = q.reshape(B, n, H, W, d)
         e_h = rel_pos_embed(self.rel_h, H).to(q.dtype)  # (H, H, d)
@@ -268,14 +358,28 @@ class MHSA2d(ResidualSelfAttention2d):
         eye_w = torch.eye(W, dtype=q.dtype, device=q.device)
         rows = eye_h[:, None, :].expand(H, W, H).reshape(N, H)  # key j's row, one-hot
         cols = eye_w[None, :, :].expand(H, W, W).reshape(N, W)  # key j's column, one-hot
-        keys = torch.cat([rows, cols, rows.new_zeros(N, pad)], dim=1).expand(B, n, N, H + W + pad)
+        keys = torch.cat([rows, cols, rows.new_zeros(N, pad)], dim=1)
         queries = [q, lh.reshape(B, n, N, H), lw.reshape(B, n, N, W), q.new_zeros(B, n, N, pad)]
-        return torch.cat(queries, dim=-1), torch.cat([k, keys], dim=-1)
+        return torch.cat(queries, dim=-1), keys
+
+    def with_rel_pos(self, q: torch.Tensor, k: torch.Tensor, H: int, W: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(B, n, N, d)`` queries and keys -> ``(B, n, N, d + H + W + pad)`` ones whose dot product is BoTNet's
+        logit before scaling, ``q_i k_j + q_i r_ij`` with ``r_ij = rel_h[h_j - h_i] + rel_w[w_j - w_i]``: query ``i``
+        carries its relative logits for every key row and every key column, key ``j`` the one-hot of its row and
+        column, and zero columns pad the size to a multiple of 8. The attention then needs no ``(B, n, N, N)``
+        bias and runs fused: SDPA sends an ``attn_mask`` that needs a gradient to its unfused math kernel."""
+        queries, keys = self.rel_parts(q, H, W)
+        return queries, with_keys(k, keys)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_tokens(x)  # (B, N, 3C)
         B, C, H, W = x.shape
         n, d = self.num_heads, self.head_dim
         q, k, v = qkv.view(B, H * W, 3, n, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, n, N, d) each
+        if not self.tap.active and explicit_bf16(q, k):
+            # bf16 on a native-bf16 CPU: the queries scaled before the fold (one pass over d columns, not over
+            # d + H + W), the one-hot key columns handed over as constants (no gradient formed for them)
+            queries, keys = self.rel_parts(q * self.scale, H, W)
+            return self.output(x, explicit_attention(queries, k, v, 1.0, keys))
         q, k = self.with_rel_pos(q, k, H, W)  # (B, n, N, d + H + W + pad)
         return self.output(x, self.attend(q, k, v, H, W))  # attention output (B, n, N, d)
