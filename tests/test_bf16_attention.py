@@ -251,3 +251,26 @@ def test_without_torchs_in_place_softmax_gradient_the_plain_ops_run(native, monk
     assert type(y.grad_fn).__name__ != "_ExplicitAttentionBackward"
     y.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad.float()).all()
+
+
+@pytest.mark.parametrize("per_chunk", [1, 2, 5])
+def test_the_chunks_together_are_the_whole(native, monkeypatch, per_chunk):
+    """The batch in chunks of ``per_chunk`` items (the last one short where 5 does not divide): the same output and
+    gradients as the plain expression over the whole batch, with and without constant key columns."""
+    B, n, N = 5, 2, 7
+    monkeypatch.setattr(sa, "CHUNK_LOGITS", per_chunk * n * N * N)
+    assert len(sa.spans(B, n * N * N)) == -(-B // per_chunk)
+    q, k, v = [t.bfloat16() for t in qkv(B=B, n=n, N=N, dq=8, dv=6, seed=11)]
+    for keys in (None, torch.eye(N)[:, :3].bfloat16()):
+        q_in = q if keys is None else torch.cat([q, torch.randn(B, n, N, 3).bfloat16()], dim=-1)
+        fast = [t.clone().requires_grad_() for t in (q_in, k, v)]
+        plain = [t.clone().requires_grad_() for t in (q_in, k, v)]
+        y = sa.explicit_attention(*fast, 0.3, keys)
+        assert type(y.grad_fn).__name__ == "_ExplicitAttentionBackward"
+        y_ref = ((plain[0] * 0.3) @ sa.with_keys(plain[1], keys).transpose(-2, -1)).softmax(dim=-1) @ plain[2]
+        assert close(y, y_ref, 2**-8)
+        g = torch.randn(y.shape).bfloat16()
+        y.backward(g)
+        y_ref.backward(g)
+        for a, b in zip(fast, plain):
+            assert a.grad.shape == b.grad.shape and close(a.grad, b.grad, 2**-7)

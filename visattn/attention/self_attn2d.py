@@ -16,7 +16,7 @@ computes bf16 natively (the recipe's autocast), the same attention written out i
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Type
+from typing import List, Optional, Tuple, Type
 
 import torch
 import torch.nn.functional as F
@@ -55,67 +55,103 @@ def softmax_grad(dp: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return p * (dp - (dp * p).sum(dim=-1, keepdim=True))
 
 
+# logits per chunk of the explicit path's batch: 2**21, 4 MiB in bf16, so that each chunk's scores stay in the CPU's
+# cache from their product through the softmax to the values' product (and their buffers are reused, not freshly
+# faulted in); at the recipe's 15 x 15 maps 41 images a chunk for the non-local block, 10 for MHSA-2D's 4 heads
+CHUNK_LOGITS = 2**21
+
+
+def spans(total: int, per_item: int) -> List[Tuple[int, int]]:
+    """``[start, stop)`` spans of ``total`` items, each holding at most :data:`CHUNK_LOGITS` logits (one item at least)."""
+    size = max(1, CHUNK_LOGITS // max(1, per_item))
+    return [(i, min(i + size, total)) for i in range(0, total, size)]
+
+
 class _ExplicitAttention(torch.autograd.Function):
-    """``softmax(q [k, keys]^T * scale) v`` for the explicit bf16 path, its softmax computed in place over the logits
-    and its backward's softmax gradient in place over the probabilities' gradient: the ``(B, n, N, N)`` buffers are
-    allocated twice per training step instead of four times. Each fresh allocation that size costs the CPU its page
-    faults (first touch of ~200 MB at MHSA-2D's 15 x 15 maps): the forward and backward take about 0.7x autograd's
-    over the same ops. ``keys``: constant key columns after ``k``'s (MHSA-2D's one-hot rows and columns), given no
-    gradient, so the keys' gradient is formed for ``k``'s columns alone. The same operations otherwise (autograd's
-    output bit for bit, its gradients to bf16 rounding). The probabilities (and the widened keys) come back as
-    outputs without a gradient, to be saved; with ``create_graph`` the backward forms them again from the inputs in
-    differentiable ops (a double backward holds). ``torch.func``: ``vmap`` runs the batch through the function at
-    once (attention is independent across leading dimensions); ``grad`` and its kin through ``setup_context``."""
+    """``softmax(q [k, keys]^T * scale) v`` for the explicit bf16 path, in chunks of the leading dimension
+    (:data:`CHUNK_LOGITS` logits each), the softmax computed in place over each chunk's logits and, backward, its
+    gradient in place over the chunk's probability gradient. A ``(B, n, N, N)`` score tensor in one piece is
+    ~200 MB at MHSA-2D's 15 x 15 maps: each fresh allocation of it costs the CPU its page faults and each pass over
+    it a trip to memory; in cache-sized chunks the attention's forward and backward take about 0.55-0.65x the time
+    of autograd over the same ops in one piece (bench/bf16_profile.py). ``keys``: constant key columns after ``k``'s
+    (MHSA-2D's one-hot rows and columns), given no gradient, so the keys' gradient is formed for ``k``'s columns
+    alone. The same operations otherwise (autograd's values to bf16 rounding). The chunks' probabilities (and the
+    widened keys) come back as outputs without a gradient, to be saved; with ``create_graph`` the backward forms
+    them again from the inputs in differentiable ops (a double backward holds). ``torch.func``: ``vmap`` runs the
+    batch through the function at once (attention is independent across leading dimensions), ``grad`` and its kin
+    through ``setup_context``."""
 
     @staticmethod
-    def forward(q, k, v, scale: float, keys: Optional[torch.Tensor]):
-        qs = q * scale if scale != 1.0 else q
+    def forward(q, k, v, scale: float, keys: Optional[torch.Tensor], chunked: bool = True):
         kf = with_keys(k, keys)
-        logits = torch.matmul(qs, kf.transpose(-2, -1))
-        p = torch.softmax(logits, -1, out=logits)  # in place: the logits are not needed again
-        return (torch.matmul(p, v), p) + ((kf,) if keys is not None else ())
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        probs = []
+        for i, j in _ExplicitAttention.spans(q, kf, chunked):
+            qs = q[i:j] * scale if scale != 1.0 else q[i:j]
+            logits = torch.matmul(qs, kf[i:j].transpose(-2, -1))
+            probs.append(torch.softmax(logits, -1, out=logits))  # in place: the logits are not needed again
+            torch.matmul(probs[-1], v[i:j], out=out[i:j])
+        return (out, *probs) + ((kf,) if keys is not None else ())
+
+    @staticmethod
+    def spans(q: torch.Tensor, kf: torch.Tensor, chunked: bool) -> List[Tuple[int, int]]:
+        """The chunks of ``q``'s leading dimension (one, unchunked, under ``vmap``: its rule hands the mapped
+        dimension over as the leading one, and each output must span it whole)."""
+        return spans(q.shape[0], q[0].numel() // q.shape[-1] * kf.shape[-2]) if chunked else [(0, q.shape[0])]
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        q, k, v, scale, keys = inputs
+        q, k, v, scale, keys, *chunked = inputs
         ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # the probabilities get no gradient: no zero tensors for them
         ctx.scale = scale
+        ctx.chunked = chunked[0] if chunked else True
         ctx.save_for_backward(q, k, v, keys, *output[1:])
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor, *_):
-        q, k, v, keys, p, *kf = ctx.saved_tensors
-        scale = ctx.scale
-        kf = kf[0] if kf else k
-        dp = torch.matmul(g, v.transpose(-2, -1))
+    def backward(ctx, g: Optional[torch.Tensor], *_):
+        q, k, v, keys, *saved = ctx.saved_tensors
+        if g is None:
+            return None, None, None, None, None, None
+        scale, need = ctx.scale, ctx.needs_input_grad
+        kf = saved.pop() if keys is not None else k
         if torch.is_grad_enabled():  # a double backward: the saved tensors have no history, so form them again
             kf = with_keys(k, keys)
             p = torch.matmul(q * scale, kf.transpose(-2, -1)).softmax(dim=-1)
-            ds = softmax_grad(dp, p)
-        else:
+            ds = softmax_grad(torch.matmul(g, v.transpose(-2, -1)), p)
+            dq = torch.matmul(ds, kf) * scale if need[0] else None
+            dk = torch.matmul(ds.transpose(-2, -1), q[..., : k.shape[-1]] * scale) if need[1] else None
+            dv = torch.matmul(p.transpose(-2, -1), g) if need[2] else None
+            return dq, dk, dv, None, None, None
+        dq = q.new_empty(q.shape) if need[0] else None
+        dk = k.new_empty(k.shape) if need[1] else None
+        dv = v.new_empty(v.shape) if need[2] else None
+        for (i, j), p in zip(_ExplicitAttention.spans(q, kf, ctx.chunked), saved):
+            dp = torch.matmul(g[i:j], v[i:j].transpose(-2, -1))
             ds = SOFTMAX_GRAD_INTO(dp, p, -1, p.dtype, grad_input=dp)  # in place over dp
-        dq = dk = dv = None
-        if ctx.needs_input_grad[0]:
-            dq = torch.matmul(ds, kf)
-            dq = dq * scale if scale != 1.0 else dq
-        if ctx.needs_input_grad[1]:
-            qs = q[..., : k.shape[-1]]
-            dk = torch.matmul(ds.transpose(-2, -1), qs * scale if scale != 1.0 else qs)
-        if ctx.needs_input_grad[2]:
-            dv = torch.matmul(p.transpose(-2, -1), g)
-        return dq, dk, dv, None, None
+            if dq is not None:
+                torch.matmul(ds, kf[i:j], out=dq[i:j])
+                if scale != 1.0:
+                    dq[i:j].mul_(scale)
+            if dk is not None:
+                qs = q[i:j, ..., : k.shape[-1]]
+                torch.matmul(ds.transpose(-2, -1), qs * scale if scale != 1.0 else qs, out=dk[i:j])
+            if dv is not None:
+                torch.matmul(p.transpose(-2, -1), g[i:j], out=dv[i:j])
+        return dq, dk, dv, None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, scale, keys):
+    def vmap(info, in_dims, q, k, v, scale, keys, chunked=True):
         if in_dims[4] is not None:  # the constant key columns differ along the mapped dimension: one by one
             outs = [_ExplicitAttention.apply(*(t if d is None else t.select(d, i) for t, d in zip((q, k, v), in_dims)),
-                                             scale, keys.select(in_dims[4], i)) for i in range(info.batch_size)]
+                                             scale, keys.select(in_dims[4], i), False) for i in range(info.batch_size)]
             return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
 
         def front(t: torch.Tensor, d: Optional[int]) -> torch.Tensor:
             return t.movedim(d, 0) if d is not None else t.expand(info.batch_size, *t.shape)
 
-        outs = _ExplicitAttention.apply(front(q, in_dims[0]), front(k, in_dims[1]), front(v, in_dims[2]), scale, keys)
+        outs = _ExplicitAttention.apply(front(q, in_dims[0]), front(k, in_dims[1]), front(v, in_dims[2]), scale, keys,
+                                        False)
         return outs, (0,) * len(outs)
 
 
@@ -131,7 +167,8 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     """``softmax(q [k, keys]^T * scale) v`` written out in the inputs' dtype; through :class:`_ExplicitAttention`
     where a graph is recorded outside ``torch.compile`` (which fuses the same ops itself), else in plain ops."""
     if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            and SOFTMAX_GRAD_INTO is not None and not torch.compiler.is_compiling()):
+            and SOFTMAX_GRAD_INTO is not None and not torch.compiler.is_compiling()
+            and q.dim() == k.dim() == v.dim() and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
         return _ExplicitAttention.apply(q, k, v, scale, keys)[0]
     return ((q * scale) @ with_keys(k, keys).transpose(-2, -1)).softmax(dim=-1) @ v
 
