@@ -30,8 +30,9 @@ from .tap import AttentionTap
 __all__ = ["NonLocal2d", "MHSA2d", "rel_pos_embed"]
 
 
-# the most logits (elements of the ``(B, heads, N, N)`` scores) the explicit bf16 path holds at once: 2**27, 256 MiB
-# in bf16 (the recipe's 15 x 15 maps: 512 x 4 x 225 x 225 = 1.0e8); beyond it the fused kernel, which holds none
+# the most logits (elements of the ``(B, heads, N, N)`` scores) whose probabilities the explicit bf16 path keeps for
+# its backward: 2**27, 256 MiB in bf16 (the recipe's 15 x 15 maps: 512 x 4 x 225 x 225 = 1.0e8); beyond it the fused
+# kernel, which keeps none
 EXPLICIT_MAX_LOGITS = 2**27
 
 
@@ -72,32 +73,31 @@ class _ExplicitAttention(torch.autograd.Function):
     (:data:`CHUNK_LOGITS` logits each), the softmax computed in place over each chunk's logits and, backward, its
     gradient in place over the chunk's probability gradient. A ``(B, n, N, N)`` score tensor in one piece is
     ~200 MB at MHSA-2D's 15 x 15 maps: each fresh allocation of it costs the CPU its page faults and each pass over
-    it a trip to memory; in cache-sized chunks the attention's forward and backward take about 0.55-0.65x the time
-    of autograd over the same ops in one piece (bench/bf16_profile.py). ``keys``: constant key columns after ``k``'s
-    (MHSA-2D's one-hot rows and columns), given no gradient, so the keys' gradient is formed for ``k``'s columns
-    alone. The same operations otherwise (autograd's values to bf16 rounding). The chunks' probabilities (and the
-    widened keys) come back as outputs without a gradient, to be saved; with ``create_graph`` the backward forms
-    them again from the inputs in differentiable ops (a double backward holds). ``torch.func``: ``vmap`` runs the
-    batch through the function at once (attention is independent across leading dimensions), ``grad`` and its kin
-    through ``setup_context``."""
+    it a trip to memory; in cache-sized chunks the attention's forward and backward take about 0.4-0.6x the time of
+    autograd over the same ops in one piece (``python -m bench.bf16_profile --only nonlocal mhsa2d`` shows the ops).
+    ``keys``: constant key columns after ``k``'s (MHSA-2D's one-hot rows and columns), widened chunk by chunk and
+    given no gradient, so the keys' gradient is formed for ``k``'s columns alone. The same operations otherwise
+    (autograd's values to bf16 rounding). The chunks' probabilities come back as outputs without a gradient, to be
+    saved; with ``create_graph`` the backward forms them again from the inputs in differentiable ops (a double
+    backward holds). ``torch.func``: ``vmap`` runs the batch through the function at once, unchunked (attention is
+    independent across leading dimensions), ``grad`` and its kin through ``setup_context``."""
 
     @staticmethod
     def forward(q, k, v, scale: float, keys: Optional[torch.Tensor], chunked: bool = True):
-        kf = with_keys(k, keys)
         out = q.new_empty(*q.shape[:-1], v.shape[-1])
         probs = []
-        for i, j in _ExplicitAttention.spans(q, kf, chunked):
+        for i, j in _ExplicitAttention.spans(q, k, chunked):
             qs = q[i:j] * scale if scale != 1.0 else q[i:j]
-            logits = torch.matmul(qs, kf[i:j].transpose(-2, -1))
+            logits = torch.matmul(qs, with_keys(k[i:j], keys).transpose(-2, -1))  # the keys widened chunk by chunk
             probs.append(torch.softmax(logits, -1, out=logits))  # in place: the logits are not needed again
             torch.matmul(probs[-1], v[i:j], out=out[i:j])
-        return (out, *probs) + ((kf,) if keys is not None else ())
+        return (out, *probs)
 
     @staticmethod
-    def spans(q: torch.Tensor, kf: torch.Tensor, chunked: bool) -> List[Tuple[int, int]]:
+    def spans(q: torch.Tensor, k: torch.Tensor, chunked: bool) -> List[Tuple[int, int]]:
         """The chunks of ``q``'s leading dimension (one, unchunked, under ``vmap``: its rule hands the mapped
         dimension over as the leading one, and each output must span it whole)."""
-        return spans(q.shape[0], q[0].numel() // q.shape[-1] * kf.shape[-2]) if chunked else [(0, q.shape[0])]
+        return spans(q.shape[0], q[0].numel() // q.shape[-1] * k.shape[-2]) if chunked else [(0, q.shape[0])]
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
@@ -114,7 +114,6 @@ class _ExplicitAttention(torch.autograd.Function):
         if g is None:
             return None, None, None, None, None, None
         scale, need = ctx.scale, ctx.needs_input_grad
-        kf = saved.pop() if keys is not None else k
         if torch.is_grad_enabled():  # a double backward: the saved tensors have no history, so form them again
             kf = with_keys(k, keys)
             p = torch.matmul(q * scale, kf.transpose(-2, -1)).softmax(dim=-1)
@@ -126,11 +125,11 @@ class _ExplicitAttention(torch.autograd.Function):
         dq = q.new_empty(q.shape) if need[0] else None
         dk = k.new_empty(k.shape) if need[1] else None
         dv = v.new_empty(v.shape) if need[2] else None
-        for (i, j), p in zip(_ExplicitAttention.spans(q, kf, ctx.chunked), saved):
+        for (i, j), p in zip(_ExplicitAttention.spans(q, k, ctx.chunked), saved):
             dp = torch.matmul(g[i:j], v[i:j].transpose(-2, -1))
             ds = SOFTMAX_GRAD_INTO(dp, p, -1, p.dtype, grad_input=dp)  # in place over dp
             if dq is not None:
-                torch.matmul(ds, kf[i:j], out=dq[i:j])
+                torch.matmul(ds, with_keys(k[i:j], keys), out=dq[i:j])
                 if scale != 1.0:
                     dq[i:j].mul_(scale)
             if dk is not None:
@@ -178,11 +177,11 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
     On a CPU with native bf16 and bf16 inputs (the recipe's autocast), written out in bf16 (:func:`explicit_bf16`):
     two bf16 matmuls that accumulate in fp32 and a softmax that computes in fp32 and rounds its output to bf16, as
-    an unfused attention runs under autocast. The CPU's fused kernel runs bf16 slower than fp32, and
-    :func:`~visattn.attention.functional.sdpa` casts to fp32 for it: at the recipe's 15 x 15 maps (MHSA-2D's 4
-    heads, its folded queries and keys 48 wide, values 16) the explicit path's forward and backward take about 0.6x
-    the fp32 kernel's time, 0.4-0.5x at 7 x 7 and 3 x 3 (``bench/bf16_profile.py`` shows the ops); the values keep
-    their own width (no padding). Double backward holds on it.
+    an unfused attention runs under autocast, in cache-sized chunks of the batch (:class:`_ExplicitAttention`). The
+    CPU's fused kernel runs bf16 slower than fp32, and :func:`~visattn.attention.functional.sdpa` casts to fp32 for
+    it: on the recipe's maps (15 x 15, 7 x 7, 3 x 3; batch 512) the whole block's forward and backward take 0.6,
+    0.8, 0.8x the time through the fp32 kernel for the non-local block and 0.4, 0.7, 0.7x for MHSA-2D (4 heads,
+    its folded queries and keys 48 wide, values 16 and unpadded). Double backward holds on it.
 
     Otherwise :func:`~visattn.attention.functional.sdpa`, the three zero-padded to one head size, a multiple of 8
     (the fused flash kernels need equal sizes and run faster on multiples of 8; zero columns change no dot
