@@ -201,10 +201,13 @@ class _CoordGate(torch.autograd.Function):
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)  # the saved product gets no gradient: no map of zeros for it
         ctx.save_for_backward(*inputs, output[1])
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor, _: Optional[torch.Tensor]):
+    def backward(ctx, g: Optional[torch.Tensor], _: Optional[torch.Tensor]):
+        if g is None:
+            return None, None, None
         x, a_h, a_w, t = ctx.saved_tensors
         if torch.is_grad_enabled():  # a double backward: the saved product has no history, so form it again
             t = x * a_h
