@@ -84,6 +84,23 @@ def finished_run(tmp_path_factory) -> Iterator[Path]:
     assert folder_digest(rd) == before, f"a test changed the shared finished run {rd}"
 
 
+@pytest.fixture(scope="session")
+def pre_digest_best(tmp_path_factory) -> Path:
+    """A checkpoint written by visattn before checkpoints carried a digest, made from the repository's history
+    (tests/old_revisions.py)."""
+    from old_revisions import pre_digest_checkpoint
+
+    return pre_digest_checkpoint(tmp_path_factory.mktemp("pre_digest"))
+
+
+@pytest.fixture(scope="session")
+def pre89_folders(tmp_path_factory) -> Path:
+    """Run folders made, and resumed, by the trainer before issue 89's split (tests/old_revisions.py)."""
+    from old_revisions import pre89_folders as make
+
+    return make(tmp_path_factory.mktemp("pre89"))
+
+
 @pytest.fixture
 def tiny_overrides(tmp_path):
     """Overrides that make any config a seconds-long synthetic run in a temporary run dir."""

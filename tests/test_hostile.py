@@ -127,12 +127,12 @@ def test_init_from_checks_the_digest_too(tmp_path, finished_run):
     _one_line(*_cli(_argv(tmp_path / "run", "train.epochs=1", f"model.init_from={flipped}")), "is damaged")
 
 
-def test_a_checkpoint_without_a_digest_is_accepted_after_the_finite_check(tmp_path, finished_run):
-    """Checkpoints written before digests existed (tests/data/pre_digest: a file of the visattn before them, with
+def test_a_checkpoint_without_a_digest_is_accepted_after_the_finite_check(tmp_path, finished_run, pre_digest_best):
+    """Checkpoints written before digests existed (``pre_digest_best``: a file of the visattn before them, with
     no entry or config key that came after) still load, and are still refused when not finite. A file of today's
     writer without its digest is refused (tests/test_hostile_gaps.py, tests/test_hostile_kinds.py)."""
     assert DIGEST_KEY not in load_checkpoint(finished_run / "last.pt")  # the loader hands back the state without it
-    state = torch.load(Path(__file__).parent / "data" / "pre_digest" / "best.pt", weights_only=True)
+    state = torch.load(pre_digest_best, weights_only=True)
     torch.save(state, tmp_path / "old.pt")
     assert load_checkpoint(tmp_path / "old.pt")["epoch"] == 1
     state["model"] = {k: v.float() * float("nan") if v.is_floating_point() else v for k, v in state["model"].items()}

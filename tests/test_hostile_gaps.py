@@ -111,7 +111,8 @@ def test_every_loader_refuses_an_edited_checkpoint(tmp_path, finished_run):
             assert results.read_text() == '{"rows": []}\n'
 
 
-def test_a_newer_or_odd_format_and_weights_that_are_not_a_state_dict_are_refused(tmp_path, finished_run):
+def test_a_newer_or_odd_format_and_weights_that_are_not_a_state_dict_are_refused(tmp_path, finished_run,
+                                                                                  pre_digest_best):
     state = load_checkpoint(finished_run / "last.pt")
     for version, says in ((CHECKPOINT_FORMAT + 1, "is newer than this visattn reads"), ("2", "is not one visattn writes"),
                           (True, "is not one visattn writes")):
@@ -120,7 +121,7 @@ def test_a_newer_or_odd_format_and_weights_that_are_not_a_state_dict_are_refused
         torch.save(s, tmp_path / "f.pt")
         with pytest.raises(CheckpointError, match=says):
             load_checkpoint(tmp_path / "f.pt")
-    old = torch.load(Path(__file__).parent / "data" / "pre_digest" / "best.pt", weights_only=True)  # before digests
+    old = torch.load(pre_digest_best, weights_only=True)  # before digests
     torch.save(old, tmp_path / "old.pt")
     assert load_checkpoint(tmp_path / "old.pt")["epoch"] == 1  # a pre-digest file: only the checks below remain
     for key, value, says in (("model", [float("nan")], "a list, not a state dict"), ("ema", "w", "a str, not a state dict"),

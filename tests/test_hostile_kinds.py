@@ -198,11 +198,8 @@ class Evil:
 # ---- (a) 1: a checkpoint without a digest loads only if provably older than digests ------------------------------
 
 
-PRE_DIGEST = Path(__file__).parent / "data" / "pre_digest" / "best.pt"
-
-
-def test_a1_a_checkpoint_from_before_digests_loads_and_is_still_checked_for_finite_weights(tmp_path):
-    state = load_checkpoint(PRE_DIGEST)
+def test_a1_a_checkpoint_from_before_digests_loads_and_is_still_checked_for_finite_weights(tmp_path, pre_digest_best):
+    state = load_checkpoint(pre_digest_best)
     assert state["epoch"] == 1 and "format_version" not in state
     state["model"] = {k: v * float("nan") if v.is_floating_point() else v for k, v in state["model"].items()}
     torch.save(state, tmp_path / "nan.pt")
@@ -239,10 +236,10 @@ def test_a1_todays_checkpoint_stripped_of_its_digest_and_markers_is_refused_ever
     assert proc.returncode == 2 and "digest entry was removed" in proc.stderr and folder_digest(resumed) == before
 
 
-def test_a1_each_entry_and_config_key_of_today_is_a_digest_era_marker(tmp_path, finished_run):
+def test_a1_each_entry_and_config_key_of_today_is_a_digest_era_marker(tmp_path, finished_run, pre_digest_best):
     """Whatever a stripper leaves of today's writer shows it: a top-level entry, or any config key, that no visattn
     before digests wrote; an old file with one such key added is refused too."""
-    old = torch.load(PRE_DIGEST, weights_only=True)
+    old = torch.load(pre_digest_best, weights_only=True)
     for where, edit in (("an entry", lambda s: s.update(epoch_loss=1.0)),
                         ("a config key", lambda s: s["config"]["log"].update(maps_dpi=3)),
                         ("a nested config key", lambda s: s["config"]["data"]["augment"].update(mixup=0.2))):
@@ -253,14 +250,14 @@ def test_a1_each_entry_and_config_key_of_today_is_a_digest_era_marker(tmp_path, 
             load_checkpoint(tmp_path / "x.pt")
 
 
-def test_a1_an_old_files_git_entry_naming_a_revision_after_digests_is_a_marker(tmp_path):
+def test_a1_an_old_files_git_entry_naming_a_revision_after_digests_is_a_marker(tmp_path, pre_digest_best):
     import subprocess
 
     revs = [subprocess.run(["git", "rev-parse", r], cwd=Path(__file__).parent, capture_output=True, text=True).stdout.strip()
             for r in ("HEAD", "0c428f2^")]
     if not all(revs):
         pytest.skip("no git history here")
-    old = torch.load(PRE_DIGEST, weights_only=True)
+    old = torch.load(pre_digest_best, weights_only=True)
     for rev, loads in ((revs[0], False), (revs[0] + "-dirty", False), (revs[1], True)):
         torch.save({**old, "git": rev}, tmp_path / "g.pt")
         if loads:

@@ -1,5 +1,5 @@
-"""Make tests/data/pre89 with the code before issue 89: `git worktree add /tmp/pre89 77dcb8a`, then from /tmp/pre89
-`python make_fixture.py OUT 77dcb8a` (this file; OUT: tests/data/pre89)."""
+"""Run folders from the code before issue 89 (tests/old_revisions.py runs this at test time): from a tree of
+revision 77dcb8a, `python make_fixture.py OUT 77dcb8a` writes OUT/epoch, OUT/mid and OUT/expected.json."""
 import hashlib
 import json
 import shutil
@@ -29,7 +29,7 @@ def digest(state):
 record = {"made_by": "code at " + sys.argv[2] + " (before issue 89)", "cpu_capability": torch.backends.cpu.get_cpu_capability(),
           "torch": torch.__version__, "overrides": COMMON, "variants": {}}
 for name, extra in VARIANTS.items():
-    work = Path("/tmp/h5fix/runs") / name
+    work = OUT / "_work" / name
     shutil.rmtree(work, ignore_errors=True)
     run(load_config("configs/smoke.yaml", [f"run_dir={work}", *COMMON, *extra]), log=lambda *a, **k: None)
     dest = OUT / name
@@ -37,7 +37,7 @@ for name, extra in VARIANTS.items():
     for f in KEEP:
         shutil.copy2(work / f, dest / f)
     # the old code resumes a copy of the folder to epoch 3: what the new code must reproduce
-    again = Path("/tmp/h5fix/runs") / (name + "_resumed")
+    again = OUT / "_work" / (name + "_resumed")
     shutil.rmtree(again, ignore_errors=True)
     shutil.copytree(dest, again)
     out = run(load_config("configs/smoke.yaml", [f"run_dir={again}", *COMMON, "resume=auto", "train.epochs=3",
