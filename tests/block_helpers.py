@@ -1,10 +1,13 @@
-"""What the block tests share: random weights that reach the output, a state copied by order, float64 closeness."""
+"""What the block tests share: random weights that reach the output, a state copied by order, float64 closeness, one
+random block's training step in a given precision."""
 from __future__ import annotations
 
-from typing import Collection
+from typing import Collection, Optional
 
 import torch
 from torch import nn
+
+from visattn import create_attention
 
 
 def randomize_(module: nn.Module, seed: int = 0, spread: float = 0.5, around_one: Collection[int] = (1,)) -> nn.Module:
@@ -30,3 +33,25 @@ def close(a: torch.Tensor, b: torch.Tensor, what: str, tol: float = 1e-10) -> No
     """``a`` and ``b`` (reshaped to ``a``) agree to ``tol`` relative to ``b``'s magnitude; the message names ``what``."""
     err = (a - b.reshape(a.shape)).abs().max().item()
     assert err <= tol * (1 + b.abs().max().item()), f"{what}: {err}"
+
+
+def random_block_step(name: str, x: torch.Tensor, g: torch.Tensor, dtype: Optional[torch.dtype]):
+    """One forward and backward of block ``name`` (``x``'s channels, train mode, seeded random weights rather than
+    its identity start, so every path carries signal) on ``x`` with upstream gradient ``g``: in fp32 when ``dtype``
+    is None, else under CPU autocast with ``x`` cast to ``dtype``. Returns the output (fp32), the input's gradient and
+    the parameters' gradients."""
+    torch.manual_seed(0)
+    block = create_attention(name, x.shape[1]).train()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    leaf = x.detach().clone().requires_grad_()
+    if dtype is None:
+        y = block(leaf)
+    else:
+        with torch.autocast("cpu", dtype=dtype):
+            y = block(leaf.to(dtype))
+    y.float().backward(g)
+    grads = [p.grad.clone() for p in block.parameters() if p.grad is not None]
+    return y.float().detach(), leaf.grad.clone(), grads
+

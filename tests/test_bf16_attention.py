@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from block_helpers import random_block_step
 
 import visattn.attention.self_attn2d as sa
 from visattn import create_attention
@@ -88,12 +89,8 @@ def test_the_explicit_path_has_a_double_backward(native):
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         ref = second([t.bfloat16().double() for t in base],
                      lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=0.5))
-    assert close(fast[0], ref[0], 2**-5) and close(fast[1], ref[1], 2**-4)
-    # the parameters' gradients against the largest of them: some are zero in exact arithmetic (the bias of the
-    # convolution before the BN, the keys' bias under the softmax) and keep only rounding noise in either precision
-    scale = max(float(b.abs().max()) for b in ref[2:])
-    for a, b in zip(fast[2:], ref[2:]):
-        assert ((a.double() - b.double()).abs() <= 2**-4 * scale).all()
+    for a, b, tol in zip(fast, ref, (2**-5, 2**-4, 2**-4)):  # q, k, v
+        assert close(a, b, tol)
 
 
 @pytest.mark.parametrize("name", ["nonlocal", "mhsa2d"])
@@ -101,32 +98,19 @@ def test_the_blocks_under_bf16_autocast_follow_their_fp32_selves(native, name):
     """The block (random weights, train mode, channels-last map) under bf16 autocast against the same block in
     fp32: the output and the input's and every parameter's gradient to bf16's tolerance; and the explicit path is
     the one that ran (the fused kernel is patched to fail)."""
-    torch.manual_seed(0)
-    block = create_attention(name, 16).train().to(memory_format=torch.channels_last)
-    with torch.no_grad():  # not the identity start: the attention's output must reach the block's
-        for p in block.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
+    torch.manual_seed(1)
     x = torch.randn(4, 16, 6, 5).bfloat16().float().contiguous(memory_format=torch.channels_last)
     g = torch.randn(4, 16, 6, 5)
-
-    def run(dtype):
-        block.zero_grad()
-        leaf = x.clone().requires_grad_()
-        if dtype is None:
-            y = block(leaf)
-        else:
-            with torch.autocast("cpu", dtype=dtype):
-                y = block(leaf.to(dtype))
-        y.float().backward(g)
-        return [y.float(), leaf.grad] + [p.grad.clone() for p in block.parameters()]
-
-    ref = run(None)
+    y, dx, grads = random_block_step(name, x, g, None)
+    ref = [y, dx, *grads]
     real_sdpa = sa.sdpa
     sa.sdpa = lambda *a, **k: pytest.fail("the fused kernel ran under bf16 on a native-bf16 CPU")
     try:
-        fast = run(torch.bfloat16)
+        y, dx, grads = random_block_step(name, x, g, torch.bfloat16)
     finally:
         sa.sdpa = real_sdpa
+    fast = [y, dx, *grads]
+    assert len(fast) == len(ref)
     assert close(fast[0], ref[0], 2**-5) and close(fast[1], ref[1], 2**-4)
     # the parameters' gradients against the largest of them: some are zero in exact arithmetic (the bias of the
     # convolution before the BN, the keys' bias under the softmax) and keep only rounding noise in either precision

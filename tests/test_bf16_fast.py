@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from block_helpers import random_block_step
 
 import visattn.attention.channel as channel
 import visattn.attention.spatial as spatial
@@ -25,21 +26,7 @@ def plain_sum_in(x, dims, dtype, keepdim=False):
 BLOCKS = [n for n in list_attention("feature") if n != "none"]
 
 
-def run(name: str, x: torch.Tensor, g: torch.Tensor, dtype):
-    torch.manual_seed(0)
-    block = create_attention(name, x.shape[1]).train()
-    with torch.no_grad():  # a random block (not its identity start), so every path carries signal
-        for p in block.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
-    leaf = x.detach().clone().requires_grad_()
-    if dtype is None:
-        y = block(leaf)
-    else:
-        with torch.autocast("cpu", dtype=dtype):
-            y = block(leaf.to(dtype))
-    y.float().backward(g)
-    grads = [p.grad.clone() for p in block.parameters() if p.grad is not None]
-    return y.float().detach(), leaf.grad.clone(), grads
+run = random_block_step
 
 
 @pytest.mark.parametrize("name", BLOCKS)
