@@ -154,6 +154,179 @@ class _ExplicitAttention(torch.autograd.Function):
         return outs, (0,) * len(outs)
 
 
+class _PackedAttention(torch.autograd.Function):
+    """The explicit bf16 attention of a block's packed projection: ``qkv`` tokens ``(B, N, 3 n d)`` (queries, keys
+    and values, ``n`` heads of ``d`` each, in that order, as one linear map writes them) -> the attention's output
+    tokens ``(B, N, n d)``, and, backward, the gradient of ``qkv`` as one tensor. What :class:`_ExplicitAttention`
+    computes, with the copies that surrounded it gone: each head's queries, keys and values are read where the
+    projection wrote them (rows ``3 n d`` apart: the matmuls take such operands as they are), its output written
+    into the token layout that a channels-last map is a view of, and ``qkv``'s gradient assembled in place (autograd
+    would copy three separate gradients into it). One head of a chunk of images at a time (each chunk
+    :data:`CHUNK_LOGITS` logits, in cache from their product to the values' product); ``scale`` is applied by the
+    matmuls (no pass over the queries or their gradient).
+
+    ``rel``: extra logits ``rel[b, h] @ keys^T`` added before scaling, from ``(B, n, N, e)`` query columns (given a
+    gradient) and constant ``(N, e)`` key columns: MHSA-2D's relative logits and the one-hot rows and columns of its
+    keys, in a second matmul that accumulates onto the same logits (no widened queries or keys)."""
+
+    @staticmethod
+    def forward(qkv, heads: int, scale: float, rel: Optional[torch.Tensor], keys: Optional[torch.Tensor],
+                chunked: bool = True):
+        B, N, width = qkv.shape
+        out = qkv.new_empty(B, N, width // 3)
+        probs = []
+        fold = _Fold(qkv, heads, rel, keys, chunked)
+        for (i, j), h in _packed_steps(B, N, heads, chunked):
+            q, k, v = fold(qkv, rel, i, j, h)
+            logits = torch.baddbmm(qkv.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=scale)
+            probs.append(torch.softmax(logits, -1, out=logits))  # in place: the logits are not needed again
+            _head_of(out, heads, i, j, h).copy_(torch.bmm(probs[-1], v))
+        return (out, *probs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        qkv, heads, scale, rel, keys, *chunked = inputs
+        ctx.mark_non_differentiable(*output[1:])
+        ctx.set_materialize_grads(False)  # the probabilities get no gradient: no zero tensors for them
+        ctx.heads, ctx.scale = heads, scale
+        ctx.save_for_backward(qkv, rel, keys, *output[1:])
+
+    @staticmethod
+    def backward(ctx, g: Optional[torch.Tensor], *_):
+        qkv, rel, keys, *saved = ctx.saved_tensors
+        if g is None:
+            return (None,) * 6
+        heads, scale, need = ctx.heads, ctx.scale, ctx.needs_input_grad
+        if torch.is_grad_enabled():  # a double backward: the plain ops formed again and differentiated with a graph
+            wanted = [t for t, w in zip((qkv, rel), (need[0], need[3])) if w]
+            grads = iter(torch.autograd.grad(_packed_plain(qkv, heads, scale, rel, keys), wanted, g, create_graph=True))
+            return (next(grads) if need[0] else None, None, None, next(grads) if need[3] else None, None, None)
+        B, N, _ = qkv.shape
+        dqkv = qkv.new_empty(qkv.shape) if need[0] else None
+        drel = torch.empty_like(rel) if need[3] else None  # in rel's own layout
+        dp = None
+        chunked = len(saved) > 1
+        fold = _Fold(qkv, heads, rel, keys, chunked)
+        for ((i, j), h), p in zip(_packed_steps(B, N, heads, chunked), saved):
+            q, k, v = fold(qkv, rel, i, j, h)
+            gh = _head_of(g, heads, i, j, h)
+            dp = torch.bmm(gh, v.transpose(1, 2), out=dp if dp is not None and dp.shape == p.shape else None)
+            ds = SOFTMAX_GRAD_INTO(dp, p, -1, p.dtype, grad_input=dp)  # in place over dp
+            dq, dk, dv = _packed_head(dqkv, heads, i, j, h) if dqkv is not None else (None,) * 3
+            if dq is not None or drel is not None:  # the folded queries' gradient: q's columns, then rel's
+                dqf = torch.baddbmm(ds.new_empty(()), ds, k, beta=0.0, alpha=scale)
+                if dq is not None:
+                    dq.copy_(dqf[..., : dq.shape[-1]])
+                if drel is not None:
+                    drel[i:j, h].copy_(dqf[..., dq.shape[-1]: dq.shape[-1] + rel.shape[-1]])
+            if dqkv is not None:
+                dk.copy_(_transposed_product(ds, q[..., : dk.shape[-1]], scale))
+                dv.copy_(_transposed_product(p, gh, 1.0))
+        return dqkv, None, None, drel, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, qkv, heads, scale, rel, keys, chunked=True):
+        """The mapped dimension merged into the batch (the images are independent), in one chunk per head."""
+        if in_dims[4] is not None:
+            raise NotImplementedError("packed attention: the constant key columns cannot vary along a vmap")
+        V = info.batch_size
+
+        def merged(t: Optional[torch.Tensor], d: Optional[int]) -> Optional[torch.Tensor]:
+            if t is None:
+                return None
+            t = t.movedim(d, 0) if d is not None else t.expand(V, *t.shape)
+            return t.reshape(V * t.shape[1], *t.shape[2:])
+
+        outs = _PackedAttention.apply(merged(qkv, in_dims[0]), heads, scale, merged(rel, in_dims[3]), keys, False)
+        return tuple(o.view(V, o.shape[0] // V, *o.shape[1:]) for o in outs), (0,) * len(outs)
+
+
+def _transposed_product(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * a^T b`` for square ``(c, N, N)`` ``a`` and narrow ``(c, N, d)`` ``b``: for ``N >= 4 d`` as the
+    transpose of ``b^T a`` (a view), whose matmul reads ``a`` untransposed: 0.75-0.9x the time at the recipe's
+    15 x 15 maps (d 16 and 32), slower at 7 x 7 (d 64 and 128)."""
+    if a.shape[-1] >= 4 * b.shape[-1]:
+        return torch.baddbmm(a.new_empty(()), b.transpose(1, 2), a, beta=0.0, alpha=scale).transpose(1, 2)
+    return torch.baddbmm(a.new_empty(()), a.transpose(1, 2), b, beta=0.0, alpha=scale)
+
+
+def _packed_steps(B: int, N: int, heads: int, chunked: bool) -> List[Tuple[Tuple[int, int], int]]:
+    """``((start, stop), head)`` of each step: the chunks of the batch (one under ``vmap``: its rule merges the mapped
+    dimension into the batch), each head in turn."""
+    return [(span, h) for span in (spans(B, N * N) if chunked else [(0, B)]) for h in range(heads)]
+
+
+def _head_of(t: torch.Tensor, heads: int, i: int, j: int, h: int) -> torch.Tensor:
+    """Head ``h`` of images ``i:j`` of ``(B, N, n d)`` tokens: ``(c, N, d)``, a view."""
+    d = t.shape[-1] // heads
+    return t[i:j, :, h * d: (h + 1) * d]
+
+
+def _packed_head(qkv: torch.Tensor, heads: int, i: int, j: int, h: int):
+    """Head ``h``'s queries, keys and values of images ``i:j``, each ``(c, N, d)``, views of ``qkv``."""
+    d = qkv.shape[-1] // (3 * heads)
+    return tuple(qkv[i:j, :, (part * heads + h) * d: (part * heads + h + 1) * d] for part in range(3))
+
+
+class _Fold:
+    """Each step's queries, keys and values for :class:`_PackedAttention`: views of ``qkv`` without ``rel``; with it,
+    the queries widened by ``rel``'s columns and the keys by the constant ``keys`` (zero columns pad both to a
+    multiple of 8), in two buffers reused across steps, the constant columns written once."""
+
+    def __init__(self, qkv: torch.Tensor, heads: int, rel: Optional[torch.Tensor], keys: Optional[torch.Tensor],
+                 chunked: bool):
+        self.heads = heads
+        if rel is None:
+            return
+        B, N, width = qkv.shape
+        d = width // (3 * heads)
+        e = rel.shape[-1]
+        rows = max(j - i for (i, j), _ in _packed_steps(B, N, 1, chunked))
+        self.q = qkv.new_zeros(rows, N, -(-(d + e) // 8) * 8)
+        self.k = torch.zeros_like(self.q)
+        self.k[:, :, d: d + e] = keys.to(qkv.dtype)
+
+    def __call__(self, qkv: torch.Tensor, rel: Optional[torch.Tensor], i: int, j: int, h: int):
+        q, k, v = _packed_head(qkv, self.heads, i, j, h)
+        if rel is None:
+            return q, k, v
+        d, c = q.shape[-1], j - i
+        fq, fk = self.q[:c], self.k[:c]
+        fq[..., :d].copy_(q)
+        fq[..., d: d + rel.shape[-1]].copy_(rel[i:j, h])
+        fk[..., :d].copy_(k)
+        return fq, fk, v
+
+
+def _unpack(qkv: torch.Tensor, heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(B, N, 3 n d)`` tokens -> ``q, k, v``, each ``(B, n, N, d)`` (views)."""
+    B, N, three_c = qkv.shape
+    return qkv.view(B, N, 3, heads, three_c // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _packed_plain(qkv: torch.Tensor, heads: int, scale: float, rel: Optional[torch.Tensor],
+                  keys: Optional[torch.Tensor]) -> torch.Tensor:
+    """:class:`_PackedAttention`'s output in plain differentiable ops."""
+    q, k, v = _unpack(qkv, heads)
+    B, n, N, _ = q.shape
+    logits = torch.matmul(q, k.transpose(-2, -1))
+    if rel is not None:
+        logits = logits + torch.matmul(rel, keys.to(rel.dtype).t())
+    y = (logits * scale).softmax(dim=-1) @ v  # (B, n, N, d)
+    return y.transpose(1, 2).reshape(B, N, -1)
+
+
+def packed_attention(qkv: torch.Tensor, heads: int, scale: float, rel: Optional[torch.Tensor] = None,
+                     keys: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``softmax(scale * (q k^T + rel keys^T)) v`` per head from packed ``(B, N, 3 n d)`` tokens, as ``(B, N, n d)``
+    tokens: the blocks' explicit bf16 path (:func:`explicit_bf16`), through :class:`_PackedAttention` where a graph
+    is recorded outside ``torch.compile``, else in plain ops."""
+    if (torch.is_grad_enabled() and (qkv.requires_grad or (rel is not None and rel.requires_grad))
+            and SOFTMAX_GRAD_INTO is not None and not torch.compiler.is_compiling()):
+        return _PackedAttention.apply(qkv, heads, scale, rel, keys)[0]
+    return _packed_plain(qkv, heads, scale, rel, keys)
+
+
 def with_keys(k: torch.Tensor, keys: Optional[torch.Tensor]) -> torch.Tensor:
     """``k`` with the constant ``(N, e)`` key columns ``keys`` after its own (every batch and head), or ``k``."""
     if keys is None:
@@ -215,6 +388,12 @@ def _to_map(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return y.transpose(2, 3).clone(memory_format=torch.contiguous_format).view(B, n * d, H, W)
 
 
+# the fewest positions from which a block's projection runs as a 1x1 convolution of its linear layer's weight (for
+# channels-last input): forward and backward of the recipe's projections took 0.67-0.97x the linear layer's time at
+# 15 x 15 and 7 x 7 in bf16 and fp32 (AVX512-BF16), but 1.0-1.2x at 3 x 3
+CONV_FROM = 16
+
+
 class ResidualSelfAttention2d(nn.Module):
     """What both blocks share: the input checks, the attention and its tap, and the output path
     ``x + norm(proj(y))`` that starts at zero."""
@@ -231,7 +410,13 @@ class ResidualSelfAttention2d(nn.Module):
         """The checked ``(B, C, H, W)`` input's ``qkv`` projection per position, ``(B, N, 3 * width)``."""
         check_feature_map(self, x, self.channels)
         check_norm_batch(self, self.norm, x.shape[0] * x.shape[2] * x.shape[3], x)
-        return self.qkv(x.flatten(2).transpose(1, 2))  # tokens: a view, contiguous for channels_last input
+        if is_channels_last(x) and x.shape[2] * x.shape[3] >= CONV_FROM:
+            # as a 1x1 convolution, whose channels-last output is the tokens (a view): its backward forms the bias's
+            # gradient inside the kernel, where the linear layer's sums the tokens' gradient in a pass of its own
+            w = self.qkv.weight
+            y = F.conv2d(x, w.view(*w.shape, 1, 1), self.qkv.bias)
+            return y.permute(0, 2, 3, 1).flatten(1, 2)
+        return self.qkv(x.flatten(2).transpose(1, 2))  # tokens: a view
 
     def attend(self, q, k, v, H: int, W: int) -> torch.Tensor:
         """Softmax attention, scores ``q k^T * self.scale``: ``(B, n, N, dq)`` queries and keys, ``(B, n, N, dv)``
@@ -246,6 +431,12 @@ class ResidualSelfAttention2d(nn.Module):
 
     def output(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x + self.norm(self.proj(_to_map(y, x)))
+
+    def output_tokens(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """:meth:`output` from ``(B, N, C')`` attention output tokens: for a channels-last ``x`` a view, no copy."""
+        B, _, H, W = x.shape
+        y = y.view(B, H, W, y.shape[-1]).permute(0, 3, 1, 2)
+        return x + self.norm(self.proj(y if is_channels_last(x) else y.contiguous()))
 
 
 SCALE_BY = ("inter", "channels")
@@ -302,6 +493,8 @@ class NonLocal2d(ResidualSelfAttention2d):
         B, C, H, W = x.shape
         d = self.inter_channels
         q, k, v = qkv.view(B, 1, H * W, 3 * d).split(d, dim=-1)  # (B, 1, N, d) each
+        if not self.tap.active and explicit_bf16(q, k):  # bf16 on a native-bf16 CPU: from the packed tokens
+            return self.output_tokens(x, packed_attention(qkv, 1, self.scale))
         return self.output(x, self.attend(q, k, v, H, W))  # attention output (B, 1, N, d)
 
 
@@ -319,6 +512,15 @@ def rel_pos_embed(table: torch.Tensor, size: int) -> torch.Tensor:
     t = _rel_table(table, size)
     pos = torch.arange(size, device=table.device)
     return t[pos[None, :] - pos[:, None] + size - 1]
+
+
+def rel_keys(H: int, W: int, pad: int, like: torch.Tensor) -> torch.Tensor:
+    """The constant key columns of the relative logits, ``(H W, H + W + pad)``: key ``j``'s row one-hot, its
+    column one-hot, ``pad`` zeros."""
+    N = H * W
+    rows = torch.eye(H, dtype=like.dtype, device=like.device)[:, None, :].expand(H, W, H).reshape(N, H)
+    cols = torch.eye(W, dtype=like.dtype, device=like.device)[None, :, :].expand(H, W, W).reshape(N, W)
+    return torch.cat([rows, cols, rows.new_zeros(N, pad)], dim=1)
 
 
 @register_attention("mhsa2d", layout="feature", kind="token")
@@ -390,13 +592,26 @@ class MHSA2d(ResidualSelfAttention2d):
         if not self.scale_pos:  # the attention scales every logit: undo it on the relative ones
             lh, lw = lh / self.scale, lw / self.scale
         pad = -(d + H + W) % 8
-        eye_h = torch.eye(H, dtype=q.dtype, device=q.device)
-        eye_w = torch.eye(W, dtype=q.dtype, device=q.device)
-        rows = eye_h[:, None, :].expand(H, W, H).reshape(N, H)  # key j's row, one-hot
-        cols = eye_w[None, :, :].expand(H, W, W).reshape(N, W)  # key j's column, one-hot
-        keys = torch.cat([rows, cols, rows.new_zeros(N, pad)], dim=1)
+        keys = rel_keys(H, W, pad, q)
         queries = [q, lh.reshape(B, n, N, H), lw.reshape(B, n, N, W), q.new_zeros(B, n, N, pad)]
         return torch.cat(queries, dim=-1), keys
+
+    def rel_logits(self, qkv: torch.Tensor, H: int, W: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The relative logits of the packed ``(B, N, 3C)`` tokens' queries before scaling, for every key row and
+        every key column, ``(B, n, N, H + W)`` (a view), and their constant key columns ``(N, H + W)``
+        (:meth:`rel_parts`' without padding): ``rel @ keys^T`` is ``q_i r_ij``. One batched matmul over the
+        positions, each query position against its own ``H + W`` offsets (its row's in ``rel_h``, its column's in
+        ``rel_w``), not one per image, head and row."""
+        B, N = qkv.shape[:2]
+        n, d = self.num_heads, self.head_dim
+        q = qkv.view(B, N, 3, n, d)[:, :, 0].transpose(0, 1).reshape(N, B * n, d)  # (N, B n, d)
+        e_h = rel_pos_embed(self.rel_h, H).to(qkv.dtype)  # (H, H, d): query row, key row
+        e_w = rel_pos_embed(self.rel_w, W).to(qkv.dtype)  # (W, W, d): query column, key column
+        table = torch.cat([e_h[:, None].expand(H, W, H, d), e_w[None].expand(H, W, W, d)], dim=2)  # (H, W, H + W, d)
+        rel = torch.bmm(q, table.view(N, H + W, d).transpose(1, 2))  # (N, B n, H + W)
+        if not self.scale_pos:  # the attention scales every logit: undo it on the relative ones
+            rel = rel / self.scale
+        return rel.view(N, B, n, H + W).permute(1, 2, 0, 3), rel_keys(H, W, 0, qkv)
 
     def with_rel_pos(self, q: torch.Tensor, k: torch.Tensor, H: int, W: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(B, n, N, d)`` queries and keys -> ``(B, n, N, d + H + W + pad)`` ones whose dot product is BoTNet's
@@ -413,9 +628,9 @@ class MHSA2d(ResidualSelfAttention2d):
         n, d = self.num_heads, self.head_dim
         q, k, v = qkv.view(B, H * W, 3, n, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, n, N, d) each
         if not self.tap.active and explicit_bf16(q, k):
-            # bf16 on a native-bf16 CPU: the queries scaled before the fold (one pass over d columns, not over
-            # d + H + W), the one-hot key columns handed over as constants (no gradient formed for them)
-            queries, keys = self.rel_parts(q * self.scale, H, W)
-            return self.output(x, explicit_attention(queries, k, v, 1.0, keys))
+            # bf16 on a native-bf16 CPU: from the packed tokens, the relative logits and their one-hot key columns
+            # handed over as extra columns (widened chunk by chunk; no gradient formed for the constant ones)
+            rel, keys = self.rel_logits(qkv, H, W)
+            return self.output_tokens(x, packed_attention(qkv, n, self.scale, rel, keys))
         q, k = self.with_rel_pos(q, k, H, W)  # (B, n, N, d + H + W + pad)
         return self.output(x, self.attend(q, k, v, H, W))  # attention output (B, n, N, d)
