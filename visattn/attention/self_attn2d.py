@@ -604,14 +604,15 @@ class MHSA2d(ResidualSelfAttention2d):
         ``rel_w``), not one per image, head and row."""
         B, N = qkv.shape[:2]
         n, d = self.num_heads, self.head_dim
-        q = qkv.view(B, N, 3, n, d)[:, :, 0].transpose(0, 1).reshape(N, B * n, d)  # (N, B n, d)
+        # (N, n B, d): for each position and head, the chunk of images each step of the attention reads lies together
+        q = qkv.view(B, N, 3, n, d)[:, :, 0].permute(1, 2, 0, 3).reshape(N, n * B, d)
         e_h = rel_pos_embed(self.rel_h, H).to(qkv.dtype)  # (H, H, d): query row, key row
         e_w = rel_pos_embed(self.rel_w, W).to(qkv.dtype)  # (W, W, d): query column, key column
         table = torch.cat([e_h[:, None].expand(H, W, H, d), e_w[None].expand(H, W, W, d)], dim=2)  # (H, W, H + W, d)
-        rel = torch.bmm(q, table.view(N, H + W, d).transpose(1, 2))  # (N, B n, H + W)
+        rel = torch.bmm(q, table.view(N, H + W, d).transpose(1, 2))  # (N, n B, H + W)
         if not self.scale_pos:  # the attention scales every logit: undo it on the relative ones
             rel = rel / self.scale
-        return rel.view(N, B, n, H + W).permute(1, 2, 0, 3), rel_keys(H, W, 0, qkv)
+        return rel.view(N, n, B, H + W).permute(2, 1, 0, 3), rel_keys(H, W, 0, qkv)
 
     def with_rel_pos(self, q: torch.Tensor, k: torch.Tensor, H: int, W: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(B, n, N, d)`` queries and keys -> ``(B, n, N, d + H + W + pad)`` ones whose dot product is BoTNet's
