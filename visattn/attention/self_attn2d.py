@@ -180,7 +180,7 @@ class _PackedAttention(torch.autograd.Function):
             q, k, v = fold(qkv, rel, i, j, h)
             logits = torch.baddbmm(qkv.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=scale)
             probs.append(torch.softmax(logits, -1, out=logits))  # in place: the logits are not needed again
-            _head_of(out, heads, i, j, h).copy_(torch.bmm(probs[-1], v))
+            torch.bmm(probs[-1], v, out=_head_of(out, heads, i, j, h))  # written in place, rows n d apart
         return (out, *probs)
 
     @staticmethod
@@ -214,14 +214,18 @@ class _PackedAttention(torch.autograd.Function):
             ds = SOFTMAX_GRAD_INTO(dp, p, -1, p.dtype, grad_input=dp)  # in place over dp
             dq, dk, dv = _packed_head(dqkv, heads, i, j, h) if dqkv is not None else (None,) * 3
             if dq is not None or drel is not None:  # the folded queries' gradient: q's columns, then rel's
-                dqf = torch.baddbmm(ds.new_empty(()), ds, k, beta=0.0, alpha=scale)
-                if dq is not None:
-                    dq.copy_(dqf[..., : dq.shape[-1]])
-                if drel is not None:
-                    drel[i:j, h].copy_(dqf[..., dq.shape[-1]: dq.shape[-1] + rel.shape[-1]])
+                if rel is None:
+                    torch.baddbmm(ds.new_empty(()), ds, k, beta=0.0, alpha=scale, out=dq)
+                else:
+                    dqf = torch.baddbmm(ds.new_empty(()), ds, k, beta=0.0, alpha=scale, out=fold.grad(j - i))
+                    d = k.shape[-1] - fold.pad - rel.shape[-1]
+                    if dq is not None:
+                        dq.copy_(dqf[..., :d])
+                    if drel is not None:
+                        drel[i:j, h].copy_(dqf[..., d: d + rel.shape[-1]])
             if dqkv is not None:
-                dk.copy_(_transposed_product(ds, q[..., : dk.shape[-1]], scale))
-                dv.copy_(_transposed_product(p, gh, 1.0))
+                _transposed_product(ds, q[..., : dk.shape[-1]], scale, dk)
+                _transposed_product(p, gh, 1.0, dv)
         return dqkv, None, None, drel, None, None
 
     @staticmethod
@@ -241,13 +245,16 @@ class _PackedAttention(torch.autograd.Function):
         return tuple(o.view(V, o.shape[0] // V, *o.shape[1:]) for o in outs), (0,) * len(outs)
 
 
-def _transposed_product(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale * a^T b`` for square ``(c, N, N)`` ``a`` and narrow ``(c, N, d)`` ``b``: for ``N >= 4 d`` as the
-    transpose of ``b^T a`` (a view), whose matmul reads ``a`` untransposed: 0.75-0.9x the time at the recipe's
-    15 x 15 maps (d 16 and 32), slower at 7 x 7 (d 64 and 128)."""
+def _transposed_product(a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """``out = scale * a^T b`` for square ``(c, N, N)`` ``a`` and narrow ``(c, N, d)`` ``b``: for ``N >= 4 d`` as
+    ``out^T = b^T a``, whose matmul reads ``a`` untransposed: 0.75-0.9x the time at the recipe's 15 x 15 maps (d 16
+    and 32), slower at 7 x 7 (d 64 and 128). The other form is written into ``out`` in place (rows apart): a
+    product formed apart and copied in took up to 3x as long (a fresh 6 MB result faults its pages in at every step);
+    the transposed one is copied in (into a transposed ``out`` the matmul falls back to a scalar loop)."""
     if a.shape[-1] >= 4 * b.shape[-1]:
-        return torch.baddbmm(a.new_empty(()), b.transpose(1, 2), a, beta=0.0, alpha=scale).transpose(1, 2)
-    return torch.baddbmm(a.new_empty(()), a.transpose(1, 2), b, beta=0.0, alpha=scale)
+        out.copy_(torch.baddbmm(a.new_empty(()), b.transpose(1, 2), a, beta=0.0, alpha=scale).transpose(1, 2))
+    else:
+        torch.baddbmm(a.new_empty(()), a.transpose(1, 2), b, beta=0.0, alpha=scale, out=out)
 
 
 def _packed_steps(B: int, N: int, heads: int, chunked: bool) -> List[Tuple[Tuple[int, int], int]]:
@@ -284,7 +291,15 @@ class _Fold:
         rows = max(j - i for (i, j), _ in _packed_steps(B, N, 1, chunked))
         self.q = qkv.new_zeros(rows, N, -(-(d + e) // 8) * 8)
         self.k = torch.zeros_like(self.q)
+        self.pad = self.q.shape[-1] - d - e
+        self.dq = None
         self.k[:, :, d: d + e] = keys.to(qkv.dtype)
+
+    def grad(self, c: int) -> torch.Tensor:
+        """A reused buffer for ``c`` images' widened queries' gradient."""
+        if self.dq is None:
+            self.dq = torch.empty_like(self.q)
+        return self.dq[:c]
 
     def __call__(self, qkv: torch.Tensor, rel: Optional[torch.Tensor], i: int, j: int, h: int):
         q, k, v = _packed_head(qkv, self.heads, i, j, h)
