@@ -12,7 +12,8 @@ suit the later, smaller stages. Plain PyTorch (compile, export, ONNX, trace, ``t
 under ``sdpa_kernel(SDPBackend.MATH)``. The tap (kind ``"token"``) carries ``(B, heads, N, N)`` weights with
 ``grid=(H, W)``: on recording passes the softmax is computed explicitly in fp32 and that same tensor
 multiplies the values; otherwise the path is fused ``F.scaled_dot_product_attention``, or, for bf16 on a CPU that
-computes bf16 natively (the recipe's autocast), the same attention written out in bf16 (:func:`fused_attention`).
+computes bf16 natively (the recipe's autocast), the same attention written out in bf16 from the blocks' packed
+projection (:func:`packed_attention`; other blocks' attention through :func:`fused_attention`).
 """
 from __future__ import annotations
 
