@@ -59,7 +59,8 @@ def softmax_grad(dp: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 # logits per chunk of the explicit path's batch: 2**21, 4 MiB in bf16, so that each chunk's scores stay in the CPU's
 # cache from their product through the softmax to the values' product (and their buffers are reused, not freshly
-# faulted in); at the recipe's 15 x 15 maps 41 images a chunk for the non-local block, 10 for MHSA-2D's 4 heads
+# faulted in); at the recipe's 15 x 15 maps 41 images a chunk (each head in turn in the blocks' packed attention;
+# 10 images of MHSA-2D's 4 heads together in :class:`_ExplicitAttention`)
 CHUNK_LOGITS = 2**21
 
 
@@ -190,6 +191,7 @@ class _PackedAttention(torch.autograd.Function):
         ctx.mark_non_differentiable(*output[1:])
         ctx.set_materialize_grads(False)  # the probabilities get no gradient: no zero tensors for them
         ctx.heads, ctx.scale = heads, scale
+        ctx.chunked = chunked[0] if chunked else True  # False from the vmap rule: one chunk, every head
         ctx.save_for_backward(qkv, rel, keys, *output[1:])
 
     @staticmethod
@@ -206,7 +208,7 @@ class _PackedAttention(torch.autograd.Function):
         dqkv = qkv.new_empty(qkv.shape) if need[0] else None
         drel = torch.empty_like(rel) if need[3] else None  # in rel's own layout
         dp = None
-        chunked = len(saved) > 1
+        chunked = ctx.chunked
         fold = _Fold(qkv, heads, rel, keys, chunked)
         for ((i, j), h), p in zip(_packed_steps(B, N, heads, chunked), saved):
             q, k, v = fold(qkv, rel, i, j, h)
