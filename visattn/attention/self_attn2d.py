@@ -169,7 +169,8 @@ class _PackedAttention(torch.autograd.Function):
 
     ``rel``: extra logits ``rel[b, h] @ keys^T`` added before scaling, from ``(B, n, N, e)`` query columns (given a
     gradient) and constant ``(N, e)`` key columns: MHSA-2D's relative logits and the one-hot rows and columns of its
-    keys, in a second matmul that accumulates onto the same logits (no widened queries or keys)."""
+    keys, folded step by step into widened queries and keys (:class:`_Fold`), so that one matmul forms both parts of
+    the logits (it measured faster than a second matmul accumulating onto them)."""
 
     @staticmethod
     def forward(qkv, heads: int, scale: float, rel: Optional[torch.Tensor], keys: Optional[torch.Tensor],
@@ -221,11 +222,10 @@ class _PackedAttention(torch.autograd.Function):
                     torch.baddbmm(ds.new_empty(()), ds, k, beta=0.0, alpha=scale, out=dq)
                 else:
                     dqf = torch.baddbmm(ds.new_empty(()), ds, k, beta=0.0, alpha=scale, out=fold.grad(j - i))
-                    d = k.shape[-1] - fold.pad - rel.shape[-1]
                     if dq is not None:
-                        dq.copy_(dqf[..., :d])
+                        dq.copy_(dqf[..., : fold.d])
                     if drel is not None:
-                        drel[i:j, h].copy_(dqf[..., d: d + rel.shape[-1]])
+                        drel[i:j, h].copy_(dqf[..., fold.d: fold.d + rel.shape[-1]])
             if dqkv is not None:
                 _transposed_product(ds, q[..., : dk.shape[-1]], scale, dk)
                 _transposed_product(p, gh, 1.0, dv)
@@ -274,8 +274,7 @@ def _head_of(t: torch.Tensor, heads: int, i: int, j: int, h: int) -> torch.Tenso
 
 def _packed_head(qkv: torch.Tensor, heads: int, i: int, j: int, h: int):
     """Head ``h``'s queries, keys and values of images ``i:j``, each ``(c, N, d)``, views of ``qkv``."""
-    d = qkv.shape[-1] // (3 * heads)
-    return tuple(qkv[i:j, :, (part * heads + h) * d: (part * heads + h + 1) * d] for part in range(3))
+    return tuple(_head_of(qkv, 3 * heads, i, j, part * heads + h) for part in range(3))
 
 
 class _Fold:
@@ -294,8 +293,7 @@ class _Fold:
         rows = max(j - i for (i, j), _ in _packed_steps(B, N, 1, chunked))
         self.q = qkv.new_zeros(rows, N, -(-(d + e) // 8) * 8)
         self.k = torch.zeros_like(self.q)
-        self.pad = self.q.shape[-1] - d - e
-        self.dq = None
+        self.d, self.dq = d, None
         self.k[:, :, d: d + e] = keys.to(qkv.dtype)
 
     def grad(self, c: int) -> torch.Tensor:
@@ -644,8 +642,8 @@ class MHSA2d(ResidualSelfAttention2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_tokens(x)  # (B, N, 3C)
         B, C, H, W = x.shape
-        n, d = self.num_heads, self.head_dim
-        q, k, v = qkv.view(B, H * W, 3, n, d).permute(2, 0, 3, 1, 4).unbind(0)  # (B, n, N, d) each
+        n = self.num_heads
+        q, k, v = _unpack(qkv, n)  # (B, n, N, d) each
         if not self.tap.active and explicit_bf16(q, k):
             # bf16 on a native-bf16 CPU: from the packed tokens, the relative logits and their one-hot key columns
             # handed over as extra columns (widened chunk by chunk; no gradient formed for the constant ones)
