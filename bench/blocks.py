@@ -11,7 +11,8 @@ and against its own earlier implementation, in one process; or (``--vs-timm``) e
 ``configs/attention/resnet_fast_<block>.yaml`` (the CPU recipe's: ``resnet_fast`` 64-256-256, the block in each
 group at ``unit_bn``, ``init: identity``) runs whole training steps (autocast forward, label-smoothed loss,
 backward, SGD step) at the recipe's batch of 512, channels-last, on batches already in memory: eager, and under
-``torch.compile`` (Inductor). Every block runs as the working tree has it ("after") and, where revision
+``torch.compile`` (Inductor). On a CPU glibc keeps freed memory for reuse, as ``train.py`` has it (config ``cpu_heap: keep``,
+:mod:`visattn.cpu_heap`; the JSON's ``cpu_heap``). Every block runs as the working tree has it ("after") and, where revision
 ``--before`` registered it, as that revision had it ("before": that revision's ``visattn/attention`` block files
 loaded into a throwaway package, the model's blocks swapped for them with the same weights; a block registered
 since is measured "after" only, its "before" null in the JSON). The issue's :data:`TARGETS` cover the eight
@@ -69,7 +70,7 @@ from torch import nn
 import visattn
 from bench.block_table import BASELINE, IMPLS, PROFILE, SPEED, read_table, tables  # SPEED: the attention summary's cost
 from bench.common import ROOT, command, cpu_name, interleaved, kernels, parser, revision
-from visattn import evaluate
+from visattn import cpu_heap, evaluate
 from visattn.attention.spatial import coord_mip
 from visattn.config import load_config
 from visattn.errors import ConfigError, run_main
@@ -410,7 +411,8 @@ def machine(args: argparse.Namespace, precision: str) -> dict:
             "cpu": cpu_name(), "kernels": kernels(args.device), "native_bf16": bool(native), "precision": precision,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "batch_size": args.batch_or_recipe, "steps": args.steps, "repeats": args.repeats, "quick": args.quick,
-            "before": before_label(args.before), "after": head or "?"}
+            "before": before_label(args.before), "after": head or "?",
+            **({"cpu_heap": args.cpu_heap} if getattr(args, "cpu_heap", None) else {})}
 
 
 def note(meta: dict) -> str:
@@ -461,6 +463,8 @@ def recipe_main(argv: Sequence[str]) -> None:
     if args.table:
         print(read_table(args.table, args.profile))
         return
+    if not args.device.startswith("cuda"):
+        args.cpu_heap = "keep" if cpu_heap.keep_freed_memory() else "system"  # as train.py sets it on a CPU
     before = load_before(args.before)
     models, batches, precision, kwargs, shapes = build_recipe(args, before)
     args.batch_or_recipe = batches[0][0].shape[0]

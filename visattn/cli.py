@@ -50,6 +50,19 @@ def _is_file(name: str) -> bool:
         return False
 
 
+def heap_for_cpu(cfg) -> bool:
+    """``cpu_heap`` for a run on a CPU (:mod:`visattn.cpu_heap`): this process is the run's own, so glibc's settings
+    are made here, not in :func:`visattn.trainer.run`, which leaves its caller's process as it found it."""
+    from . import cpu_heap
+    from .options import resolve_device
+
+    try:
+        on_cpu = resolve_device(cfg.device).type == "cpu"
+    except VisattnError:  # the trainer refuses such a device with its own message
+        return False
+    return on_cpu and cpu_heap.apply(cfg.cpu_heap)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     # intermixed: overrides may follow the flags (plain parse_args takes positionals only before them)
@@ -68,6 +81,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         from .signals import Interrupted
         from .trainer import run
+
+        heap_for_cpu(cfg)
 
         try:
             summary = run(cfg)

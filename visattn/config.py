@@ -376,6 +376,7 @@ class Config(_Section):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     channels_last: bool = True
+    cpu_heap: Literal["keep", "system"] = "keep"  # on a CPU: glibc keeps freed memory for the next step (cpu_heap.py)
     compile: bool = False
     deterministic: bool = False
     sync_bn: bool = False  # SyncBatchNorm under torchrun
