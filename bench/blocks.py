@@ -74,7 +74,7 @@ from visattn import cpu_heap, evaluate
 from visattn.attention.spatial import coord_mip
 from visattn.config import load_config
 from visattn.errors import ConfigError, run_main
-from visattn.options import check_at_least
+from visattn.options import check_at_least, resolve_device
 from visattn.results import write_atomic
 
 try:  # coordinate attention arrived in timm 1.0.16 (timm/layers/coord_attn.py)
@@ -463,7 +463,7 @@ def recipe_main(argv: Sequence[str]) -> None:
     if args.table:
         print(read_table(args.table, args.profile))
         return
-    if not args.device.startswith("cuda"):
+    if resolve_device(args.device).type == "cpu":
         args.cpu_heap = "keep" if cpu_heap.keep_freed_memory() else "system"  # as train.py sets it on a CPU
     before = load_before(args.before)
     models, batches, precision, kwargs, shapes = build_recipe(args, before)

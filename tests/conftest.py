@@ -30,6 +30,18 @@ SMOKE = ROOT / "configs" / "smoke.yaml"
 TIMING = {"images_per_s", "epoch_seconds", "wall_seconds", "eval_seconds"}  # metrics that vary run to run
 
 
+@pytest.fixture(scope="session", autouse=True)
+def allocator_left_alone() -> Iterator[None]:
+    """``train.py`` and the benches set glibc's allocator for the process they run in (``cpu_heap: keep``,
+    visattn/cpu_heap.py); called in this process they leave the test session's as it is (tests of the setting itself
+    run it in processes of their own)."""
+    from visattn import cpu_heap
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_heap, "keep_freed_memory", lambda: False)
+        yield
+
+
 def metrics_rows(run_dir: Path) -> List[Dict]:
     """The run's metrics.jsonl rows without the timing fields (for comparing two runs exactly)."""
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING}

@@ -9,8 +9,8 @@ PKG = Path(__file__).resolve().parents[1] / "visattn"
 
 # Floors, lowest first: a module may import its own floor's modules and the floors below, never above.
 FLOORS = (
-    ("visattn.errors", "visattn.registry", "visattn.options", "visattn.results", "visattn.rng", "visattn.signals",
-     "visattn.own_options"),
+    ("visattn.errors", "visattn.registry", "visattn.options", "visattn.cpu_heap", "visattn.results", "visattn.rng",
+     "visattn.signals", "visattn.own_options"),
     ("visattn.config", "visattn.cross_checks"),
     ("visattn.attention", "visattn.data"),
     ("visattn.models",),

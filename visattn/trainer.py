@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import cpu_heap
 from .attention.insert import check_sites
 from .config import Config, with_defaults
 from .data import Placement, Splits, build_loader, check_augment, load_splits, normalize, spread_indices
@@ -561,7 +562,8 @@ def _open_outputs(run: Run) -> None:
             "eval_split": run.splits.eval_split, "device": str(run.device), "precision": run.policy.precision,
             "world_size": run.dist.world_size, "parameters": sum(p.numel() for p in run.model.parameters()),
             "classes": list(run.splits.train.classes), "branched_from": _branched_from(run),
-            "init_from": run.init_from or _recorded(run, "init_from")}
+            "init_from": run.init_from or _recorded(run, "init_from"),
+            "cpu_heap": cpu_heap.in_effect() if run.device.type == "cpu" else None}  # what this process runs with
     (run_dir / "run_info.json").write_text(json.dumps(info, indent=2))
     if run.resume_from is not None or cfg.resume == "auto":  # (a new run under resume=auto: drops a torn line)
         trim_metrics(run_dir / "metrics.jsonl", run.epoch)
