@@ -81,7 +81,7 @@ def spawn(setting: str, args) -> dict:
            str(args.batch), "--steps", str(args.steps), "--repeats", str(args.repeats), "--precision", args.precision,
            *(["--threads", str(args.threads)] if args.threads else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode:
+    if done.returncode or not done.stdout.strip():
         raise ConfigError(f"the {setting} process failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -91,6 +91,8 @@ def measure(args) -> dict:
     for p in range(args.pairs):
         for setting in SETTINGS if p % 2 == 0 else SETTINGS[::-1]:
             procs.append(spawn(setting, args))
+            if setting == "keep" and not procs[-1]["applied"]:  # else glibc alone against glibc alone
+                raise ConfigError("cpu_heap: glibc refused the keep setting (mallopt) in its process: nothing to compare")
             print(f"  pair {p + 1} {setting:6s} " + "  ".join(f"{b} {args.batch * args.steps / s:.1f} images/s"
                                                             for b, s in procs[-1]["median_s"].items()), flush=True)
     by = {s: [pr for pr in procs if pr["setting"] == s] for s in SETTINGS}
@@ -141,13 +143,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = parser(__doc__, threads=True, precision="auto", precisions=("auto", "fp32", "bf16", "fp16"), batch=512,
                 repeats=5, out=True)
     ap.add_argument("--blocks", nargs="+", default=DEFAULT_BLOCKS,
-                    help="networks to time, the first the ratios' baseline (default: %(default)s)")
+                    help="networks to time; none is always among them, the ratios' baseline (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=3, help="training steps per timed call (default: 3)")
     ap.add_argument("--pairs", type=int, default=3, help="pairs of processes, one per setting (default: 3)")
     ap.add_argument("--doc", action="store_true", help=f"write {RESULTS.name}'s runs into docs/training.md and exit")
     ap.add_argument("--child", choices=SETTINGS, help=argparse.SUPPRESS)  # internal: the process of one setting
     args = ap.parse_args(argv)
-    args.blocks = list(dict.fromkeys(args.blocks))
+    args.blocks = ["none"] + [b for b in dict.fromkeys(args.blocks) if b != "none"]  # none first: the ratios' base
     if args.doc:
         runs = read_runs(RESULTS, "--doc")
         if not runs:

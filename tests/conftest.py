@@ -32,9 +32,9 @@ TIMING = {"images_per_s", "epoch_seconds", "wall_seconds", "eval_seconds"}  # me
 
 @pytest.fixture(scope="session", autouse=True)
 def allocator_left_alone() -> Iterator[None]:
-    """``train.py`` and the benches set glibc's allocator for the process they run in (``cpu_heap: keep``,
-    visattn/cpu_heap.py); called in this process they leave the test session's as it is (tests of the setting itself
-    run it in processes of their own)."""
+    """``train.py``, ``bench.blocks`` and ``bench.cpu_heap`` set glibc's allocator for the process they run in
+    (``cpu_heap: keep``, visattn/cpu_heap.py); called in this process they leave the test session's as it is (tests of
+    the setting itself run it in processes of their own)."""
     from visattn import cpu_heap
 
     with pytest.MonkeyPatch.context() as mp:

@@ -97,8 +97,12 @@ def test_train_py_sets_the_heap_before_a_cpu_run_starts(monkeypatch, device, mod
     assert seen == [expect]
 
 
-def test_the_trainer_leaves_its_callers_allocator_alone_and_records_it(monkeypatch, tiny_overrides):
+@pytest.mark.parametrize("made", [False, True])
+def test_the_trainer_leaves_its_callers_allocator_alone_and_records_it(monkeypatch, tiny_overrides, made):
+    """run_info.json says whether this process had the setting made (by train.py, or the caller) when the run began."""
     from visattn.trainer import run
+
+    monkeypatch.setitem(cpu_heap._state, "keep", made)
 
     def refuse(*_):
         pytest.fail("trainer.run changed the process's allocator")
@@ -107,7 +111,7 @@ def test_the_trainer_leaves_its_callers_allocator_alone_and_records_it(monkeypat
         monkeypatch.setattr(cpu_heap, name, refuse)
     cfg = load_config(SMOKE, [*tiny_overrides, "train.epochs=1"])
     run(cfg, log=lambda *a, **k: None)
-    assert json.loads((Path(cfg.run_dir) / "run_info.json").read_text())["cpu_heap"] == "system"
+    assert json.loads((Path(cfg.run_dir) / "run_info.json").read_text())["cpu_heap"] == ("keep" if made else "system")
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
@@ -118,10 +122,13 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 @needs_glibc
 def test_the_bench_compares_fresh_processes_and_adds_each_run_to_its_file(tmp_path):
     out = tmp_path / "heap.json"
+    earlier = {"speedup": {"none": 1.0}, "command": "an earlier run"}
+    out.write_text(json.dumps({"runs": [earlier]}))
     small = ["--blocks", "none", "--pairs", "1", "--repeats", "1", "--steps", "1", "--batch", "8", "--threads", "1"]
     done = bench(*small, "--out", str(out))
     assert done.returncode == 0, done.stderr
-    run = json.loads(out.read_text())["runs"][0]
+    first, run = json.loads(out.read_text())["runs"]  # added after the earlier run, which is kept as it was
+    assert first == earlier
     assert {(r["block"], r["setting"]) for r in run["rows"]} == {("none", "keep"), ("none", "system")}
     assert [(p["setting"], p["applied"]) for p in run["processes"]] == [("system", False), ("keep", True)]
     assert run["speedup"]["none"] > 0 and run["batch_size"] == 8 and run["command"].startswith("python -m bench")
@@ -153,7 +160,7 @@ def test_the_bf16_line_quotes_the_last_run_as_the_file_gives_it():
     run = bench_heap.read_runs(bench_heap.RESULTS)[-1]
     rows = {(r["block"], r["setting"]): r for r in run["rows"]}
     page = (ROOT / "docs" / "blocks.md").read_text()
-    text = page[page.index("**Memory between steps**"):][:900]
+    text = " ".join(page[page.index("**Memory between steps**"):].split())[:1200]  # line breaks as spaces
     assert f"`none`'s step from {rows[('none', 'system')]['page_faults_per_step'] / 1000:.1f}k page faults" in text
     assert f"ran it {run['speedup']['none']:.2f}x as fast" in text and f"non-local's {run['speedup']['nonlocal']:.2f}x" in text
     assert (f"ratio read {rows[('nonlocal', 'system')]['ratio']:.3f} with glibc left alone and "
