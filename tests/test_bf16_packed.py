@@ -79,6 +79,37 @@ def test_strided_extra_columns_get_their_gradient_in_their_own_layout():
     assert torch.allclose(got, want, atol=1e-12)
 
 
+def dense(t: torch.Tensor) -> bool:
+    """Each matrix of ``t`` one dense block, rows or columns contiguous, and the blocks one after another: what torch's
+    bf16 matmul reads as it is (any other operand it clones first)."""
+    return t.is_contiguous() or t.transpose(-2, -1).is_contiguous()
+
+
+@pytest.mark.parametrize("heads,e", [(1, 0), (4, 0), (2, 6)])
+def test_every_matmul_reads_and_writes_dense_blocks(heads, e):
+    """Forward and backward, each matmul of the function (bmm and baddbmm, their outputs given or not) gets dense
+    operands: the tokens are laid out once per head (``(3, n, B, N, d)``), not read where the projection wrote them
+    (rows ``3 n d`` apart, which the matmul clones at every step); one head, several, with extra columns."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Operands(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.baddbmm):
+                mats = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 3]
+                mats += [kwargs["out"]] if "out" in kwargs else []
+                seen.append((func.overloadpacket.__name__, [tuple(m.stride()) for m in mats], all(map(dense, mats))))
+            return func(*args, **kwargs)
+
+    qkv, rel, keys = inputs(B=6, N=12, heads=heads, d=8, e=e, dtype=torch.bfloat16)
+    with Operands():
+        y = sa._PackedAttention.apply(qkv, heads, 0.5, rel, keys)[0]
+        torch.autograd.grad(y, [t for t in (qkv, rel) if t is not None], torch.randn_like(y))
+    assert len(seen) >= 6 * heads and all(ok for *_, ok in seen), [s for s in seen if not s[-1]]
+
+
 def test_bf16_is_the_fp32_attention_to_bf16_tolerance(monkeypatch):
     monkeypatch.setattr(sa, "CHUNK_LOGITS", 2 * 12 * 12)
     qkv, rel, keys = inputs(heads=2, e=6, dtype=torch.float32, seed=3)

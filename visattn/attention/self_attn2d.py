@@ -160,12 +160,14 @@ class _PackedAttention(torch.autograd.Function):
     """The explicit bf16 attention of a block's packed projection: ``qkv`` tokens ``(B, N, 3 n d)`` (queries, keys
     and values, ``n`` heads of ``d`` each, in that order, as one linear map writes them) -> the attention's output
     tokens ``(B, N, n d)``, and, backward, the gradient of ``qkv`` as one tensor. What :class:`_ExplicitAttention`
-    computes, with the copies that surrounded it gone: each head's queries, keys and values are read where the
-    projection wrote them (rows ``3 n d`` apart: the matmuls take such operands as they are), its output written
-    into the token layout that a channels-last map is a view of, and ``qkv``'s gradient assembled in place (autograd
-    would copy three separate gradients into it). One head of a chunk of images at a time (each chunk
-    :data:`CHUNK_LOGITS` logits, in cache from their product to the values' product); ``scale`` is applied by the
-    matmuls (no pass over the queries or their gradient).
+    computes, with the copies that surrounded it gone: the tokens are laid out once as ``(3, n, B, N, d)``
+    (:func:`_parts`, one pass), so that every step's queries, keys and values are dense blocks, which torch's bf16
+    matmuls take as they are (an operand whose rows lie ``3 n d`` apart, read where the projection wrote it, is
+    cloned by the matmul at every step: about 7 copies a step); the outputs and gradients are written into dense
+    blocks of the same layout and put back into the token layout in one pass each (none for the output of one
+    head). One head of a chunk of images at a time (each chunk :data:`CHUNK_LOGITS` logits, in cache from their
+    product to the values' product); ``scale`` is applied by the matmuls (no pass over the queries or their
+    gradient).
 
     ``rel``: extra logits ``rel[b, h] @ keys^T`` added before scaling, from ``(B, n, N, e)`` query columns (given a
     gradient) and constant ``(N, e)`` key columns: MHSA-2D's relative logits and the one-hot rows and columns of its
@@ -176,28 +178,32 @@ class _PackedAttention(torch.autograd.Function):
     def forward(qkv, heads: int, scale: float, rel: Optional[torch.Tensor], keys: Optional[torch.Tensor],
                 chunked: bool = True):
         B, N, width = qkv.shape
-        out = qkv.new_empty(B, N, width // 3)
+        parts = _parts(qkv, heads)  # (3, n, B, N, d)
+        out = qkv.new_empty(heads, B, N, parts.shape[-1])  # each head's output, dense
         probs = []
-        fold = _Fold(qkv, heads, rel, keys, chunked)
+        fold = _Fold(parts, rel, keys, chunked)
         for (i, j), h in _packed_steps(B, N, heads, chunked):
-            q, k, v = fold(qkv, rel, i, j, h)
+            q, k, v = fold(parts, rel, i, j, h)
             logits = torch.baddbmm(qkv.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=scale)
             probs.append(torch.softmax(logits, -1, out=logits))  # in place: the logits are not needed again
-            torch.bmm(probs[-1], v, out=_head_of(out, heads, i, j, h))  # written in place, rows n d apart
-        return (out, *probs)
+            torch.bmm(probs[-1], v, out=out[h, i:j])
+        # tokens (B, N, n d): one head's output is already laid out so
+        tokens = out[0] if heads == 1 else out.permute(1, 2, 0, 3).reshape(B, N, width // 3)
+        return (tokens, parts, *probs)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
         qkv, heads, scale, rel, keys, *chunked = inputs
         ctx.mark_non_differentiable(*output[1:])
-        ctx.set_materialize_grads(False)  # the probabilities get no gradient: no zero tensors for them
+        ctx.set_materialize_grads(False)  # the parts and probabilities get no gradient: no zero tensors for them
         ctx.heads, ctx.scale = heads, scale
         ctx.chunked = chunked[0] if chunked else True  # False from the vmap rule: one chunk, every head
+        # qkv itself for a double backward (it carries the graph), its parts and the probabilities for the backward
         ctx.save_for_backward(qkv, rel, keys, *output[1:])
 
     @staticmethod
     def backward(ctx, g: Optional[torch.Tensor], *_):
-        qkv, rel, keys, *saved = ctx.saved_tensors
+        qkv, rel, keys, parts, *saved = ctx.saved_tensors
         if g is None:
             return (None,) * 6
         heads, scale, need = ctx.heads, ctx.scale, ctx.needs_input_grad
@@ -206,17 +212,19 @@ class _PackedAttention(torch.autograd.Function):
             grads = iter(torch.autograd.grad(_packed_plain(qkv, heads, scale, rel, keys), wanted, g, create_graph=True))
             return (next(grads) if need[0] else None, None, None, next(grads) if need[3] else None, None, None)
         B, N, _ = qkv.shape
-        dqkv = qkv.new_empty(qkv.shape) if need[0] else None
+        d = parts.shape[-1]
+        g = g.reshape(B, N, heads, d).permute(2, 0, 1, 3).contiguous()  # (n, B, N, d): a view for one head
+        dparts = torch.empty_like(parts) if need[0] else None
         drel = torch.empty_like(rel) if need[3] else None  # in rel's own layout
         dp = None
         chunked = ctx.chunked
-        fold = _Fold(qkv, heads, rel, keys, chunked)
+        fold = _Fold(parts, rel, keys, chunked)
         for ((i, j), h), p in zip(_packed_steps(B, N, heads, chunked), saved):
-            q, k, v = fold(qkv, rel, i, j, h)
-            gh = _head_of(g, heads, i, j, h)
+            q, k, v = fold(parts, rel, i, j, h)
+            gh = g[h, i:j]
             dp = torch.bmm(gh, v.transpose(1, 2), out=dp if dp is not None and dp.shape == p.shape else None)
             ds = SOFTMAX_GRAD_INTO(dp, p, -1, p.dtype, grad_input=dp)  # in place over dp
-            dq, dk, dv = _packed_head(dqkv, heads, i, j, h) if dqkv is not None else (None,) * 3
+            dq, dk, dv = (dparts[part, h, i:j] for part in range(3)) if dparts is not None else (None,) * 3
             if dq is not None or drel is not None:  # the folded queries' gradient: q's columns, then rel's
                 if rel is None:
                     torch.baddbmm(ds.new_empty(()), ds, k, beta=0.0, alpha=scale, out=dq)
@@ -226,9 +234,10 @@ class _PackedAttention(torch.autograd.Function):
                         dq.copy_(dqf[..., : fold.d])
                     if drel is not None:
                         drel[i:j, h].copy_(dqf[..., fold.d: fold.d + rel.shape[-1]])
-            if dqkv is not None:
-                _transposed_product(ds, q[..., : dk.shape[-1]], scale, dk)
+            if dparts is not None:
+                _transposed_product(ds, parts[0, h, i:j], scale, dk)  # the dense queries, not the folded ones
                 _transposed_product(p, gh, 1.0, dv)
+        dqkv = dparts.permute(2, 3, 0, 1, 4).reshape(qkv.shape) if dparts is not None else None  # one pass back
         return dqkv, None, None, drel, None, None
 
     @staticmethod
@@ -244,16 +253,17 @@ class _PackedAttention(torch.autograd.Function):
             t = t.movedim(d, 0) if d is not None else t.expand(V, *t.shape)
             return t.reshape(V * t.shape[1], *t.shape[2:])
 
-        outs = _PackedAttention.apply(merged(qkv, in_dims[0]), heads, scale, merged(rel, in_dims[3]), keys, False)
-        return tuple(o.view(V, o.shape[0] // V, *o.shape[1:]) for o in outs), (0,) * len(outs)
+        out, parts, *probs = _PackedAttention.apply(merged(qkv, in_dims[0]), heads, scale, merged(rel, in_dims[3]),
+                                                    keys, False)
+        outs = (out, parts.unflatten(2, (V, -1)).movedim(2, 0), *probs)  # the parts' batch is their third dimension
+        return tuple(o if o is outs[1] else o.view(V, o.shape[0] // V, *o.shape[1:]) for o in outs), (0,) * len(outs)
 
 
 def _transposed_product(a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """``out = scale * a^T b`` for square ``(c, N, N)`` ``a`` and narrow ``(c, N, d)`` ``b``: for ``N >= 4 d`` as
-    ``out^T = b^T a``, whose matmul reads ``a`` untransposed: 0.75-0.9x the time at the recipe's 15 x 15 maps (d 16
-    and 32), slower at 7 x 7 (d 64 and 128). The other form is written into ``out`` in place (rows apart): a
-    product formed apart and copied in took up to 3x as long (a fresh 6 MB result faults its pages in at every step);
-    the transposed one is copied in (into a transposed ``out`` the matmul falls back to a scalar loop)."""
+    """``out = scale * a^T b`` for square ``(c, N, N)`` ``a`` and narrow ``(c, N, d)`` ``b`` (dense): for ``N >= 4 d``
+    as ``out^T = b^T a``, whose matmul reads ``a`` untransposed: 0.75-0.9x the time at the recipe's 15 x 15 maps (d 16
+    and 32), slower at 7 x 7 (d 64 and 128). The other form is written into ``out`` in place; the transposed one is
+    copied in (into a transposed ``out`` the matmul falls back to a scalar loop)."""
     if a.shape[-1] >= 4 * b.shape[-1]:
         out.copy_(torch.baddbmm(a.new_empty(()), b.transpose(1, 2), a, beta=0.0, alpha=scale).transpose(1, 2))
     else:
@@ -266,35 +276,30 @@ def _packed_steps(B: int, N: int, heads: int, chunked: bool) -> List[Tuple[Tuple
     return [(span, h) for span in (spans(B, N * N) if chunked else [(0, B)]) for h in range(heads)]
 
 
-def _head_of(t: torch.Tensor, heads: int, i: int, j: int, h: int) -> torch.Tensor:
-    """Head ``h`` of images ``i:j`` of ``(B, N, n d)`` tokens: ``(c, N, d)``, a view."""
-    d = t.shape[-1] // heads
-    return t[i:j, :, h * d: (h + 1) * d]
-
-
-def _packed_head(qkv: torch.Tensor, heads: int, i: int, j: int, h: int):
-    """Head ``h``'s queries, keys and values of images ``i:j``, each ``(c, N, d)``, views of ``qkv``."""
-    return tuple(_head_of(qkv, 3 * heads, i, j, part * heads + h) for part in range(3))
+def _parts(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """``(B, N, 3 n d)`` tokens -> ``(3, n, B, N, d)``, contiguous: each part's head a dense ``(B, N, d)`` block,
+    and so every chunk of its images."""
+    B, N, width = qkv.shape
+    return qkv.view(B, N, 3, heads, width // (3 * heads)).permute(2, 3, 0, 1, 4).contiguous()
 
 
 class _Fold:
-    """Each step's queries, keys and values for :class:`_PackedAttention`: views of ``qkv`` without ``rel``; with it,
-    the queries widened by ``rel``'s columns and the keys by the constant ``keys`` (zero columns pad both to a
-    multiple of 8), in two buffers reused across steps, the constant columns written once."""
+    """Each step's queries, keys and values for :class:`_PackedAttention` from the ``(3, n, B, N, d)`` parts: their
+    dense blocks without ``rel``; with it, the queries widened by ``rel``'s columns and the keys by the constant
+    ``keys`` (zero columns pad both to a multiple of 8), in two buffers reused across steps, the constant columns
+    written once."""
 
-    def __init__(self, qkv: torch.Tensor, heads: int, rel: Optional[torch.Tensor], keys: Optional[torch.Tensor],
+    def __init__(self, parts: torch.Tensor, rel: Optional[torch.Tensor], keys: Optional[torch.Tensor],
                  chunked: bool):
-        self.heads = heads
         if rel is None:
             return
-        B, N, width = qkv.shape
-        d = width // (3 * heads)
+        _, _, B, N, d = parts.shape
         e = rel.shape[-1]
         rows = max(j - i for (i, j), _ in _packed_steps(B, N, 1, chunked))
-        self.q = qkv.new_zeros(rows, N, -(-(d + e) // 8) * 8)
+        self.q = parts.new_zeros(rows, N, -(-(d + e) // 8) * 8)
         self.k = torch.zeros_like(self.q)
         self.d, self.dq = d, None
-        self.k[:, :, d: d + e] = keys.to(qkv.dtype)
+        self.k[:, :, d: d + e] = keys.to(parts.dtype)
 
     def grad(self, c: int) -> torch.Tensor:
         """A reused buffer for ``c`` images' widened queries' gradient."""
@@ -302,8 +307,8 @@ class _Fold:
             self.dq = torch.empty_like(self.q)
         return self.dq[:c]
 
-    def __call__(self, qkv: torch.Tensor, rel: Optional[torch.Tensor], i: int, j: int, h: int):
-        q, k, v = _packed_head(qkv, self.heads, i, j, h)
+    def __call__(self, parts: torch.Tensor, rel: Optional[torch.Tensor], i: int, j: int, h: int):
+        q, k, v = (parts[part, h, i:j] for part in range(3))
         if rel is None:
             return q, k, v
         d, c = q.shape[-1], j - i
