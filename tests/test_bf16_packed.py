@@ -45,6 +45,11 @@ def reference(qkv, heads, scale, rel=None, keys=None):
     return torch.cat(outs, dim=-1)
 
 
+def packed(qkv, heads, *rest):
+    """The function's output from packed tokens, its parts laid out as :func:`packed_attention` lays them."""
+    return sa._PackedAttention.apply(sa._parts(qkv, heads), heads, *rest)[0]
+
+
 def close(a, b, rel=2**-6):
     a, b = a.double(), b.double()
     return bool(((a - b).abs() <= rel * b.abs().max() + 1e-6).all())
@@ -58,7 +63,7 @@ def test_the_function_is_the_attention_in_float64(monkeypatch, heads, d, e, per_
     3) take the transposed products of the backward."""
     monkeypatch.setattr(sa, "CHUNK_LOGITS", per_chunk * 12 * 12)
     qkv, rel, keys = inputs(heads=heads, d=d, e=e)
-    y = sa._PackedAttention.apply(qkv, heads, 0.3, rel, keys)[0]
+    y = packed(qkv, heads, 0.3, rel, keys)
     ref = reference(qkv, heads, 0.3, rel, keys)
     assert torch.allclose(y, ref, atol=1e-12, rtol=1e-10)
     g = torch.randn_like(y)
@@ -72,7 +77,7 @@ def test_strided_extra_columns_get_their_gradient_in_their_own_layout():
     qkv, _, keys = inputs(heads=2, e=4)
     base = torch.randn(12, 5, 2, 4, dtype=torch.float64, requires_grad=True)  # (N, B, n, e)
     rel = base.permute(1, 2, 0, 3)
-    y = sa._PackedAttention.apply(qkv, 2, 0.5, rel, keys)[0]
+    y = packed(qkv, 2, 0.5, rel, keys)
     g = torch.randn_like(y)
     got = torch.autograd.grad(y, base, g)[0]
     want = torch.autograd.grad(reference(qkv, 2, 0.5, rel, keys), base, g)[0]
@@ -86,28 +91,59 @@ def dense(t: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("heads,e", [(1, 0), (4, 0), (2, 6)])
-def test_every_matmul_reads_and_writes_dense_blocks(heads, e):
-    """Forward and backward, each matmul of the function (bmm and baddbmm, their outputs given or not) gets dense
-    operands: the tokens are laid out once per head (``(3, n, B, N, d)``), not read where the projection wrote them
-    (rows ``3 n d`` apart, which the matmul clones at every step); one head, several, with extra columns."""
+def test_every_step_reads_and_writes_dense_blocks_and_copies_nothing_of_its_own(monkeypatch, heads, e):
+    """Forward and backward over 3 chunks, each step (a head of a chunk) runs its 6 matmuls (bmm and baddbmm) on
+    dense operands and writes dense outputs (an output given transposed sends the matmul to a scalar loop), and no
+    step copies its operands: the tokens are laid out per head once before the function (``(3, n, B, N, d)``), not
+    read where the projection wrote them (rows ``3 n d`` apart, which the matmul clones at every step). The only
+    copies: the output tokens and the incoming gradient put into or out of the per-head layout once each where there
+    are several heads, and with extra columns the fold's (queries, their columns and keys into the widened buffers,
+    forward and backward; the queries' and the columns' gradients out of it; its constant key columns once each way)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    seen = []
+    monkeypatch.setattr(sa, "CHUNK_LOGITS", 2 * 12 * 12)  # 2 images a chunk: 3 chunks
+    seen, copies = [], []
 
     class Operands(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func.overloadpacket in (torch.ops.aten.bmm, torch.ops.aten.baddbmm):
                 mats = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 3]
-                mats += [kwargs["out"]] if "out" in kwargs else []
-                seen.append((func.overloadpacket.__name__, [tuple(m.stride()) for m in mats], all(map(dense, mats))))
+                out = kwargs.get("out")
+                seen.append((func.overloadpacket.__name__, [tuple(m.stride()) for m in mats],
+                             all(map(dense, mats)) and (out is None or out.is_contiguous())))
+            elif func.overloadpacket in (torch.ops.aten.clone, torch.ops.aten.copy_, torch.ops.aten._to_copy):
+                copies.append(func.overloadpacket.__name__)
             return func(*args, **kwargs)
 
     qkv, rel, keys = inputs(B=6, N=12, heads=heads, d=8, e=e, dtype=torch.bfloat16)
+    parts = sa._parts(qkv, heads)
     with Operands():
-        y = sa._PackedAttention.apply(qkv, heads, 0.5, rel, keys)[0]
-        torch.autograd.grad(y, [t for t in (qkv, rel) if t is not None], torch.randn_like(y))
-    assert len(seen) >= 6 * heads and all(ok for *_, ok in seen), [s for s in seen if not s[-1]]
+        y = sa._PackedAttention.apply(parts, heads, 0.5, rel, keys)[0]
+        torch.autograd.grad(y, [t for t in (parts, rel) if t is not None], torch.randn_like(y))
+    steps = 3 * heads
+    assert len(seen) == 6 * steps and all(ok for *_, ok in seen), [s for s in seen if not s[-1]]
+    assert copies.count("clone") == (0 if heads == 1 else 2)
+    assert copies.count("copy_") == (8 * steps + 2 if e else 0) and "_to_copy" not in copies
+
+
+def test_the_parts_are_the_tokens_per_head_and_keep_nothing_for_the_backward():
+    """``_parts`` lays ``(B, N, 3 n d)`` tokens out as ``(3, n, B, N, d)`` (any strides of the tokens), and the
+    gradient goes back through it as it came (a permutation: its backward saves no tensor), so the function alone
+    holds the parts for its backward."""
+    qkv = torch.randn(3, 5, 2 * 3 * 4, dtype=torch.float64)[:, :, ::2].requires_grad_()  # rows strided, 3 n d = 12
+    parts = sa._parts(qkv, 2)
+    assert parts.shape == (3, 2, 3, 5, 2) and parts.is_contiguous()
+    for p in range(3):
+        for h in range(2):
+            assert torch.equal(parts[p, h], qkv[..., (p * 2 + h) * 2: (p * 2 + h + 1) * 2])
+    g = torch.randn_like(parts)
+    (got,) = torch.autograd.grad(parts, qkv, g)
+    assert torch.equal(got, g.permute(2, 3, 0, 1, 4).reshape(3, 5, 12))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        sa._parts(qkv, 2)
+    assert saved == []
 
 
 def test_bf16_is_the_fp32_attention_to_bf16_tolerance(monkeypatch):
@@ -136,7 +172,7 @@ def test_double_backward_follows_the_plain_expression():
         grads = torch.autograd.grad(y.square().sum(), (qkv, rel), create_graph=True)
         return torch.autograd.grad(sum(gr.square().sum() for gr in grads), (qkv, rel))
 
-    for a, b in zip(second(lambda *a: sa._PackedAttention.apply(*a)[0]), second(reference)):
+    for a, b in zip(second(packed), second(reference)):
         assert torch.allclose(a, b, atol=1e-10, rtol=1e-8)
 
 
@@ -147,7 +183,7 @@ def test_under_torch_func_per_sample_gradients_are_the_loops():
         return sa.packed_attention(t[None], 2, 0.5, r[None], keys).square().sum()
 
     per_sample = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(qkv.detach(), rel.detach())
-    out = torch.func.vmap(lambda t: sa._PackedAttention.apply(t, 2, 0.5, rel.detach(), keys)[0])(
+    out = torch.func.vmap(lambda t: packed(t, 2, 0.5, rel.detach(), keys))(
         torch.stack([qkv.detach(), qkv.detach().flip(0)]))
     for i in range(3):
         t, r = qkv[i:i + 1].detach().requires_grad_(), rel[i:i + 1].detach().requires_grad_()
@@ -162,7 +198,7 @@ def test_an_unchunked_call_has_an_unchunked_backward(monkeypatch):
     gradients through ``vmap(grad)`` with more images per sample than a chunk holds equal the loop's."""
     monkeypatch.setattr(sa, "CHUNK_LOGITS", 2 * 12 * 12)  # 2 images a chunk
     qkv, rel, keys = inputs(B=5, heads=2, e=3, seed=8)
-    y = sa._PackedAttention.apply(qkv, 2, 0.5, rel, keys, False)[0]
+    y = packed(qkv, 2, 0.5, rel, keys, False)
     g = torch.randn_like(y)
     want = reference(qkv, 2, 0.5, rel, keys)
     for a, b in zip(torch.autograd.grad(y, (qkv, rel), g), torch.autograd.grad(want, (qkv, rel), g)):

@@ -157,17 +157,18 @@ class _ExplicitAttention(torch.autograd.Function):
 
 
 class _PackedAttention(torch.autograd.Function):
-    """The explicit bf16 attention of a block's packed projection: ``qkv`` tokens ``(B, N, 3 n d)`` (queries, keys
-    and values, ``n`` heads of ``d`` each, in that order, as one linear map writes them) -> the attention's output
-    tokens ``(B, N, n d)``, and, backward, the gradient of ``qkv`` as one tensor. What :class:`_ExplicitAttention`
-    computes, with the copies that surrounded it gone: the tokens are laid out once as ``(3, n, B, N, d)``
-    (:func:`_parts`, one pass), so that every step's queries, keys and values are dense blocks, which torch's bf16
+    """The explicit bf16 attention of a block's packed projection, from its tokens laid out per head:
+    ``parts`` ``(3, n, B, N, d)`` (queries, keys and values, ``n`` heads of ``d`` each: :func:`_parts` of the
+    ``(B, N, 3 n d)`` tokens one linear map writes) -> the attention's output tokens ``(B, N, n d)``, and, backward,
+    the gradient of ``parts`` as one tensor. What :class:`_ExplicitAttention` computes, with the copies that
+    surrounded it gone: every step's queries, keys and values are dense blocks of ``parts``, which torch's bf16
     matmuls take as they are (an operand whose rows lie ``3 n d`` apart, read where the projection wrote it, is
-    cloned by the matmul at every step: about 7 copies a step); the outputs and gradients are written into dense
-    blocks of the same layout and put back into the token layout in one pass each (none for the output of one
-    head). One head of a chunk of images at a time (each chunk :data:`CHUNK_LOGITS` logits, in cache from their
-    product to the values' product); ``scale`` is applied by the matmuls (no pass over the queries or their
-    gradient).
+    cloned by the matmul at every step: about 7 copies a chunk); the outputs and gradients are written into dense
+    blocks, put into the token layout in one pass (none for the output of one head). ``parts`` is formed outside
+    (:func:`packed_attention`), as a differentiable copy whose backward is the one pass of the gradient back into
+    the token layout and which keeps nothing: the function saves ``parts`` alone. One head of a chunk of images at
+    a time (each chunk :data:`CHUNK_LOGITS` logits, in cache from their product to the values' product); ``scale``
+    is applied by the matmuls (no pass over the queries or their gradient).
 
     ``rel``: extra logits ``rel[b, h] @ keys^T`` added before scaling, from ``(B, n, N, e)`` query columns (given a
     gradient) and constant ``(N, e)`` key columns: MHSA-2D's relative logits and the one-hot rows and columns of its
@@ -175,44 +176,42 @@ class _PackedAttention(torch.autograd.Function):
     the logits (it measured faster than a second matmul accumulating onto them)."""
 
     @staticmethod
-    def forward(qkv, heads: int, scale: float, rel: Optional[torch.Tensor], keys: Optional[torch.Tensor],
+    def forward(parts, heads: int, scale: float, rel: Optional[torch.Tensor], keys: Optional[torch.Tensor],
                 chunked: bool = True):
-        B, N, width = qkv.shape
-        parts = _parts(qkv, heads)  # (3, n, B, N, d)
-        out = qkv.new_empty(heads, B, N, parts.shape[-1])  # each head's output, dense
+        _, _, B, N, d = parts.shape
+        out = parts.new_empty(heads, B, N, d)  # each head's output, dense
         probs = []
         fold = _Fold(parts, rel, keys, chunked)
         for (i, j), h in _packed_steps(B, N, heads, chunked):
             q, k, v = fold(parts, rel, i, j, h)
-            logits = torch.baddbmm(qkv.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=scale)
+            logits = torch.baddbmm(parts.new_empty(()), q, k.transpose(1, 2), beta=0.0, alpha=scale)
             probs.append(torch.softmax(logits, -1, out=logits))  # in place: the logits are not needed again
             torch.bmm(probs[-1], v, out=out[h, i:j])
         # tokens (B, N, n d): one head's output is already laid out so
-        tokens = out[0] if heads == 1 else out.permute(1, 2, 0, 3).reshape(B, N, width // 3)
-        return (tokens, parts, *probs)
+        return (out[0] if heads == 1 else out.permute(1, 2, 0, 3).reshape(B, N, heads * d), *probs)
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        qkv, heads, scale, rel, keys, *chunked = inputs
+        parts, heads, scale, rel, keys, *chunked = inputs
         ctx.mark_non_differentiable(*output[1:])
-        ctx.set_materialize_grads(False)  # the parts and probabilities get no gradient: no zero tensors for them
+        ctx.set_materialize_grads(False)  # the probabilities get no gradient: no zero tensors for them
         ctx.heads, ctx.scale = heads, scale
         ctx.chunked = chunked[0] if chunked else True  # False from the vmap rule: one chunk, every head
-        # qkv itself for a double backward (it carries the graph), its parts and the probabilities for the backward
-        ctx.save_for_backward(qkv, rel, keys, *output[1:])
+        ctx.save_for_backward(parts, rel, keys, *output[1:])
 
     @staticmethod
     def backward(ctx, g: Optional[torch.Tensor], *_):
-        qkv, rel, keys, parts, *saved = ctx.saved_tensors
+        parts, rel, keys, *saved = ctx.saved_tensors
         if g is None:
             return (None,) * 6
         heads, scale, need = ctx.heads, ctx.scale, ctx.needs_input_grad
+        _, _, B, N, d = parts.shape
         if torch.is_grad_enabled():  # a double backward: the plain ops formed again and differentiated with a graph
-            wanted = [t for t, w in zip((qkv, rel), (need[0], need[3])) if w]
-            grads = iter(torch.autograd.grad(_packed_plain(qkv, heads, scale, rel, keys), wanted, g, create_graph=True))
+            wanted = [t for t, w in zip((parts, rel), (need[0], need[3])) if w]
+            tokens = parts.permute(2, 3, 0, 1, 4).reshape(B, N, -1)
+            grads = iter(torch.autograd.grad(_packed_plain(tokens, heads, scale, rel, keys), wanted, g,
+                                             create_graph=True))
             return (next(grads) if need[0] else None, None, None, next(grads) if need[3] else None, None, None)
-        B, N, _ = qkv.shape
-        d = parts.shape[-1]
         g = g.reshape(B, N, heads, d).permute(2, 0, 1, 3).contiguous()  # (n, B, N, d): a view for one head
         dparts = torch.empty_like(parts) if need[0] else None
         drel = torch.empty_like(rel) if need[3] else None  # in rel's own layout
@@ -237,26 +236,26 @@ class _PackedAttention(torch.autograd.Function):
             if dparts is not None:
                 _transposed_product(ds, parts[0, h, i:j], scale, dk)  # the dense queries, not the folded ones
                 _transposed_product(p, gh, 1.0, dv)
-        dqkv = dparts.permute(2, 3, 0, 1, 4).reshape(qkv.shape) if dparts is not None else None  # one pass back
-        return dqkv, None, None, drel, None, None
+        return dparts, None, None, drel, None, None
 
     @staticmethod
-    def vmap(info, in_dims, qkv, heads, scale, rel, keys, chunked=True):
+    def vmap(info, in_dims, parts, heads, scale, rel, keys, chunked=True):
         """The mapped dimension merged into the batch (the images are independent), in one chunk per head."""
         if in_dims[4] is not None:
             raise NotImplementedError("packed attention: the constant key columns cannot vary along a vmap")
         V = info.batch_size
 
-        def merged(t: Optional[torch.Tensor], d: Optional[int]) -> Optional[torch.Tensor]:
+        def merged(t: Optional[torch.Tensor], d: Optional[int], batch: int) -> Optional[torch.Tensor]:
+            """``t`` with the mapped dimension just before its batch dimension ``batch``, merged into it."""
             if t is None:
                 return None
-            t = t.movedim(d, 0) if d is not None else t.expand(V, *t.shape)
-            return t.reshape(V * t.shape[1], *t.shape[2:])
+            t = t.movedim(d, batch) if d is not None else t.unsqueeze(batch).expand(*t.shape[:batch], V,
+                                                                                     *t.shape[batch:])
+            return t.flatten(batch, batch + 1)
 
-        out, parts, *probs = _PackedAttention.apply(merged(qkv, in_dims[0]), heads, scale, merged(rel, in_dims[3]),
-                                                    keys, False)
-        outs = (out, parts.unflatten(2, (V, -1)).movedim(2, 0), *probs)  # the parts' batch is their third dimension
-        return tuple(o if o is outs[1] else o.view(V, o.shape[0] // V, *o.shape[1:]) for o in outs), (0,) * len(outs)
+        outs = _PackedAttention.apply(merged(parts, in_dims[0], 2), heads, scale, merged(rel, in_dims[3], 0), keys,
+                                      False)
+        return tuple(o.view(V, o.shape[0] // V, *o.shape[1:]) for o in outs), (0,) * len(outs)
 
 
 def _transposed_product(a: torch.Tensor, b: torch.Tensor, scale: float, out: torch.Tensor) -> None:
@@ -280,7 +279,7 @@ def _parts(qkv: torch.Tensor, heads: int) -> torch.Tensor:
     """``(B, N, 3 n d)`` tokens -> ``(3, n, B, N, d)``, contiguous: each part's head a dense ``(B, N, d)`` block,
     and so every chunk of its images."""
     B, N, width = qkv.shape
-    return qkv.view(B, N, 3, heads, width // (3 * heads)).permute(2, 3, 0, 1, 4).contiguous()
+    return qkv.unflatten(-1, (3, heads, width // (3 * heads))).permute(2, 3, 0, 1, 4).contiguous()
 
 
 class _Fold:
@@ -344,7 +343,7 @@ def packed_attention(qkv: torch.Tensor, heads: int, scale: float, rel: Optional[
     is recorded outside ``torch.compile``, else in plain ops."""
     if (torch.is_grad_enabled() and (qkv.requires_grad or (rel is not None and rel.requires_grad))
             and SOFTMAX_GRAD_INTO is not None and not torch.compiler.is_compiling()):
-        return _PackedAttention.apply(qkv, heads, scale, rel, keys)[0]
+        return _PackedAttention.apply(_parts(qkv, heads), heads, scale, rel, keys)[0]
     return _packed_plain(qkv, heads, scale, rel, keys)
 
 
