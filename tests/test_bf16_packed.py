@@ -1,9 +1,9 @@
 """The self-attention blocks' explicit bf16 attention from their packed projection (issue 94).
 
-:class:`visattn.attention.self_attn2d._PackedAttention` takes the ``(B, N, 3 n d)`` tokens a block's projection
-writes and returns ``(B, N, n d)`` output tokens, one head of a chunk of images at a time, reading each head's
-queries, keys and values where they lie; MHSA-2D's relative logits ride along as extra query columns against constant
-key columns. Checked here: in float64 against the plain expression (exact up to summation order: chunks, heads,
+:func:`visattn.attention.self_attn2d.packed_attention` lays the ``(B, N, 3 n d)`` tokens a block's projection
+writes out per head once (``_parts``: ``(3, n, B, N, d)``) and :class:`~visattn.attention.self_attn2d._PackedAttention`
+returns ``(B, N, n d)`` output tokens from them, one head of a chunk of images at a time, each step's queries, keys
+and values dense blocks; MHSA-2D's relative logits ride along as extra query columns against constant key columns. Checked here: in float64 against the plain expression (exact up to summation order: chunks, heads,
 the widened queries and keys, the scale), in bf16 against fp32 (bf16 tolerance), the double backward, ``torch.func``,
 the plain fallbacks, MHSA-2D's relative logits against its folded form, the projection as a 1x1 convolution against
 the linear layer, and both blocks taking the path under bf16 autocast."""
@@ -144,6 +144,37 @@ def test_the_parts_are_the_tokens_per_head_and_keep_nothing_for_the_backward():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         sa._parts(qkv, 2)
     assert saved == []
+
+
+def test_the_backward_holds_the_parts_not_the_tokens():
+    """Through ``packed_attention`` the graph keeps, for the attention's backward, the per-head parts, the
+    probabilities and the extra columns, and not the projection's tokens (which would hold a second copy of them)."""
+    qkv, rel, keys = inputs(B=4, N=12, heads=2, d=8, e=3, dtype=torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = sa.packed_attention(qkv, 2, 0.5, rel, keys)
+    shapes = sorted(tuple(t.shape) for t in saved)
+    assert not any(t.data_ptr() == qkv.data_ptr() for t in saved), shapes
+    assert (3, 2, 4, 12, 8) in shapes and (4, 12, 12) in shapes  # the parts, a chunk's probabilities
+    g = torch.randn_like(y)
+    want = torch.autograd.grad(reference(qkv.double(), 2, 0.5, rel.double(), keys.double()), (qkv, rel), g.double())
+    assert all(close(a, b, 2**-5) for a, b in zip(torch.autograd.grad(y, (qkv, rel), g), want))
+
+
+def test_vmap_over_the_extra_columns_alone_is_the_loop():
+    """``vmap`` over MHSA-2D's extra columns with the tokens shared (the rule expands the parts along the mapped
+    dimension) gives each sample's attention and gradients (float64)."""
+    qkv, rel, keys = inputs(B=3, heads=2, e=4, seed=9)
+    rels = torch.stack([rel.detach() * (1 + i / 3) for i in range(3)])
+    out = torch.func.vmap(lambda r: sa.packed_attention(qkv.detach(), 2, 0.5, r, keys))(rels)
+    grads = torch.func.vmap(torch.func.grad(lambda t, r: sa.packed_attention(t, 2, 0.5, r, keys).square().sum(),
+                                            argnums=(0, 1)), in_dims=(None, 0))(qkv.detach(), rels)
+    for i in range(3):
+        t, r = qkv.detach().clone().requires_grad_(), rels[i].clone().requires_grad_()
+        want = reference(t, 2, 0.5, r, keys)
+        assert torch.allclose(out[i], want, atol=1e-12)
+        wt, wr = torch.autograd.grad(want.square().sum(), (t, r))
+        assert torch.allclose(grads[0][i], wt, atol=1e-10) and torch.allclose(grads[1][i], wr, atol=1e-10)
 
 
 def test_bf16_is_the_fp32_attention_to_bf16_tolerance(monkeypatch):

@@ -163,8 +163,8 @@ class _PackedAttention(torch.autograd.Function):
     the gradient of ``parts`` as one tensor. What :class:`_ExplicitAttention` computes, with the copies that
     surrounded it gone: every step's queries, keys and values are dense blocks of ``parts``, which torch's bf16
     matmuls take as they are (an operand whose rows lie ``3 n d`` apart, read where the projection wrote it, is
-    cloned by the matmul at every step: about 7 copies a chunk); the outputs and gradients are written into dense
-    blocks, put into the token layout in one pass (none for the output of one head). ``parts`` is formed outside
+    cloned by the matmul at every step: about 7 copies a step); the outputs and gradients are written into dense
+    blocks, the outputs put into the token layout in one pass (none for the output of one head). ``parts`` is formed outside
     (:func:`packed_attention`), as a differentiable copy whose backward is the one pass of the gradient back into
     the token layout and which keeps nothing: the function saves ``parts`` alone. One head of a chunk of images at
     a time (each chunk :data:`CHUNK_LOGITS` logits, in cache from their product to the values' product); ``scale``
