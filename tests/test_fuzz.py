@@ -132,7 +132,7 @@ def _bomb_png(w: int, h: int) -> bytes:
 def _hostile(root: Path, kind: str, where: Path) -> None:
     """Put one hostile or odd file of ``kind`` into ``where`` (a class folder of the dataset at ``root``)."""
     where.mkdir(parents=True, exist_ok=True)
-    good = next(root.glob("train/*/*.png"))
+    good = root / "train" / "ant" / "0.png"  # a real image written before any hostile file (a glob may list a FIFO first)
     if kind == "fifo":
         os.mkfifo(where / "fifo.png")
     elif kind == "dev-zero":
